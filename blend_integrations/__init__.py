@@ -1,0 +1,26 @@
+"""CacheBlend for retrieval-augmented generation: reuse the KV cache of every
+retrieved chunk wherever it lands in the prompt, recompute only the tokens
+that matter."""
+
+from .config import BlendConfig
+from .engines import Engine, Generation, GenerationStream, Usage, load_engine
+from .models import UnsupportedModelError
+from .prompt import BlendPrompt, PromptError, TokenizedPrompt
+from .store import ChunkStore, CorruptEntryError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlendConfig",
+    "BlendPrompt",
+    "ChunkStore",
+    "CorruptEntryError",
+    "Engine",
+    "Generation",
+    "GenerationStream",
+    "PromptError",
+    "TokenizedPrompt",
+    "UnsupportedModelError",
+    "Usage",
+    "load_engine",
+]

@@ -1,0 +1,75 @@
+"""Settings of the blend algorithm."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Deviation = Literal["k", "v"]
+Mode = Literal["blend", "full", "reuse"]
+MODES: tuple[str, ...] = ("blend", "full", "reuse")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How a prompt made of cached chunks is fused.
+
+    recompute_ratio: share of the reused (loaded) chunk tokens whose KV is
+        recomputed, picked by largest deviation at the check layer. 1.0
+        recomputes everything (equals full prefill), 0.0 is plain reuse.
+    check_layers: layers where deviation is measured and the recompute set is
+        chosen. Layers before the first one are computed for every token.
+        Several layers give gradual filtering: the ratio shrinks linearly from
+        near 1 at the first check layer to ``recompute_ratio`` at the last.
+    deviation: compare fresh and loaded values ("v", as the CacheBlend paper)
+        or keys ("k") at the check layer.
+    separator: text placed between prefix, chunks and suffix; tokenized once,
+        on its own. May be empty.
+    sink_tokens: the first N tokens of every reused chunk are always
+        recomputed (attention-sink repair).
+    """
+
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    deviation: Deviation = "v"
+    separator: str = "\n\n"
+    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute_ratio", check_ratio(self.recompute_ratio))
+        layers = tuple(self.check_layers) if not isinstance(self.check_layers, int) else (self.check_layers,)
+        if not layers:
+            raise ValueError("check_layers must name at least one layer, e.g. (1,)")
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
+            raise ValueError(f"check_layers must be non-negative layer indices, got {self.check_layers!r}")
+        if list(layers) != sorted(set(layers)):
+            raise ValueError(f"check_layers must be strictly increasing, got {self.check_layers!r}")
+        object.__setattr__(self, "check_layers", layers)
+        if self.deviation not in ("k", "v"):
+            raise ValueError(f'deviation must be "k" or "v", got {self.deviation!r}')
+        if not isinstance(self.separator, str):
+            raise ValueError(f"separator must be a string, got {type(self.separator).__name__}")
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be a non-negative integer, got {self.sink_tokens!r}")
+
+    def replace(self, **changes) -> "BlendConfig":
+        return dataclasses.replace(self, **changes)
+
+    def check_schedule(self, recompute_ratio: float | None = None) -> list[tuple[int, float]]:
+        """(layer, ratio) per check layer; the last ratio is the recompute ratio."""
+        r = self.recompute_ratio if recompute_ratio is None else recompute_ratio
+        n = len(self.check_layers)
+        return [(layer, r + (1.0 - r) * (n - 1 - i) / n) for i, layer in enumerate(self.check_layers)]
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    return mode
+
+
+def check_ratio(recompute_ratio: float) -> float:
+    if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)) or not 0.0 <= recompute_ratio <= 1.0:
+        raise ValueError(f"recompute_ratio must be a number in [0, 1], got {recompute_ratio!r}")
+    return float(recompute_ratio)

@@ -1,0 +1,120 @@
+"""The engine API every backend implements, and what a generation returns."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+from ..config import BlendConfig
+from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
+from ..store import ChunkStore, chunk_key
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the chunk store
+    recomputed_tokens: int = 0  # of the cached tokens, those blending recomputed anyway
+    chunks_hit: int = 0
+    chunks_missed: int = 0
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    ttft_s: float  # call start to first token, tokenization and store reads included
+    usage: Usage
+    mode: str
+    logprobs: list[dict[int, float]] | None = None  # per generated token: top-k and the chosen token
+    total_s: float = 0.0
+
+
+@dataclass
+class GenerationStream:
+    """Iterates over text deltas; ``generation`` is set once it is exhausted."""
+
+    _deltas: Iterator[str]
+    generation: Generation | None = field(default=None)
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        close = getattr(self._deltas, "close", None)
+        if close is not None:
+            close()
+
+
+class Engine(ABC):
+    """A model plus a chunk store, generating from blend prompts."""
+
+    backend: str
+    model_name: str
+    config: BlendConfig
+    store: ChunkStore
+    context_length: int
+    fingerprint: str
+    dtype_name: str
+
+    @property
+    @abstractmethod
+    def tokenizer(self): ...
+
+    def tokenize(self, prompt: BlendPrompt | TextOrIds) -> TokenizedPrompt:
+        tp = tokenize_prompt(prompt, self.tokenizer, self.config.separator)
+        if len(tp) >= self.context_length:
+            raise PromptError(
+                f"the prompt has {len(tp)} tokens but the model's context is {self.context_length} tokens "
+                "(a prompt must leave room for at least one generated token); retrieve fewer or shorter documents"
+            )
+        return tp
+
+    def chunk_key(self, token_ids: Sequence[int]) -> str:
+        return chunk_key(
+            fingerprint=self.fingerprint,
+            dtype=self.dtype_name,
+            token_ids=token_ids,
+            bos_token_id=bos_id_added(self.tokenizer),
+        )
+
+    def generate(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> Generation:
+        """See ``stream`` for the arguments."""
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        assert stream.generation is not None
+        return stream.generation
+
+    @abstractmethod
+    def stream(
+        self,
+        prompt: BlendPrompt | TextOrIds,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        mode: str = "blend",
+        recompute_ratio: float | None = None,
+        logprobs: int | None = None,
+    ) -> GenerationStream:
+        """Generate, yielding text deltas.
+
+        mode: "full" (ordinary prefill, the reference), "reuse" (cached chunks
+        loaded at their new positions, only fresh tokens computed) or "blend"
+        (CacheBlend). recompute_ratio overrides ``config.recompute_ratio``.
+        logprobs: also return the top-k log-probabilities of every token.
+        """
+
+    @abstractmethod
+    def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:
+        """Compute and store the KV of chunks not yet in the store; returns how many were computed."""

@@ -1,0 +1,249 @@
+"""The reference engine: a Hugging Face model driven by the fusion walk.
+
+Runs anywhere torch runs (CPU or CUDA, fp32 or bf16). Prefill and decode go
+through ``fusion.forward`` with the model's own modules; ``mode="full"`` is the
+same walk with every token computed, so timings compare like with like.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from ..config import BlendConfig, check_mode, check_ratio
+from ..fusion import KVCache, ReusedSpan, forward
+from ..models import HFDecoder, check_supported
+from ..prompt import BlendPrompt, TextOrIds, TokenizedPrompt, bos_id_added
+from ..store import ChunkKV, ChunkStore, model_fingerprint
+from .base import Engine, Generation, GenerationStream, Usage
+from .decoding import TextAssembler, check_sampling, sample, top_logprobs
+
+log = logging.getLogger("blend_integrations.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(model: str | os.PathLike) -> str:
+    """A local checkpoint directory for a path or a hub id (from the local
+    hub cache, downloading if allowed): one loading path for both."""
+    if os.path.isdir(model):
+        return str(model)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id=str(model))
+    except Exception as exc:  # hub unreachable, unknown repo, offline and not cached
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local directory nor a hub id that can be resolved: {exc}"
+        ) from exc
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+class TransformersEngine(Engine):
+    backend = "transformers"
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        store: ChunkStore | None = None,
+        config: BlendConfig | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        model_fingerprint_override: str | None = None,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        model_dir = resolve_model_dir(model)
+        check_supported(AutoConfig.from_pretrained(model_dir))
+        self.model_name = str(model)
+        self.config = config or BlendConfig()
+        self.store = store if store is not None else ChunkStore()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        self.hf_model = hf_model
+        self.layers = HFDecoder(hf_model)
+        if self.config.check_layers[-1] >= self.layers.num_layers:
+            raise ValueError(
+                f"check_layers {self.config.check_layers} must be below the model's {self.layers.num_layers} layers"
+            )
+        self.context_length = int(hf_model.config.max_position_embeddings)
+        self.fingerprint = model_fingerprint_override or model_fingerprint(model_dir)
+        self._bos = bos_id_added(self._tokenizer)
+        eos = hf_model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self._eos = {e for e in eos + [self._tokenizer.eos_token_id] if e is not None}
+        self._lock = threading.RLock()  # one request at a time on this model
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def __repr__(self) -> str:
+        return f"TransformersEngine({self.model_name!r}, dtype={self.dtype_name}, device={self.device})"
+
+    # -- chunks ---------------------------------------------------------
+    def _expect(self, n: int):
+        m = self.layers
+        return (m.num_layers, m.num_kv_heads, n, m.head_dim, self.dtype)
+
+    def compute_chunk(self, token_ids: Sequence[int], key: str | None = None) -> ChunkKV:
+        """The standalone recipe: ``[BOS] + chunk`` at positions 0..n, BOS row
+        dropped, K before RoPE."""
+        ids = ([self._bos] if self._bos is not None else []) + list(token_ids)
+        m = self.layers
+        record = torch.empty((m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim), dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            forward(m, KVCache.allocate(m, len(ids)), torch.tensor(ids, device=self.device), record=record)
+        skip = 1 if self._bos is not None else 0
+        return ChunkKV(key or self.chunk_key(token_ids), record[:, :, :, skip:].to("cpu").contiguous())
+
+    def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:
+        from tqdm.auto import tqdm
+
+        chunks = list(chunks)
+        computed = 0
+        with self._lock:
+            for chunk in tqdm(chunks, desc="warming chunk KV", unit="chunk", disable=not (progress if progress is not None else len(chunks) > 8)):
+                ids = chunk if not isinstance(chunk, str) else self._tokenizer.encode(chunk, add_special_tokens=False)
+                if not ids:
+                    raise ValueError("cannot warm an empty chunk")
+                key = self.chunk_key(ids)
+                if self.store.get(key, expect=self._expect(len(ids))) is None:
+                    self.store.put(self.compute_chunk(ids, key))
+                    computed += 1
+        return computed
+
+    def _lookup(self, tp: TokenizedPrompt, mode: str) -> tuple[list[ReusedSpan], dict[str, list[int]], int]:
+        """Reused spans for hit chunks, missed chunks by key, hit count."""
+        if mode == "full":
+            return [], {}, 0
+        sink = self.config.sink_tokens
+        spans, missed, hits = [], {}, 0
+        for i, (start, end) in enumerate(tp.chunk_spans):
+            ids = tp.chunk_ids(i)
+            key = self.chunk_key(ids)
+            entry = self.store.get(key, expect=self._expect(len(ids)))
+            if entry is None:
+                missed[key] = ids
+                continue
+            hits += 1
+            if end - start > sink:
+                spans.append(ReusedSpan(start + sink, entry.kv[:, :, :, sink:]))
+        return spans, missed, hits
+
+    # -- generation -----------------------------------------------------
+    def stream(
+        self,
+        prompt: BlendPrompt | TextOrIds,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        mode: str = "blend",
+        recompute_ratio: float | None = None,
+        logprobs: int | None = None,
+    ) -> GenerationStream:
+        t0 = time.perf_counter()
+        check_mode(mode)
+        check_sampling(max_tokens, temperature, top_p, logprobs)
+        ratio = self.config.recompute_ratio if recompute_ratio is None else check_ratio(recompute_ratio)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        tp = self.tokenize(prompt)
+        stream = GenerationStream(iter(()))
+        stream._deltas = self._run(stream, t0, tp, max_tokens, temperature, top_p, stops, seed, mode, ratio, logprobs)
+        return stream
+
+    def _run(self, stream, t0, tp, max_tokens, temperature, top_p, stops, seed, mode, ratio, logprobs) -> Iterator[str]:
+        with self._lock:
+            generator = None
+            if temperature > 0:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+            spans, missed, hits = self._lookup(tp, mode)
+            schedule = self.config.check_schedule(ratio) if mode == "blend" else None
+            n_prompt = len(tp)
+            max_tokens = min(max_tokens, self.context_length - n_prompt)
+            cache = KVCache.allocate(self.layers, n_prompt + max_tokens)
+            with torch.inference_mode():
+                logits, stats = forward(
+                    self.layers, cache, torch.tensor(tp.token_ids, device=self.device),
+                    reused=spans, schedule=schedule, deviation=self.config.deviation,
+                )
+            text = TextAssembler(self._tokenizer, stops)
+            out_ids: list[int] = []
+            out_logprobs: list[dict[int, float]] | None = [] if logprobs is not None else None
+            ttft = None
+            finish = "length"
+            try:
+                while True:
+                    token = sample(logits, temperature, top_p, generator)
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    if token in self._eos:
+                        finish = "stop"
+                        break
+                    out_ids.append(token)
+                    if out_logprobs is not None:
+                        out_logprobs.append(top_logprobs(logits, logprobs, token))
+                    delta = text.add(token)
+                    if delta:
+                        yield delta
+                    if text.stopped:
+                        finish = "stop"
+                        break
+                    if len(out_ids) >= max_tokens:
+                        break
+                    with torch.inference_mode():
+                        logits, _ = forward(self.layers, cache, torch.tensor([token], device=self.device))
+                if not text.stopped:
+                    delta = text.finish()
+                    if delta:
+                        yield delta
+                usage = Usage(
+                    prompt_tokens=n_prompt,
+                    completion_tokens=len(out_ids),
+                    cached_tokens=stats.reused_tokens,
+                    recomputed_tokens=stats.recomputed_tokens,
+                    chunks_hit=hits,
+                    chunks_missed=len(tp.chunk_spans) - hits if mode != "full" else 0,
+                )
+                stream.generation = Generation(
+                    text=text.text, token_ids=out_ids, prompt_token_ids=list(tp.token_ids), finish_reason=finish,
+                    ttft_s=ttft, usage=usage, mode=mode, logprobs=out_logprobs, total_s=time.perf_counter() - t0,
+                )
+            finally:
+                # Missed chunks are computed with the standalone recipe after the
+                # answer, off the time-to-first-token path, so the next request hits.
+                self._save_missed(missed)
+
+    def _save_missed(self, missed: dict[str, list[int]]) -> None:
+        for key, ids in missed.items():
+            self.store.put(self.compute_chunk(ids, key))

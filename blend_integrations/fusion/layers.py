@@ -1,0 +1,49 @@
+"""What the fusion walk needs from a decoder model, engine-neutral.
+
+An engine adapts its model (Hugging Face modules, vLLM modules) to
+``LayerModel``; the walk in ``walk.py`` only ever calls these methods. Shapes
+are batch-free: hidden ``[T, hidden]``, per-head tensors ``[heads, T, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class LayerModel(Protocol):
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float  # softmax scale of attention
+    windows: tuple[int | None, ...]  # per layer sliding window; None: every earlier key is visible
+    dtype: torch.dtype
+    device: torch.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[T]`` -> hidden ``[T, hidden]``."""
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, head_dim]`` at absolute positions, from the model's own
+        rotary module (so every rope scaling it supports is honoured)."""
+
+    def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm and projections: q ``[num_heads, T, D]``, k and v
+        ``[num_kv_heads, T, D]``, before RoPE."""
+
+    def finish(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residuals and MLP: hidden ``[T, hidden]`` and
+        attention output ``[num_heads, T, D]`` -> next hidden ``[T, hidden]``."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``[T, hidden]`` -> ``[T, vocab]`` (float32)."""
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE in the half-split layout (HF Llama family, vLLM neox style).
+    x ``[heads, T, D]``, cos/sin ``[T, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,5 @@
+"""Per-architecture adapters from a model's own modules to ``fusion.LayerModel``."""
+
+from .hf import SUPPORTED_MODEL_TYPES, HFDecoder, UnsupportedModelError, check_supported
+
+__all__ = ["HFDecoder", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "check_supported"]

@@ -1,0 +1,128 @@
+"""Blend prompts: a prefix, retrieved chunks, a suffix, assembled at token level.
+
+Every chunk is tokenized alone (no BOS/EOS) so its token ids, and therefore its
+cached KV, are the same wherever it lands. Boundaries travel as token spans;
+text is never re-tokenized after joining, because BPE merges across a
+separator would change the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+TextOrIds = Union[str, Sequence[int]]
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be run: empty chunk list, empty chunk, too long."""
+
+
+def _is_ids(x: Any) -> bool:
+    return not isinstance(x, str) and isinstance(x, Sequence) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x
+    )
+
+
+@dataclass(frozen=True)
+class BlendPrompt:
+    """``prefix + sep + chunk_1 + sep + ... + chunk_k + sep + suffix``.
+
+    Each part is text or a list of token ids. A text prefix gets the model's
+    BOS token if its tokenizer adds one; token ids are used as given.
+    """
+
+    prefix: TextOrIds
+    chunks: Sequence[TextOrIds]
+    suffix: TextOrIds = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunks, (str, bytes)) or not isinstance(self.chunks, Sequence):
+            raise PromptError("BlendPrompt.chunks must be a list of texts or token-id lists, one per retrieved document")
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+        if not self.chunks:
+            raise PromptError(
+                "BlendPrompt needs at least one chunk; pass a plain string or token ids to generate() "
+                "for a prompt without retrieved documents"
+            )
+        for name, part in (("prefix", self.prefix), ("suffix", self.suffix)):
+            if not isinstance(part, str) and not _is_ids(part):
+                raise PromptError(f"BlendPrompt.{name} must be a string or a list of token ids, got {type(part).__name__}")
+        for i, chunk in enumerate(self.chunks):
+            if not isinstance(chunk, str) and not _is_ids(chunk):
+                raise PromptError(f"chunk {i} must be a string or a list of token ids, got {type(chunk).__name__}")
+
+    @classmethod
+    def from_text(cls, text: str, separator: str) -> "BlendPrompt":
+        """Split a rendered prompt on ``separator``: the first piece is the
+        prefix, the last the suffix, the pieces between are chunks. The
+        fallback for callers that can hand over nothing but text."""
+        if not separator:
+            raise PromptError("from_text needs a non-empty separator")
+        pieces = text.split(separator)
+        if len(pieces) < 3:
+            raise PromptError(
+                f"the text holds {len(pieces) - 1} separator(s); at least two are needed to mark one chunk "
+                "(prefix, separator, chunk, separator, suffix)"
+            )
+        return cls(pieces[0], pieces[1:-1], pieces[-1])
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """The final token sequence and where each chunk lies in it."""
+
+    token_ids: list[int]
+    chunk_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) per chunk
+
+    def chunk_ids(self, i: int) -> list[int]:
+        start, end = self.chunk_spans[i]
+        return self.token_ids[start:end]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def bos_id_added(tokenizer) -> int | None:
+    """The BOS id the tokenizer puts in front of text, or None if it adds none."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if ids and ids[0] == bos else None
+
+
+def tokenize_prompt(prompt: BlendPrompt | TextOrIds, tokenizer, separator: str) -> TokenizedPrompt:
+    """Assemble the token sequence. A plain string or id list has no chunks."""
+    bos = bos_id_added(tokenizer)
+
+    def encode(part: TextOrIds) -> list[int]:
+        return list(part) if not isinstance(part, str) else tokenizer.encode(part, add_special_tokens=False)
+
+    def encode_head(part: TextOrIds) -> list[int]:
+        ids = encode(part)
+        if isinstance(part, str) and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    if not isinstance(prompt, BlendPrompt):
+        if not isinstance(prompt, str) and not _is_ids(prompt):
+            raise PromptError(f"prompt must be a BlendPrompt, a string or a list of token ids, got {type(prompt).__name__}")
+        ids = encode_head(prompt)
+        if not ids:
+            raise PromptError("the prompt is empty")
+        return TokenizedPrompt(ids)
+
+    sep = encode(separator)
+    ids = encode_head(prompt.prefix)
+    spans = []
+    for i, chunk in enumerate(prompt.chunks):
+        chunk_ids = encode(chunk)
+        if not chunk_ids:
+            raise PromptError(f"chunk {i} is empty (it has no tokens); drop it or give it text")
+        ids += sep
+        spans.append((len(ids), len(ids) + len(chunk_ids)))
+        ids += chunk_ids
+    ids += sep
+    ids += encode(prompt.suffix)
+    return TokenizedPrompt(ids, spans)
