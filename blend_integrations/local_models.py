@@ -98,9 +98,11 @@ def build_model(
     rope_scaling: dict | None = None,
     vocab_size: int = 2048,
     seed: int = 0,
+    tokenizer_seed: int = 0,
     dtype: str = "float32",
 ) -> Path:
-    """Save a randomly initialised model and its tokenizer to ``path``."""
+    """Save a randomly initialised model and its tokenizer to ``path``.
+    ``seed`` drives the weights, ``tokenizer_seed`` the tokenizer's training text."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -109,7 +111,7 @@ def build_model(
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(path, vocab_size=vocab_size, seed=seed)
+    tokenizer = train_tokenizer(path, vocab_size=vocab_size, seed=tokenizer_seed)
     config = getattr(transformers, ARCHS[arch])(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -124,12 +126,12 @@ def build_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype=dtype,
+        dtype=dtype,
     )
     if arch == "mistral":
         config.sliding_window = None
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     # Default init (std 0.02) gives near-uniform next-token distributions; a
     # larger std makes greedy decoding decisive, so token-equality tests mean something.
     with torch.no_grad():

@@ -1,0 +1,72 @@
+"""Shared fixtures: small models built locally (no hub), one engine per model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from blend_integrations import BlendConfig, ChunkStore, load_engine  # noqa: E402
+from blend_integrations.local_models import build_model, sample_text  # noqa: E402
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512, "rope_theta": 10000.0}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Lazily built model directories by name."""
+    built: dict[str, str] = {}
+    specs = {
+        "llama": dict(arch="llama"),
+        "llama_seed1": dict(arch="llama", seed=1),
+        "mistral": dict(arch="mistral"),
+        "qwen2": dict(arch="qwen2"),
+        "qwen3": dict(arch="qwen3"),
+        "llama3_rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE),
+    }
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = str(build_model(tmp_path_factory.mktemp(name), **specs[name]))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory):
+    s = ChunkStore(tmp_path_factory.mktemp("store"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def engines(model_dirs, store):
+    """Engines by (model name, dtype), all sharing one store."""
+    made = {}
+
+    def get(name: str = "llama", dtype: str = "float32", config: BlendConfig | None = None):
+        key = (name, dtype, config)
+        if key not in made:
+            made[key] = load_engine(model_dirs(name), store=store, dtype=dtype, device="cpu", config=config)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def engine(engines):
+    return engines("llama")
+
+
+@pytest.fixture
+def docs():
+    """Fresh documents for each test (new text, so store state never leaks between tests)."""
+    import uuid
+
+    seed = uuid.uuid4().int % 10**9
+    return [" ".join(sample_text(5, seed=seed + i)) for i in range(4)]

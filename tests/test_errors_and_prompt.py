@@ -1,0 +1,120 @@
+"""Prompt assembly, configuration and the errors users see."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blend_integrations import BlendConfig, BlendPrompt, PromptError, UnsupportedModelError, load_engine
+from blend_integrations.prompt import tokenize_prompt
+
+
+def test_chunks_are_tokenized_alone_and_spans_mark_them(engine):
+    tok = engine.tokenizer
+    chunks = ["the river city", "was founded by a sailor", [5, 6, 7]]
+    tp = tokenize_prompt(BlendPrompt("System.", chunks, "Answer:"), tok, "\n\n")
+    sep = tok.encode("\n\n", add_special_tokens=False)
+    assert tp.token_ids[0] == tok.bos_token_id
+    for i, chunk in enumerate(chunks):
+        alone = chunk if isinstance(chunk, list) else tok.encode(chunk, add_special_tokens=False)
+        assert tp.chunk_ids(i) == alone
+        start, _ = tp.chunk_spans[i]
+        assert tp.token_ids[start - len(sep) : start] == sep
+    assert tp.token_ids[-len(tok.encode("Answer:", add_special_tokens=False)) :] == tok.encode("Answer:", add_special_tokens=False)
+
+
+def test_from_text_splits_on_the_separator():
+    p = BlendPrompt.from_text("head<sep>doc one<sep>doc two<sep>tail", "<sep>")
+    assert (p.prefix, p.chunks, p.suffix) == ("head", ("doc one", "doc two"), "tail")
+    with pytest.raises(PromptError, match="at least two"):
+        BlendPrompt.from_text("head<sep>tail", "<sep>")
+
+
+def test_empty_chunk_list_is_a_clear_error():
+    with pytest.raises(PromptError, match="at least one chunk"):
+        BlendPrompt("prefix", [], "suffix")
+
+
+def test_empty_chunk_is_a_clear_error(engine):
+    with pytest.raises(PromptError, match="chunk 1 is empty"):
+        engine.generate(BlendPrompt("prefix", ["a document", "", "another"], "suffix"), max_tokens=1)
+
+
+def test_prompt_over_the_context_is_a_clear_error(engine):
+    long_doc = "the river city was founded by a sailor " * 400
+    with pytest.raises(PromptError, match=r"the prompt has \d+ tokens but the model's context is 4096 tokens"):
+        engine.generate(BlendPrompt("prefix", [long_doc, long_doc], "suffix"), max_tokens=1)
+
+
+def test_generation_stops_at_the_context(engine):
+    ids = [engine.tokenizer.bos_token_id] + [300] * 4090
+    g = engine.generate(ids, max_tokens=50, mode="full")
+    assert len(g.token_ids) <= 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(recompute_ratio=1.5), "recompute_ratio must be a number in"),
+        (dict(recompute_ratio="0.1"), "recompute_ratio must be a number in"),
+        (dict(check_layers=()), "at least one layer"),
+        (dict(check_layers=(2, 1)), "strictly increasing"),
+        (dict(check_layers=(-1,)), "non-negative"),
+        (dict(deviation="q"), 'deviation must be "k" or "v"'),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(separator=None), "separator must be a string"),
+    ],
+)
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BlendConfig(**kwargs)
+
+
+def test_gradual_filtering_schedule():
+    assert BlendConfig(recompute_ratio=0.2).check_schedule() == [(1, 0.2)]
+    sched = BlendConfig(recompute_ratio=0.2, check_layers=(1, 2, 3)).check_schedule()
+    assert [layer for layer, _ in sched] == [1, 2, 3]
+    assert sched[-1][1] == pytest.approx(0.2) and sched[0][1] > sched[1][1] > sched[2][1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(mode="fast"), "mode must be one of blend, full, reuse"),
+        (dict(recompute_ratio=2), "recompute_ratio must be a number in"),
+        (dict(max_tokens=0), "max_tokens must be a positive integer"),
+        (dict(temperature=-1), "temperature must be >= 0"),
+        (dict(top_p=0), "top_p must be in"),
+    ],
+)
+def test_generate_argument_errors(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(BlendPrompt("p", ["a doc"], "s"), **kwargs)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*'gpt2'.*llama, mistral, qwen2, qwen3"):
+        load_engine(tmp_path, device="cpu")
+
+
+def test_check_layer_beyond_the_model(model_dirs, store):
+    with pytest.raises(ValueError, match=r"check_layers \(9,\) must be below the model's 4 layers"):
+        load_engine(model_dirs("llama"), store=store, config=BlendConfig(check_layers=(9,)), device="cpu")
+
+
+def test_bad_backend_dtype_and_missing_model(model_dirs, store, tmp_path):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        load_engine(model_dirs("llama"), backend="onnx", store=store)
+    with pytest.raises(ValueError, match="dtype must be"):
+        load_engine(model_dirs("llama"), store=store, dtype="int8")
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a hub id"):
+        load_engine(str(tmp_path / "no-such-model"), store=store)
+
+
+def test_local_model_config_is_what_was_asked(model_dirs):
+    config = json.loads(open(f"{model_dirs('qwen3')}/config.json").read())
+    assert config["model_type"] == "qwen3" and config["num_hidden_layers"] == 4
