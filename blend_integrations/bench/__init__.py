@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m blend_integrations.bench <part>``."""

@@ -1,0 +1,25 @@
+"""``python -m blend_integrations.bench ttft [options]``; no part runs them all."""
+
+import sys
+
+from . import ttft
+
+PARTS = {"ttft": ttft.main}
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args and args[0] in ("-h", "--help"):
+        print(f"usage: python -m blend_integrations.bench [{'|'.join(PARTS)}] [options]")
+        return
+    if args and args[0] in PARTS:
+        PARTS[args[0]](args[1:])
+    elif args:
+        sys.exit(f"unknown benchmark part {args[0]!r}; choose from: {', '.join(PARTS)}")
+    else:
+        for part in PARTS.values():
+            part([])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Time to first token: full prefill, full KV reuse and blend, side by side.
+
+A randomly initialised Llama-style model of realistic depth (speed is a
+property of the architecture, not of the weights), a prompt of 6 retrieved
+chunks of 512 tokens each in a new order every run, chunks warmed in the
+store beforehand. Prints each mode's median TTFT, the speedup over full
+prefill, and the compute ceiling of DESIGN section 5 for the recompute set
+actually used: ``1 / ((c + (L - c) * |R| / N) / L)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import BlendConfig
+from ..engines import load_engine
+from ..local_models import build_model, sample_text
+from ..prompt import BlendPrompt
+from ..store import ChunkStore
+
+
+def bench_model_dir(layers: int, hidden: int, heads: int, kv_heads: int) -> Path:
+    root = Path.home() / ".cache" / "blend_integrations" / "bench_models"
+    path = root / f"llama-L{layers}-H{hidden}-h{heads}-kv{kv_heads}"
+    if not (path / "config.json").exists():
+        build_model(path, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                    intermediate_size=hidden * 3, max_position_embeddings=8192)
+    return path
+
+
+def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> list[list[int]]:
+    chunks = []
+    for i in range(n_chunks):
+        ids: list[int] = []
+        j = 0
+        while len(ids) < chunk_tokens:
+            ids += tokenizer.encode(" ".join(sample_text(20, seed=seed * 1000 + i * 50 + j)), add_special_tokens=False)
+            j += 1
+        chunks.append(ids[:chunk_tokens])
+    return chunks
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    model_dir = bench_model_dir(args.layers, args.hidden, args.heads, args.kv_heads)
+    store_dir = tempfile.mkdtemp(prefix="blend-bench-store-")
+    check_layer = 1
+    engine = load_engine(model_dir, store=ChunkStore(store_dir), dtype=args.dtype, device=args.device,
+                         config=BlendConfig(check_layers=(check_layer,)))
+    L = engine.layers.num_layers
+    chunks = make_chunks(engine.tokenizer, args.chunks, args.chunk_tokens)
+    engine.warm(chunks, progress=True)
+    rng = random.Random(0)
+    prefix = "You are a helpful assistant. Answer from the documents."
+    suffix = "Question: which company was founded in the river city, and when? Answer:"
+
+    def prompt():
+        order = chunks[:]
+        rng.shuffle(order)
+        return BlendPrompt(prefix, order, suffix)
+
+    cases = [("full", "full", None), ("reuse", "reuse", None)] + [
+        (f"blend@{r:.2f}", "blend", r) for r in args.ratios
+    ]
+    results = {}
+    for name, mode, ratio in cases:
+        engine.generate(prompt(), max_tokens=1, mode=mode, recompute_ratio=ratio)  # warm-up
+        gens = [engine.generate(prompt(), max_tokens=1, mode=mode, recompute_ratio=ratio) for _ in range(args.repeats)]
+        results[name] = summarize(gens, L, check_layer, mode)
+
+    # The same blend with every chunk read from disk (a cold in-process memory tier).
+    engine.store = ChunkStore(store_dir, memory_limit_bytes=0)
+    gens = [engine.generate(prompt(), max_tokens=1, recompute_ratio=0.15) for _ in range(args.repeats)]
+    results["blend@0.15 (disk)"] = summarize(gens, L, check_layer, "blend")
+
+    full = results["full"]["ttft_ms"]
+    for row in results.values():
+        row["speedup"] = full / row["ttft_ms"]
+        row["of_ceiling"] = row["speedup"] / row["ceiling"] if row["ceiling"] else None
+    return {
+        "config": {
+            "model": f"llama, {L} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, random weights",
+            "dtype": args.dtype, "device": args.device, "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
+            "prompt_tokens": results["full"]["prompt_tokens"], "check_layer": check_layer, "repeats": args.repeats,
+            "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "results": results,
+    }
+
+
+def summarize(gens, L: int, c: int, mode: str) -> dict:
+    g = gens[-1]
+    N = g.usage.prompt_tokens
+    computed = N - g.usage.cached_tokens + g.usage.recomputed_tokens  # |R|
+    if mode == "full":
+        cost = 1.0
+    elif mode == "reuse":
+        cost = computed / N
+    else:
+        cost = (c + (L - c) * computed / N) / L
+    return {
+        "ttft_ms": 1000 * statistics.median(x.ttft_s for x in gens),
+        "prompt_tokens": N,
+        "cached_tokens": g.usage.cached_tokens,
+        "recomputed_tokens": g.usage.recomputed_tokens,
+        "computed_share": computed / N,
+        "ceiling": 1.0 / cost,
+    }
+
+
+def render(report: dict) -> str:
+    cfg = report["config"]
+    lines = [
+        f"Model: {cfg['model']}; {cfg['dtype']} on {cfg['device']} ({cfg['torch_threads']} threads); "
+        f"{cfg['chunks']}, {cfg['prompt_tokens']} prompt tokens; check layer {cfg['check_layer']}; "
+        f"median of {cfg['repeats']}; {cfg['date']}.",
+        "",
+        "| mode | TTFT (ms) | full / mode | computed share |R|/N | compute ceiling | share of ceiling |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in report["results"].items():
+        share = f"{100 * r['of_ceiling']:.0f}%" if r["of_ceiling"] else "-"
+        lines.append(
+            f"| {name} | {r['ttft_ms']:.0f} | {r['speedup']:.2f}x | {r['computed_share']:.3f} | {r['ceiling']:.2f}x | {share} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m blend_integrations.bench ttft", description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--chunks", type=int, default=6)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="docs/results", help="directory for ttft.md and ttft.json ('' to skip)")
+    args = p.parse_args(argv)
+    report = run(args)
+    table = render(report)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ttft.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "ttft.md").write_text(
+            "# Time to first token: full prefill vs reuse vs blend\n\n"
+            "Command: `make bench` (or `python -m blend_integrations.bench ttft`).\n\n" + table + "\n"
+        )
+        print(f"\nwritten: {out / 'ttft.md'}, {out / 'ttft.json'}")
+
+
+if __name__ == "__main__":
+    main()

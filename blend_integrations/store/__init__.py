@@ -1,0 +1,16 @@
+"""Persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
+
+from .chunk_store import ChunkStore, StoreStats, default_store_path
+from .format import ChunkKV, CorruptEntryError
+from .keys import RECIPE_VERSION, chunk_key, model_fingerprint
+
+__all__ = [
+    "ChunkStore",
+    "ChunkKV",
+    "StoreStats",
+    "CorruptEntryError",
+    "chunk_key",
+    "model_fingerprint",
+    "RECIPE_VERSION",
+    "default_store_path",
+]

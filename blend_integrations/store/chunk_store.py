@@ -1,0 +1,459 @@
+"""Persistent two-tier store of chunk KV caches.
+
+Tier 1 is an in-process LRU of decoded tensors; tier 2 is a diskcache
+directory shared by every process and engine pointing at the same path.
+Entries are content-addressed (see ``keys.chunk_key``): a key's value never
+legitimately changes, so a process's memory tier can never be stale with
+respect to another process's writes, and the only shared state is the
+diskcache directory, which is process- and thread-safe on its own.
+
+The cache is an optimisation: any problem with it (damaged entry, full disk,
+locked database) is logged and turned into a miss, and the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sqlite3
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import diskcache
+import torch
+from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
+
+from .format import ChunkKV, CorruptEntryError, _decode, encode
+
+logger = logging.getLogger("blend_integrations.store")
+
+# Failures of the disk tier that must never fail a request.
+_DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+
+
+def default_store_path() -> Path:
+    """``$BLEND_STORE_PATH`` if set, else ``~/.cache/blend_integrations/chunks``."""
+    env = os.environ.get("BLEND_STORE_PATH")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "blend_integrations" / "chunks"
+
+
+class _BytesOnlyDisk(diskcache.Disk):
+    """diskcache serialisation that only ever stores or returns raw bytes.
+
+    Plain diskcache pickles non-bytes values and unpickles them on read. The
+    store directory is shared, so anything else writing into it (another
+    program, a plain ``diskcache.Cache`` on the same path) must not be able to
+    make us execute code: pickled or text values are refused on read and
+    reported as corrupt, and only exact ``bytes`` are accepted on write.
+
+    It also cleans up after failed writes, which plain diskcache doesn't: a
+    partially written value file is removed, and ``discard_pending`` removes
+    a fully written one whose database insert then failed. On a full disk
+    those orphans (tens of MB each, invisible to size accounting) would
+    otherwise keep the disk full.
+    """
+
+    def __init__(self, directory, **kwargs):
+        super().__init__(directory, **kwargs)
+        self._local = threading.local()
+
+    def store(self, value, read, key=UNKNOWN):
+        if type(value) is not bytes:
+            raise TypeError(f"chunk store values must be bytes, got {type(value).__name__}")
+        self._local.pending = None
+        if len(value) < self.min_file_size:
+            return super().store(value, read, key=key)  # inline sqlite blob
+        # Same as diskcache's own path for large bytes, plus the cleanup.
+        filename, full_path = self.filename(key, value)
+        try:
+            self._write(full_path, io.BytesIO(value), "xb")
+        except BaseException:
+            self.remove(filename)
+            raise
+        self._local.pending = filename
+        return len(value), MODE_BINARY, filename, None
+
+    def discard_pending(self) -> None:
+        """Remove the file written by this thread's last ``store``. Only call
+        when the ``Cache.set`` that wrote it failed (its row was rolled back)."""
+        filename = getattr(self._local, "pending", None)
+        self._local.pending = None
+        if filename:
+            self.remove(filename)
+
+    def forget_pending(self) -> None:
+        self._local.pending = None
+
+    def fetch(self, mode, filename, value, read):
+        if mode == MODE_BINARY:  # a file holding raw bytes
+            return super().fetch(mode, filename, value, read)
+        if mode == MODE_RAW and isinstance(value, (bytes, memoryview)):  # small inline blob
+            return bytes(value)
+        kind = {MODE_RAW: "a raw non-bytes value", MODE_TEXT: "text", MODE_PICKLE: "a pickle"}
+        raise CorruptEntryError(
+            f"value stored as {kind.get(mode, f'mode {mode}')}, not raw bytes "
+            "(refused, never unpickled)"
+        )
+
+    def get(self, key, raw):
+        # Keys we write are str (raw); a pickled key is only ever unpickled by
+        # iteration, which we don't do, but refuse it anyway.
+        if not raw:
+            raise CorruptEntryError("pickled key in store (refused, never unpickled)")
+        return super().get(key, raw)
+
+
+@dataclass
+class StoreStats:
+    """Counters of one ChunkStore instance (this process only).
+
+    Every ``get`` counts exactly one of ``memory_hits``, ``disk_hits`` or
+    ``misses``; ``corrupt`` counts the misses that found a damaged or foreign
+    entry (and dropped it) and ``errors`` the disk-tier failures (I/O,
+    sqlite, lock timeouts) on reads or writes.
+    """
+
+    memory_hits: int = 0
+    disk_hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    puts: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: int = 0
+
+    @property
+    def hits(self) -> int:
+        return self.memory_hits + self.disk_hits
+
+
+# After fork() the child has one thread, but a lock held by another parent
+# thread at fork time would stay locked forever: give every live store a fresh
+# lock and an empty memory tier in the child. (diskcache reconnects on its own.)
+_live_stores: "weakref.WeakSet[ChunkStore]" = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for store in list(_live_stores):
+        store._lock = threading.RLock()
+        store._memory = OrderedDict()
+        store._memory_bytes = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+class ChunkStore:
+    """Memory LRU in front of a shared, size-bounded diskcache directory.
+
+    Safe for concurrent use by several threads (a lock guards the memory
+    tier) and several processes on the same ``path`` (only diskcache state is
+    shared). ``clear()`` clears this process's memory tier and the shared
+    disk tier; other processes' memory tiers keep their (still valid) copies.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        size_limit_bytes: int = 16 * 2**30,
+        memory_limit_bytes: int = 1 * 2**30,
+    ) -> None:
+        if type(size_limit_bytes) is not int or size_limit_bytes <= 0:
+            raise ValueError(f"size_limit_bytes must be a positive int, got {size_limit_bytes!r}")
+        if type(memory_limit_bytes) is not int or memory_limit_bytes < 0:
+            raise ValueError(
+                "memory_limit_bytes must be a non-negative int (0 disables the memory tier), "
+                f"got {memory_limit_bytes!r}"
+            )
+        self.path = Path(path).expanduser() if path is not None else default_store_path()
+        self.size_limit_bytes = size_limit_bytes
+        self.memory_limit_bytes = memory_limit_bytes
+        self.stats = StoreStats()
+
+        self._lock = threading.RLock()
+        self._memory: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._memory_bytes = 0
+        self._warned: set[str] = set()  # keys already warned about
+        self._write_error_logged = False
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._disk = diskcache.Cache(
+            str(self.path),
+            disk=_BytesOnlyDisk,
+            size_limit=size_limit_bytes,
+            eviction_policy="least-recently-used",
+            cull_limit=0,  # we evict ourselves, precisely: see _evict_to_limit
+        )
+        _live_stores.add(self)
+
+    # -- reads -----------------------------------------------------------
+
+    def get(
+        self,
+        key: str,
+        *,
+        expect: tuple[int, int, int, int, torch.dtype] | None = None,
+    ) -> ChunkKV | None:
+        """Return the entry for ``key``, or None on a miss.
+
+        ``expect = (num_layers, num_kv_heads, num_tokens, head_dim, dtype)``:
+        an entry of another geometry is treated as corrupt. Damaged or
+        foreign entries are dropped from both tiers, logged once per key and
+        reported as a miss, so the caller recomputes and ``put``s again.
+
+        The returned tensor may be shared with other callers (memory tier):
+        treat it as read-only.
+        """
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
+        if expect is not None and len(expect) != 5:
+            raise ValueError(
+                "expect must be (num_layers, num_kv_heads, num_tokens, head_dim, dtype), "
+                f"got {expect!r}"
+            )
+        with self._lock:
+            entry = self._memory.get(key)
+            if entry is not None:
+                self._memory.move_to_end(key)
+        if entry is not None:
+            reason = _mismatch(entry, expect)
+            if reason is None:
+                with self._lock:
+                    self.stats.memory_hits += 1
+                return entry
+            self._drop_corrupt(key, reason)
+            return None
+
+        try:
+            # read=True: diskcache hands us an open file while holding its
+            # lock; the (large) read then happens outside the lock.
+            value = self._disk.get(key, default=None, read=True)
+            if value is None:
+                with self._lock:
+                    self.stats.misses += 1
+                return None
+            data = _read_all(value)
+        except CorruptEntryError as e:  # refused by _BytesOnlyDisk
+            self._drop_corrupt(key, str(e))
+            return None
+        except _DISK_ERRORS as e:
+            # Possibly transient (locked db, I/O hiccup): don't delete; the
+            # caller's recompute-and-put replaces the entry if it is bad.
+            with self._lock:
+                self.stats.misses += 1
+                self.stats.errors += 1
+            self._warn_once(key, f"disk tier read failed ({type(e).__name__}: {e}); treating as a miss")
+            return None
+
+        try:
+            entry = _decode(data, expected_key=key, adopt=True)
+        except CorruptEntryError as e:
+            self._drop_corrupt(key, str(e))
+            return None
+        reason = _mismatch(entry, expect)
+        if reason is not None:
+            self._drop_corrupt(key, reason)
+            return None
+        with self._lock:
+            self.stats.disk_hits += 1
+            self.stats.bytes_read += len(data)
+            self._remember(entry)
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        with self._lock:
+            if key in self._memory:
+                return True
+        try:
+            return key in self._disk
+        except _DISK_ERRORS:
+            return False
+
+    def __len__(self) -> int:
+        """Number of entries in the shared disk tier."""
+        return len(self._disk)
+
+    # -- writes ----------------------------------------------------------
+
+    def put(self, entry: ChunkKV) -> None:
+        """Store ``entry`` in memory and on disk (write-through).
+
+        Disk failures (disk full, locked database) are logged and swallowed;
+        the memory tier still gets the entry. The memory tier keeps a
+        reference to ``entry.kv``: don't modify the tensor afterwards.
+        """
+        if not isinstance(entry, ChunkKV):
+            raise TypeError(f"put() needs a ChunkKV, got {type(entry).__name__}")
+        with self._lock:
+            self.stats.puts += 1
+            self._remember(entry)
+        data = encode(entry)
+        if len(data) > self.size_limit_bytes:
+            self._warn_once(
+                entry.key,
+                f"entry of {len(data)} bytes exceeds size_limit_bytes={self.size_limit_bytes}; "
+                "kept in memory only",
+            )
+            return
+        disk = self._disk.disk
+        disk.forget_pending()
+        try:
+            self._disk.set(entry.key, data)
+        except _DISK_ERRORS as e:
+            disk.discard_pending()  # don't leave an orphaned value file behind
+            self._write_failed(entry.key, e)
+            return
+        disk.forget_pending()  # committed: the file is the entry's now
+        with self._lock:
+            self.stats.bytes_written += len(data)
+        try:
+            self._evict_to_limit(keep=entry.key)
+        except _DISK_ERRORS as e:
+            self._write_failed(entry.key, e)
+
+    def _write_failed(self, key: str, error: BaseException) -> None:
+        with self._lock:
+            self.stats.errors += 1
+            first = not self._write_error_logged
+            self._write_error_logged = True
+        log = logger.warning if first else logger.debug
+        log(
+            "chunk store %s: disk write of key %s... failed (%s: %s); kept in memory only%s",
+            self.path, key[:16], type(error).__name__, error,
+            " (further write failures are logged at DEBUG)" if first else "",
+        )
+
+    def _evict_to_limit(self, keep: str) -> None:
+        """Evict least recently used entries one at a time until the disk tier
+        fits ``size_limit_bytes``, never the entry just written.
+
+        diskcache's own culling (disabled here with ``cull_limit=0``) removes
+        up to 10 entries at once whenever a write finds the cache full, the
+        new entry included: with entries of tens of MB and a limit holding
+        only a few of them it would empty the whole store on every overflow.
+        """
+        disk = self._disk
+        # diskcache has no public "least recently used key" query; this reads
+        # its schema (Cache table, access_time indexed for this policy).
+        select = "SELECT key FROM Cache WHERE raw = 1 AND key != ? ORDER BY access_time LIMIT 1"
+        for _ in range(100_000):  # bounded even if deletes fail to shrink it
+            if disk.volume() <= self.size_limit_bytes:
+                return
+            rows = disk._sql(select, (keep,)).fetchall()
+            if not rows:
+                return
+            disk.delete(rows[0][0])
+
+    def clear(self) -> None:
+        """Remove every entry from this process's memory tier and the disk tier."""
+        with self._lock:
+            self._memory.clear()
+            self._memory_bytes = 0
+        self._disk.clear(retry=True)
+
+    def close(self) -> None:
+        """Drop the memory tier and close this thread's database connection
+        (diskcache reconnects lazily if the store is used again)."""
+        with self._lock:
+            self._memory.clear()
+            self._memory_bytes = 0
+        self._disk.close()
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (
+            f"ChunkStore(path={str(self.path)!r}, size_limit_bytes={self.size_limit_bytes}, "
+            f"memory_limit_bytes={self.memory_limit_bytes}, memory_entries={len(self._memory)}, "
+            f"hits={s.hits}, misses={s.misses}, corrupt={s.corrupt})"
+        )
+
+    # -- internals -------------------------------------------------------
+
+    def _remember(self, entry: ChunkKV) -> None:
+        """Insert into the memory LRU, evicting least recently used entries.
+        Caller holds the lock."""
+        size = entry.nbytes
+        old = self._memory.pop(entry.key, None)
+        if old is not None:
+            self._memory_bytes -= old.nbytes
+        if size > self.memory_limit_bytes:
+            return  # would evict everything else and still not fit
+        self._memory[entry.key] = entry
+        self._memory_bytes += size
+        while self._memory_bytes > self.memory_limit_bytes:
+            _, evicted = self._memory.popitem(last=False)
+            self._memory_bytes -= evicted.nbytes
+
+    def _drop_corrupt(self, key: str, reason: str) -> None:
+        with self._lock:
+            old = self._memory.pop(key, None)
+            if old is not None:
+                self._memory_bytes -= old.nbytes
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+        try:
+            # If another process re-put a good value meanwhile, this deletes
+            # it too: costs one recompute, never a wrong answer.
+            self._disk.delete(key)
+        except _DISK_ERRORS as e:
+            reason += f"; deleting it failed too ({type(e).__name__}: {e})"
+        self._warn_once(key, f"dropped corrupt entry: {reason}")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        logger.warning("chunk store %s: key %s...: %s", self.path, key[:16], message)
+
+
+def _mismatch(
+    entry: ChunkKV, expect: tuple[int, int, int, int, torch.dtype] | None
+) -> str | None:
+    """Why ``entry`` doesn't match ``expect``, or None if it does."""
+    if expect is None:
+        return None
+    got = (entry.num_layers, entry.num_kv_heads, entry.num_tokens, entry.head_dim, entry.dtype)
+    if tuple(expect) == got:
+        return None
+    return (
+        "entry does not match the expected (num_layers, num_kv_heads, num_tokens, head_dim, "
+        f"dtype): got {got}, expected {tuple(expect)}"
+    )
+
+
+def _read_all(value) -> bytes | bytearray:
+    """Bytes of a diskcache value: inline bytes, or an open file read in one
+    copy into a bytearray (which decode then adopts without copying)."""
+    if isinstance(value, bytes):
+        return value
+    with value as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        view.release()
+        if got < size:  # file shrank under us; decode reports it truncated
+            del buf[got:]
+        return buf

@@ -1,0 +1,274 @@
+"""On-disk format of one chunk's KV cache.
+
+Layout (all integers little-endian)::
+
+    b"BLKV"            4 bytes   magic
+    version            uint32    FORMAT_VERSION
+    header_len         uint32    length of the JSON header, padding included
+    header             UTF-8 JSON {"key", "dtype", "shape", "payload_bytes"},
+                       padded with spaces so the payload starts 64-byte aligned
+    payload            raw tensor bytes, C order, little-endian
+    crc32              uint32    zlib.crc32 of every byte before it
+
+The store is shared by several processes and possibly several users, so the
+format is plain data: decoding never unpickles and never calls torch.load.
+
+Checksum choice: zlib.crc32. It only has to catch accidental damage (torn
+writes, truncation, bit rot), where a 32-bit CRC is plenty, and it runs at
+several GB/s, several times faster than blake2b, which matters because every
+disk hit checksums tens of MB (~22 ms vs ~100 ms for 64 MB here). It is
+no defence against a malicious writer, but no unkeyed hash would be: such a
+writer can recompute any checksum. Safety against that comes from never
+executing anything found in the store; the worst a hostile entry can do is
+supply wrong numbers under a key it can compute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"BLKV"
+FORMAT_VERSION = 1
+
+_PREFIX = struct.Struct("<4sII")  # magic, version, header_len
+_CRC = struct.Struct("<I")
+_ALIGN = 64  # payload offset alignment inside an entry
+_MAX_HEADER_BYTES = 1 << 16  # real headers are ~200 bytes
+
+# dtypes a KV cache may be stored in, by their torch attribute name.
+_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)
+}
+_NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+
+
+class CorruptEntryError(ValueError):
+    """A stored entry cannot be trusted; the message says why."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Canonical name of a supported dtype, e.g. ``"bfloat16"``."""
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise ValueError(
+            f"unsupported KV dtype {dtype}; supported: {', '.join(DTYPES)}"
+        ) from None
+
+
+# eq=False: the generated __eq__ would compare tensors elementwise and then
+# fail in bool(); identity semantics are what a cache entry needs.
+@dataclass(frozen=True, eq=False)
+class ChunkKV:
+    """KV cache of one chunk.
+
+    ``kv`` has shape ``[num_layers, 2, num_kv_heads, num_tokens, head_dim]``;
+    ``kv[:, 0]`` is K *before* RoPE and ``kv[:, 1]`` is V (see
+    ``keys.RECIPE_VERSION``). A tensor that is not on CPU, not contiguous or
+    requires grad is copied to a detached contiguous CPU tensor on
+    construction, so ``kv`` always satisfies that invariant.
+    """
+
+    key: str
+    kv: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise ValueError("ChunkKV.key must be a non-empty str")
+        kv = self.kv
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"ChunkKV.kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dim() != 5 or kv.shape[1] != 2:
+            raise ValueError(
+                "ChunkKV.kv must have shape [num_layers, 2, num_kv_heads, num_tokens, "
+                f"head_dim], got {tuple(kv.shape)}"
+            )
+        dtype_name(kv.dtype)  # raises for unsupported dtypes
+        if kv.device.type != "cpu" or not kv.is_contiguous() or kv.requires_grad:
+            object.__setattr__(self, "kv", kv.detach().to("cpu").contiguous())
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"ChunkKV(key={self.key[:16]!r}..., shape={tuple(self.kv.shape)}, "
+            f"dtype={dtype_name(self.dtype)})"
+        )
+
+
+def _require_little_endian() -> None:
+    # Payload bytes are the in-memory tensor bytes; only valid as
+    # little-endian on a little-endian host (every platform torch ships for).
+    if sys.byteorder != "little":
+        raise NotImplementedError("chunk KV format requires a little-endian host")
+
+
+def encode(entry: ChunkKV) -> bytes:
+    """Serialise ``entry`` to the format described in the module docstring."""
+    _require_little_endian()
+    kv = entry.kv
+    payload_bytes = entry.nbytes
+    header = json.dumps(
+        {
+            "key": entry.key,
+            "dtype": dtype_name(kv.dtype),
+            "shape": list(kv.shape),
+            "payload_bytes": payload_bytes,
+        },
+        separators=(",", ":"),
+    ).encode("utf-8")
+    # Pad with spaces (valid JSON whitespace) so the payload is aligned and a
+    # reader can map a tensor straight onto it.
+    header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
+    payload_start = _PREFIX.size + len(header)
+    total = payload_start + payload_bytes + _CRC.size
+
+    buf = bytearray(total)
+    _PREFIX.pack_into(buf, 0, MAGIC, FORMAT_VERSION, len(header))
+    buf[_PREFIX.size : payload_start] = header
+    if payload_bytes:
+        # Copy the tensor straight into the output buffer (no numpy needed).
+        dst = torch.frombuffer(buf, dtype=torch.uint8, count=payload_bytes, offset=payload_start)
+        dst.copy_(kv.reshape(-1).view(torch.uint8))
+        del dst
+    with memoryview(buf) as mv:
+        crc = zlib.crc32(mv[: total - _CRC.size])
+    _CRC.pack_into(buf, total - _CRC.size, crc)
+    # diskcache stores only exact ``bytes`` raw; anything else it would pickle.
+    return bytes(buf)
+
+
+def decode(data: bytes | bytearray | memoryview, *, expected_key: str) -> ChunkKV:
+    """Parse and verify one entry; raise :class:`CorruptEntryError` if it is
+    damaged, of an unknown version, or stored under another key.
+
+    The returned tensor owns its memory (one copy of the payload); ``data``
+    may be discarded or modified afterwards.
+    """
+    return _decode(data, expected_key=expected_key, adopt=False)
+
+
+def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: bool) -> ChunkKV:
+    """``adopt=True`` (for buffers the caller hands over, e.g. a bytearray
+    just read from a file): the tensor is a view into ``data`` instead of a
+    copy, saving a full copy of the payload. Only a bytearray is adopted;
+    anything else is copied."""
+    _require_little_endian()
+    mv = memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    n = len(mv)
+    minimum = _PREFIX.size + _CRC.size
+    if n < minimum:
+        raise CorruptEntryError(f"truncated entry: {n} bytes, shorter than the {minimum}-byte minimum")
+    magic, version, header_len = _PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise CorruptEntryError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}); not a chunk KV entry")
+    if version != FORMAT_VERSION:
+        raise CorruptEntryError(
+            f"unknown format version {version} (this code reads version {FORMAT_VERSION})"
+        )
+    if header_len > _MAX_HEADER_BYTES:
+        raise CorruptEntryError(f"implausible header length {header_len}")
+    payload_start = _PREFIX.size + header_len
+    if payload_start + _CRC.size > n:
+        raise CorruptEntryError(
+            f"truncated entry: {n} bytes, but the header alone needs {payload_start + _CRC.size}"
+        )
+    try:
+        header = json.loads(bytes(mv[_PREFIX.size : payload_start]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptEntryError(f"bad JSON header: {e}") from None
+    if not isinstance(header, dict):
+        raise CorruptEntryError("bad JSON header: not an object")
+
+    payload_bytes = header.get("payload_bytes")
+    if type(payload_bytes) is not int or payload_bytes < 0:
+        raise CorruptEntryError(f"bad header: payload_bytes={payload_bytes!r}")
+    expected_total = payload_start + payload_bytes + _CRC.size
+    if n < expected_total:
+        raise CorruptEntryError(f"truncated entry: {n} bytes, expected {expected_total}")
+    if n > expected_total:
+        raise CorruptEntryError(f"entry has {n - expected_total} unexpected trailing bytes")
+
+    (stored_crc,) = _CRC.unpack_from(mv, n - _CRC.size)
+    actual_crc = zlib.crc32(mv[: n - _CRC.size])
+    if actual_crc != stored_crc:
+        raise CorruptEntryError(
+            f"checksum mismatch (stored crc32 {stored_crc:08x}, computed {actual_crc:08x})"
+        )
+
+    key = header.get("key")
+    if not isinstance(key, str):
+        raise CorruptEntryError(f"bad header: key={key!r}")
+    name = header.get("dtype")
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CorruptEntryError(f"unknown dtype {name!r}")
+    shape = header.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 5
+        or any(type(d) is not int or d < 0 for d in shape)
+        or shape[1] != 2
+    ):
+        raise CorruptEntryError(
+            f"bad shape {shape!r}; expected [num_layers, 2, num_kv_heads, num_tokens, head_dim]"
+        )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    if numel * itemsize != payload_bytes:
+        raise CorruptEntryError(
+            f"shape {shape} of {name} needs {numel * itemsize} bytes but payload has {payload_bytes}"
+        )
+    if key != expected_key:
+        raise CorruptEntryError(
+            f"foreign entry: holds key {key[:16]}..., expected {expected_key[:16]}..."
+        )
+
+    if numel == 0:
+        kv = torch.empty(shape, dtype=dtype)
+    elif adopt and type(data) is bytearray:
+        # View into the caller's buffer; the tensor keeps ``data`` alive.
+        kv = torch.frombuffer(data, dtype=dtype, count=numel, offset=payload_start).view(shape)
+    else:
+        own = bytearray(mv[payload_start : payload_start + payload_bytes])
+        kv = torch.frombuffer(own, dtype=dtype).view(shape)
+    return ChunkKV(key=key, kv=kv)
