@@ -142,6 +142,18 @@ def build_model(
     return path
 
 
+def cached_model_dir(*, num_layers: int = 16, hidden_size: int = 512, num_heads: int = 8, num_kv_heads: int = 2) -> Path:
+    """A Llama-style model of realistic depth and small width, random weights,
+    built once under ``~/.cache/blend_integrations/models``. For benchmarks
+    and the demo: speed depends on the architecture, not the weights."""
+    root = Path.home() / ".cache" / "blend_integrations" / "models"
+    path = root / f"llama-L{num_layers}-H{hidden_size}-h{num_heads}-kv{num_kv_heads}"
+    if not (path / "config.json").exists():
+        build_model(path, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, max_position_embeddings=8192)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build a small local model (no hub).")
     parser.add_argument("path")

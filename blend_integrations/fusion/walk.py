@@ -106,6 +106,7 @@ def forward(
     recomputed = num_reused if schedule else 0
 
     h = model.embed(ids[active.to(ids.device)])
+    plans: dict = {}  # attention plan per sliding window, valid while the active set holds
     for layer in range(model.num_layers):
         act = active.to(device)
         q, k, v = model.qkv(layer, h)
@@ -119,8 +120,11 @@ def forward(
         if reused and layer >= load_from:
             for span in reused:
                 a, b = start + span.start, start + span.end
-                K[:, a:b] = rotate(span.kv[layer, 0].to(device, model.dtype), cos[span.start : span.end], sin[span.start : span.end])
-                V[:, a:b] = span.kv[layer, 1].to(device, model.dtype)
+                K[:, a:b] = span.kv[layer, 0]
+                V[:, a:b] = span.kv[layer, 1]
+            # One rotation over all new rows; rows that are not reused hold
+            # stale values here and are overwritten by fresh KV just below.
+            K[:, start:end] = rotate(K[:, start:end], cos, sin)
         keep = None
         if layer in checks:
             keep = _select(k if deviation == "k" else v, K if deviation == "k" else V, start, active, is_reused, round(checks[layer] * num_reused))
@@ -129,7 +133,11 @@ def forward(
         V.index_copy_(1, start + act, v)
         if keep is not None:
             q, h, active = q[:, keep.to(device)], h[keep.to(device)], active[keep]
-        attn = _attend(q, K, V, positions[active.to(device)], start, end, T, model.scaling, model.windows[layer])
+            plans.clear()
+        window = model.windows[layer]
+        if window not in plans:
+            plans[window] = _attention_plan(positions[active.to(device)], start, end, T, window, model.dtype)
+        attn = _attend(q, K, V, plans[window], model.scaling)
         h = model.finish(layer, h, attn)
     cache.length = end
     return model.logits(h[-1:])[0], WalkStats(num_reused, recomputed)
@@ -150,24 +158,47 @@ def _select(fresh, cached, start, active, is_reused, count):
     return keep
 
 
-def _attend(q, K, V, q_pos, start, end, T, scale, window):
-    """q ``[H, A, D]`` at positions q_pos against keys 0..end-1."""
-    full_causal = start == 0 and q.shape[1] == T
-    last_only = q.shape[1] == 1 and int(q_pos[0]) == end - 1
-    mask = None
-    if window is not None and end > window:
-        k_pos = torch.arange(end, device=q.device)
-        diff = q_pos[:, None] - k_pos[None, :]
-        mask = (diff >= 0) & (diff < window)
-    elif not (full_causal or last_only):
-        mask = q_pos[:, None] >= torch.arange(end, device=q.device)[None, :]
+# Queries per attention call when an explicit mask is needed. A mask makes the
+# kernel compute every query-key score, so scattered recomputed queries would
+# pay for keys after their own position; in groups of sorted queries each group
+# only reads keys up to its last position (about half the work).
+QUERY_GROUP = 32
+
+
+def _attention_plan(q_pos, start, end, T, window, dtype):
+    """How active queries at sorted positions ``q_pos`` attend to keys
+    0..end-1: None for ordinary causal attention (every new token in order,
+    or one query at the end), else ``[(lo, hi, k_end, additive_mask)]`` per
+    query group. Depends only on the active set, so layers share it."""
+    A = q_pos.shape[0]
+    if window is None and ((start == 0 and A == T) or (A == 1 and int(q_pos[0]) == end - 1)):
+        return None
+    plan = []
+    for lo in range(0, A, QUERY_GROUP):
+        pos = q_pos[lo : lo + QUERY_GROUP]
+        k_end = int(pos[-1]) + 1
+        k_pos = torch.arange(k_end, device=q_pos.device)
+        visible = pos[:, None] >= k_pos[None, :]
+        if window is not None:
+            visible &= pos[:, None] - k_pos[None, :] < window
+        mask = torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
+        plan.append((lo, lo + pos.shape[0], k_end, mask))
+    return plan
+
+
+def _attend(q, K, V, plan, scale):
+    """q ``[H, A, D]`` against K, V ``[Hkv, end, D]`` following ``plan``."""
+    gqa = q.shape[0] != K.shape[0]
+    if plan is None:
+        return _sdpa(q, K, V, None, scale, gqa, causal=q.shape[1] > 1)
+    outs = []
+    for lo, hi, k_end, mask in plan:
+        outs.append(_sdpa(q[:, lo:hi], K[:, :k_end], V[:, :k_end], mask, scale, gqa))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _sdpa(q, K, V, mask, scale, gqa, causal=False):
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(0),
-        K.unsqueeze(0),
-        V.unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None and full_causal and T > 1,
-        scale=scale,
-        enable_gqa=q.shape[0] != K.shape[0],
+        q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
     )
     return out[0]
