@@ -118,3 +118,26 @@ def test_bad_backend_dtype_and_missing_model(model_dirs, store, tmp_path):
 def test_local_model_config_is_what_was_asked(model_dirs):
     config = json.loads(open(f"{model_dirs('qwen3')}/config.json").read())
     assert config["model_type"] == "qwen3" and config["num_hidden_layers"] == 4
+
+
+def test_hub_id_resolves_through_the_hub_cache(model_dirs, tmp_path):
+    """A hub id goes through huggingface_hub's cache (offline here) to the same loading path."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    repo = tmp_path / "hub" / "models--local--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(model_dirs("llama"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    code = (
+        "from blend_integrations import load_engine, ChunkStore\n"
+        f"e = load_engine('local/tiny-llama', store=ChunkStore({str(tmp_path / 'store')!r}), device='cpu')\n"
+        "print(e.generate('the river city', max_tokens=3, mode='full').prompt_token_ids)\n"
+    )
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().startswith("[1,")

@@ -105,10 +105,10 @@ def forward(
         raise ValueError("record needs every token computed (full mode)")
     recomputed = num_reused if schedule else 0
 
-    h = model.embed(ids[active.to(ids.device)])
+    act = active.to(device)  # the same indices on the model's device
+    h = model.embed(ids[act])
     plans: dict = {}  # attention plan per sliding window, valid while the active set holds
     for layer in range(model.num_layers):
-        act = active.to(device)
         q, k, v = model.qkv(layer, h)
         if record is not None:
             record[layer, 0].copy_(k)
@@ -127,16 +127,18 @@ def forward(
             K[:, start:end] = rotate(K[:, start:end], cos, sin)
         keep = None
         if layer in checks:
-            keep = _select(k if deviation == "k" else v, K if deviation == "k" else V, start, active, is_reused, round(checks[layer] * num_reused))
+            fresh, stored = (k, K) if deviation == "k" else (v, V)
+            keep = _select(fresh, stored, start, active, is_reused, round(checks[layer] * num_reused))
             recomputed = int((keep & is_reused[active]).sum())
         K.index_copy_(1, start + act, k)
         V.index_copy_(1, start + act, v)
         if keep is not None:
-            q, h, active = q[:, keep.to(device)], h[keep.to(device)], active[keep]
+            keep_dev = keep.to(device)
+            q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
             plans.clear()
         window = model.windows[layer]
         if window not in plans:
-            plans[window] = _attention_plan(positions[active.to(device)], start, end, T, window, model.dtype)
+            plans[window] = _attention_plan(positions[act], start, end, T, window, model.dtype)
         attn = _attend(q, K, V, plans[window], model.scaling)
         h = model.finish(layer, h, attn)
     cache.length = end
