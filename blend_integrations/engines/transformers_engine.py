@@ -16,9 +16,9 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from ..config import BlendConfig, check_mode, check_ratio
-from ..fusion import KVCache, ReusedSpan, forward
+from ..fusion import Blender, KVCache, forward
 from ..models import HFDecoder, check_supported
-from ..prompt import BlendPrompt, TextOrIds, TokenizedPrompt, bos_id_added
+from ..prompt import BlendPrompt, TextOrIds, bos_id_added
 from ..store import ChunkKV, ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Usage
 from .decoding import TextAssembler, check_sampling, sample, top_logprobs
@@ -80,7 +80,7 @@ class TransformersEngine(Engine):
         check_supported(AutoConfig.from_pretrained(model_dir))
         self.model_name = str(model)
         self.config = config or BlendConfig()
-        self.store = store if store is not None else ChunkStore()
+        store = store if store is not None else ChunkStore()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
@@ -88,13 +88,11 @@ class TransformersEngine(Engine):
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
         self.hf_model = hf_model
         self.layers = HFDecoder(hf_model)
-        if self.config.check_layers[-1] >= self.layers.num_layers:
-            raise ValueError(
-                f"check_layers {self.config.check_layers} must be below the model's {self.layers.num_layers} layers"
-            )
         self.context_length = int(hf_model.config.max_position_embeddings)
         self.fingerprint = model_fingerprint_override or model_fingerprint(model_dir)
-        self._bos = bos_id_added(self._tokenizer)
+        self.blender = Blender(
+            self.layers, store, self.config, fingerprint=self.fingerprint, bos_token_id=bos_id_added(self._tokenizer)
+        )
         eos = hf_model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self._eos = {e for e in eos + [self._tokenizer.eos_token_id] if e is not None}
@@ -104,58 +102,34 @@ class TransformersEngine(Engine):
     def tokenizer(self):
         return self._tokenizer
 
+    @property
+    def store(self) -> ChunkStore:
+        return self.blender.store
+
+    @store.setter
+    def store(self, store: ChunkStore) -> None:
+        self.blender.store = store
+
     def __repr__(self) -> str:
         return f"TransformersEngine({self.model_name!r}, dtype={self.dtype_name}, device={self.device})"
 
-    # -- chunks ---------------------------------------------------------
-    def _expect(self, n: int):
-        m = self.layers
-        return (m.num_layers, m.num_kv_heads, n, m.head_dim, self.dtype)
-
-    def compute_chunk(self, token_ids: Sequence[int], key: str | None = None) -> ChunkKV:
-        """The standalone recipe: ``[BOS] + chunk`` at positions 0..n, BOS row
-        dropped, K before RoPE."""
-        ids = ([self._bos] if self._bos is not None else []) + list(token_ids)
-        m = self.layers
-        record = torch.empty((m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim), dtype=self.dtype, device=self.device)
-        with torch.inference_mode():
-            forward(m, KVCache.allocate(m, len(ids)), torch.tensor(ids, device=self.device), record=record)
-        skip = 1 if self._bos is not None else 0
-        return ChunkKV(key or self.chunk_key(token_ids), record[:, :, :, skip:].to("cpu").contiguous())
+    def compute_chunk(self, token_ids: Sequence[int]) -> ChunkKV:
+        """A chunk's KV with the standalone recipe (see ``Blender.compute_chunk``)."""
+        return self.blender.compute_chunk(token_ids)
 
     def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:
         from tqdm.auto import tqdm
 
         chunks = list(chunks)
+        show = progress if progress is not None else len(chunks) > 8
         computed = 0
         with self._lock:
-            for chunk in tqdm(chunks, desc="warming chunk KV", unit="chunk", disable=not (progress if progress is not None else len(chunks) > 8)):
+            for chunk in tqdm(chunks, desc="warming chunk KV", unit="chunk", disable=not show):
                 ids = chunk if not isinstance(chunk, str) else self._tokenizer.encode(chunk, add_special_tokens=False)
                 if not ids:
                     raise ValueError("cannot warm an empty chunk")
-                key = self.chunk_key(ids)
-                if self.store.get(key, expect=self._expect(len(ids))) is None:
-                    self.store.put(self.compute_chunk(ids, key))
-                    computed += 1
+                computed += self.blender.ensure(ids)
         return computed
-
-    def _lookup(self, tp: TokenizedPrompt, mode: str) -> tuple[list[ReusedSpan], dict[str, list[int]], int]:
-        """Reused spans for hit chunks, missed chunks by key, hit count."""
-        if mode == "full":
-            return [], {}, 0
-        sink = self.config.sink_tokens
-        spans, missed, hits = [], {}, 0
-        for i, (start, end) in enumerate(tp.chunk_spans):
-            ids = tp.chunk_ids(i)
-            key = self.chunk_key(ids)
-            entry = self.store.get(key, expect=self._expect(len(ids)))
-            if entry is None:
-                missed[key] = ids
-                continue
-            hits += 1
-            if end - start > sink:
-                spans.append(ReusedSpan(start + sink, entry.kv[:, :, :, sink:]))
-        return spans, missed, hits
 
     # -- generation -----------------------------------------------------
     def stream(
@@ -187,16 +161,10 @@ class TransformersEngine(Engine):
             if temperature > 0:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-            spans, missed, hits = self._lookup(tp, mode)
-            schedule = self.config.check_schedule(ratio) if mode == "blend" else None
             n_prompt = len(tp)
             max_tokens = min(max_tokens, self.context_length - n_prompt)
             cache = KVCache.allocate(self.layers, n_prompt + max_tokens)
-            with torch.inference_mode():
-                logits, stats = forward(
-                    self.layers, cache, torch.tensor(tp.token_ids, device=self.device),
-                    reused=spans, schedule=schedule, deviation=self.config.deviation,
-                )
+            logits, stats = self.blender.prefill(cache, tp.token_ids, tp.chunk_spans, mode=mode, recompute_ratio=ratio)
             text = TextAssembler(self._tokenizer, stops)
             out_ids: list[int] = []
             out_logprobs: list[dict[int, float]] | None = [] if logprobs is not None else None
@@ -230,10 +198,10 @@ class TransformersEngine(Engine):
                 usage = Usage(
                     prompt_tokens=n_prompt,
                     completion_tokens=len(out_ids),
-                    cached_tokens=stats.reused_tokens,
+                    cached_tokens=stats.cached_tokens,
                     recomputed_tokens=stats.recomputed_tokens,
-                    chunks_hit=hits,
-                    chunks_missed=len(tp.chunk_spans) - hits if mode != "full" else 0,
+                    chunks_hit=stats.chunks_hit,
+                    chunks_missed=stats.chunks_missed,
                 )
                 stream.generation = Generation(
                     text=text.text, token_ids=out_ids, prompt_token_ids=list(tp.token_ids), finish_reason=finish,
@@ -242,8 +210,4 @@ class TransformersEngine(Engine):
             finally:
                 # Missed chunks are computed with the standalone recipe after the
                 # answer, off the time-to-first-token path, so the next request hits.
-                self._save_missed(missed)
-
-    def _save_missed(self, missed: dict[str, list[int]]) -> None:
-        for key, ids in missed.items():
-            self.store.put(self.compute_chunk(ids, key))
+                self.blender.save_missed(stats)

@@ -1,6 +1,7 @@
 """The CacheBlend algorithm in engine-neutral torch code."""
 
+from .blender import Blender, PrefillStats
 from .layers import LayerModel, rotate
 from .walk import KVCache, ReusedSpan, WalkStats, forward
 
-__all__ = ["KVCache", "LayerModel", "ReusedSpan", "WalkStats", "forward", "rotate"]
+__all__ = ["Blender", "KVCache", "LayerModel", "PrefillStats", "ReusedSpan", "WalkStats", "forward", "rotate"]

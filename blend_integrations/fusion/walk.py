@@ -72,9 +72,11 @@ def forward(
     schedule: list[tuple[int, float]] | None = None,
     deviation: str = "v",
     record: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, WalkStats]:
+    logits: bool = True,
+) -> tuple[torch.Tensor | None, WalkStats]:
     """Run the new tokens ``ids`` through every layer, appending their KV to
-    ``cache``. Returns the float32 logits of the last token and stats.
+    ``cache``. Returns the float32 logits of the last token (None when
+    ``logits`` is False) and stats.
 
     reused + schedule=None is "reuse"; reused + schedule [(layer, ratio), ...]
     is "blend"; no reused is "full". ``record``, if given
@@ -142,7 +144,7 @@ def forward(
         attn = _attend(q, K, V, plans[window], model.scaling)
         h = model.finish(layer, h, attn)
     cache.length = end
-    return model.logits(h[-1:])[0], WalkStats(num_reused, recomputed)
+    return (model.logits(h[-1:])[0] if logits else None), WalkStats(num_reused, recomputed)
 
 
 def _select(fresh, cached, start, active, is_reused, count):
