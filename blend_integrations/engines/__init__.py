@@ -1,4 +1,4 @@
-"""Engines: the transformers reference engine and (later) vLLM."""
+"""Engines: the transformers reference engine and the embedded vLLM engine."""
 
 from __future__ import annotations
 
@@ -24,13 +24,19 @@ def load_engine(
 
     store: the chunk-KV store; None opens the default persistent store
     (``$BLEND_STORE_PATH`` or ``~/.cache/blend_integrations/chunks``).
+    engine_kwargs: backend options; for "vllm" ``max_model_len``,
+    ``kv_cache_gib`` (CPU KV cache size), ``max_num_seqs`` and any ``vllm.LLM``
+    argument. A script that uses the vLLM backend needs an
+    ``if __name__ == "__main__":`` guard (vLLM starts processes).
     """
     if backend == "transformers":
         from .transformers_engine import TransformersEngine
 
         return TransformersEngine(model, store=store, config=config, dtype=dtype, device=device, **engine_kwargs)
     if backend == "vllm":
-        raise NotImplementedError("the vLLM backend is not available yet; use backend='transformers'")
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, store=store, config=config, dtype=dtype, device=device, **engine_kwargs)
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 

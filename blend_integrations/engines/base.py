@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import AsyncIterator, Iterable, Iterator, Sequence
 
 from ..config import BlendConfig
 from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
@@ -114,6 +116,38 @@ class Engine(ABC):
         (CacheBlend). recompute_ratio overrides ``config.recompute_ratio``.
         logprobs: also return the top-k log-probabilities of every token.
         """
+
+    def generate_many(self, prompts: Sequence[BlendPrompt | TextOrIds], **kwargs) -> list[Generation]:
+        """Generate for several prompts; engines that batch run them together."""
+        return [self.generate(p, **kwargs) for p in prompts]
+
+    async def agenerate(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> Generation:
+        """``generate`` without blocking the event loop."""
+        return await asyncio.to_thread(self.generate, prompt, **kwargs)
+
+    async def astream(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> AsyncIterator[str]:
+        """``stream`` without blocking the event loop: text deltas as they come."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        done = object()
+        stream = await asyncio.to_thread(self.stream, prompt, **kwargs)
+
+        def pump() -> None:
+            try:
+                for delta in stream:
+                    loop.call_soon_threadsafe(deltas.put_nowait, delta)
+                loop.call_soon_threadsafe(deltas.put_nowait, done)
+            except BaseException as exc:  # hand errors to the awaiting side
+                loop.call_soon_threadsafe(deltas.put_nowait, exc)
+
+        threading.Thread(target=pump, daemon=True).start()
+        while True:
+            item = await deltas.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     @abstractmethod
     def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:

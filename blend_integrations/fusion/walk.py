@@ -81,8 +81,8 @@ def forward(
     reused + schedule=None is "reuse"; reused + schedule [(layer, ratio), ...]
     is "blend"; no reused is "full". ``record``, if given
     (``[num_layers, 2, num_kv_heads, T, head_dim]``), receives K before RoPE
-    and V of every token: the standalone chunk recipe. The last token is always
-    computed, since its hidden state gives the logits.
+    and V of every token: the standalone chunk recipe. With ``logits`` the last
+    token is always computed, since its hidden state gives them.
     """
     T = ids.shape[0]
     start, end = cache.length, cache.length + T
@@ -95,7 +95,8 @@ def forward(
     is_reused = torch.zeros(T, dtype=torch.bool)
     for span in reused:
         is_reused[span.start : span.end] = True
-    is_reused[-1] = False
+    if logits:
+        is_reused[-1] = False  # its hidden state gives the logits
     num_reused = int(is_reused.sum())
     if num_reused == 0:
         reused, schedule = (), None

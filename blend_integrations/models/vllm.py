@@ -1,0 +1,74 @@
+"""``LayerModel`` over vLLM's decoder modules (Llama, Mistral, Qwen2, Qwen3).
+
+vLLM fuses q/k/v into one projection and keeps RoPE as a cos/sin cache; the
+adapter splits the projection and reads cos/sin from that cache, so the walk
+sees exactly the same interface as with Hugging Face modules. Runs inside a
+vLLM worker process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hf import check_supported, layer_windows
+
+
+class VLLMDecoder:
+    """Adapts a vLLM ``*ForCausalLM`` of a supported family to ``LayerModel``."""
+
+    def __init__(self, model) -> None:
+        config = model.config
+        check_supported(config)
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        attn = self.layers[0].self_attn
+        if attn.num_heads != config.num_attention_heads:
+            raise NotImplementedError(
+                "blending with tensor parallelism is not supported yet: every rank must pick the same tokens"
+            )
+        rope = attn.rotary_emb
+        if not rope.is_neox_style or rope.rotary_dim != attn.head_dim:
+            raise NotImplementedError("blending needs full-width neox-style RoPE (the Llama-family layout)")
+        self.num_layers = len(self.layers)
+        self.num_heads = attn.num_heads
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.windows = layer_windows(config)
+        self.has_qk_norm = hasattr(attn, "q_norm")
+        self._split = [attn.q_size, attn.kv_size, attn.kv_size]
+        weight = self.inner.embed_tokens.weight
+        self.dtype = weight.dtype
+        self.device = weight.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_tokens(ids)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.layers[0].self_attn.rotary_emb
+        cos, sin = rope.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        return torch.cat((cos, cos), -1).to(self.dtype), torch.cat((sin, sin), -1).to(self.dtype)
+
+    def qkv(self, layer: int, hidden: torch.Tensor):
+        block = self.layers[layer]
+        attn = block.self_attn
+        qkv, _ = attn.qkv_proj(block.input_layernorm(hidden))
+        T = qkv.shape[0]
+        q, k, v = (t.reshape(T, -1, self.head_dim) for t in qkv.split(self._split, dim=-1))
+        if self.has_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        block = self.layers[layer]
+        T = attn_out.shape[1]
+        out, _ = block.self_attn.o_proj(attn_out.transpose(0, 1).reshape(T, -1))
+        hidden = hidden + out
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # vLLM samples from its own forward; the blend pass never needs logits.
+        raise NotImplementedError("logits are computed by vLLM itself")
+
+    def attention_layer_names(self) -> list[str]:
+        return [block.self_attn.attn.layer_name for block in self.layers]
