@@ -70,3 +70,11 @@ def docs():
 
     seed = uuid.uuid4().int % 10**9
     return [" ".join(sample_text(5, seed=seed + i)) for i in range(4)]
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(model_dirs, store):
+    """One embedded vLLM engine (CPU build here) for the whole session: it takes ~40 s to start."""
+    engine = load_engine(model_dirs("llama"), backend="vllm", store=store, max_model_len=2048, kv_cache_gib=1)
+    yield engine
+    engine.close()

@@ -9,7 +9,7 @@ backend's own ``do_kv_cache_update``, and the scheduler reports those tokens
 as matched. vLLM then computes the suffix itself, on top of the fused KV.
 
 Per request, the caller sends ``SamplingParams(extra_args={"kv_transfer_params":
-{"blend": {"mode", "ratio", "chunk_spans", "num_tokens"}}})``. Usage comes back
+{"blend": {"mode", "ratio", "chunk_spans", "num_tokens", "id"}}})``. Usage comes back
 in ``RequestOutput.kv_transfer_params["blend"]``.
 
 The worker-side connector gets the model through ``BlendWorkerExtension``
@@ -19,6 +19,7 @@ The worker-side connector gets the model through ``BlendWorkerExtension``
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,10 +38,13 @@ from ..store import ChunkStore
 
 log = logging.getLogger("blend_integrations.vllm")
 
+RECENT_USAGE = 4096  # requests whose usage a worker remembers for blend_usage
+
 
 @dataclass
 class BlendJob:
-    req_id: str
+    req_id: str  # vLLM's internal id
+    client_id: str | None  # the caller's id (vLLM adds a suffix to ids internally)
     token_ids: list[int]  # the tokens the blend pass computes: the prompt before its suffix
     chunk_spans: list[tuple[int, int]]
     mode: str  # "blend" or "reuse"
@@ -75,11 +79,13 @@ class BlendConnector(KVConnectorBase_V1):
         # scheduler side
         self._to_load: dict[str, dict] = {}  # req_id -> blend params, until its job is sent
         self._usage: dict[str, dict[str, int]] = {}
+        self._blending: set[str] = set()  # requests whose job was sent and that have not finished
         # worker side
         self.blender: Blender | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_names: list[str] = []
-        self._done: dict[str, dict[str, int]] = {}
+        self._done: dict[str, dict[str, int]] = {}  # usage to send with this step's output
+        self._recent: OrderedDict[str, dict[str, int]] = OrderedDict()  # usage by client id, bounded
         self._unsaved: list[PrefillStats] = []
 
     # -- scheduler side -------------------------------------------------
@@ -100,12 +106,14 @@ class BlendConnector(KVConnectorBase_V1):
             params = self._to_load.pop(new.req_id, None)
             if params is not None:
                 meta.jobs.append(self._job(new, params))
+                self._blending.add(new.req_id)
         return meta
 
     def _job(self, new, params: dict) -> BlendJob:
         n = int(params["num_tokens"])
         return BlendJob(
             req_id=new.req_id,
+            client_id=params.get("id"),
             token_ids=list(new.prompt_token_ids[:n]),
             chunk_spans=[(int(a), int(b)) for a, b in params["chunk_spans"]],
             mode=params["mode"],
@@ -116,11 +124,14 @@ class BlendConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, BlendWorkerMetadata):
-            self._usage.update(meta.usage)
+            # vLLM applies worker output after freeing the step's finished
+            # requests; usage of those is fetched from the worker instead.
+            self._usage.update((rid, u) for rid, u in meta.usage.items() if rid in self._blending)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._to_load.pop(rid, None)
+        self._blending.discard(rid)
         usage = self._usage.pop(rid, None)
         return False, ({"blend": usage} if usage is not None else None)
 
@@ -182,6 +193,10 @@ class BlendConnector(KVConnectorBase_V1):
         usage = asdict(stats)
         usage.pop("missed")
         self._done[job.req_id] = usage
+        if job.client_id is not None:
+            self._recent[job.client_id] = usage
+        while len(self._recent) > RECENT_USAGE:
+            self._recent.popitem(last=False)
 
     def _save_unsaved(self) -> None:
         while self._unsaved:
@@ -218,6 +233,10 @@ class BlendWorkerExtension:
         connector = get_kv_transfer_group()
         connector._save_unsaved()
         return sum(connector.blender.ensure(ids) for ids in chunks)
+
+    def blend_usage(self, req_ids: list[str]) -> dict[str, dict[str, int] | None]:
+        recent = get_kv_transfer_group()._recent
+        return {rid: recent.get(rid) for rid in req_ids}
 
     def blend_flush(self) -> None:
         get_kv_transfer_group()._save_unsaved()

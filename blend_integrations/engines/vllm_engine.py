@@ -201,7 +201,7 @@ class VLLMEngine(Engine):
         return computed
 
     # -- generation -----------------------------------------------------
-    def _sampling_params(self, tp: TokenizedPrompt, mode, ratio, max_tokens, temperature, top_p, stop, seed, logprobs):
+    def _sampling_params(self, rid, tp: TokenizedPrompt, mode, ratio, max_tokens, temperature, top_p, stop, seed, logprobs):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -216,6 +216,7 @@ class VLLMEngine(Engine):
                     "ratio": ratio,
                     "chunk_spans": [list(s) for s in tp.chunk_spans],
                     "num_tokens": min(suffix_start, len(tp) - 1),
+                    "id": rid,
                 }
             }
         return SamplingParams(
@@ -237,8 +238,8 @@ class VLLMEngine(Engine):
         ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         tp = self.tokenize(prompt)
-        params = self._sampling_params(tp, mode, ratio, max_tokens, temperature, top_p, stops, seed, logprobs)
         rid = f"blend-{next(self._ids)}"
+        params = self._sampling_params(rid, tp, mode, ratio, max_tokens, temperature, top_p, stops, seed, logprobs)
         req = _Request()
         self._requests[rid] = req
         with self._lock:
@@ -292,7 +293,13 @@ class VLLMEngine(Engine):
                 if completion.text:
                     text.append(completion.text)
                     yield completion.text
-            blend = (out.kv_transfer_params or {}).get("blend") or {}
+            blend = (out.kv_transfer_params or {}).get("blend")
+            if blend is None and mode != "full" and tp.chunk_spans:
+                # Finished in its blend step: vLLM frees such requests before
+                # it reads the step's worker output, so ask the worker.
+                with self._lock:
+                    blend = self.llm.collective_rpc("blend_usage", args=([rid],))[0].get(rid)
+            blend = blend or {}
             usage = Usage(
                 prompt_tokens=len(tp),
                 completion_tokens=len(ids),
