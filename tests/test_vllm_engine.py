@@ -111,6 +111,7 @@ def test_stream_stop_and_async(vllm_engine, docs):
 
 
 def test_seeded_sampling(vllm_engine, docs):
+    vllm_engine.warm(docs)
     prompt = BlendPrompt("Read.", docs, QUESTION)
     a = vllm_engine.generate(prompt, max_tokens=10, temperature=1.0, top_p=0.9, seed=3)
     b = vllm_engine.generate(prompt, max_tokens=10, temperature=1.0, top_p=0.9, seed=3)
