@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Sequence
 
 from ..config import BlendConfig, check_mode, check_ratio
 from ..models import check_supported
-from ..prompt import BlendPrompt, TextOrIds, TokenizedPrompt, bos_id_added
+from ..prompt import BlendPrompt, TextOrIds, TokenizedPrompt
 from ..store import ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Usage
 from .decoding import check_sampling
@@ -103,8 +103,6 @@ class VLLMEngine(Engine):
                     "separator": self.config.separator,
                     "sink_tokens": self.config.sink_tokens,
                 },
-                "fingerprint": self.fingerprint,
-                "bos_token_id": bos_id_added(self._tokenizer),
             },
         )
         kwargs = dict(
@@ -118,6 +116,7 @@ class VLLMEngine(Engine):
             max_num_batched_tokens=max(max_model_len, 2048),
             max_num_seqs=max_num_seqs,
             enforce_eager=not on_gpu,
+            load_format="blend",  # vLLM's default loading; hands the model to the connector
             kv_transfer_config=kv_transfer,
             worker_extension_cls=f"{CONNECTOR_MODULE}.BlendWorkerExtension",
             seed=0,
@@ -126,7 +125,6 @@ class VLLMEngine(Engine):
             kwargs["block_size"] = 32  # the CPU backend needs a multiple of 32
         kwargs.update(llm_kwargs)
         self.llm = vllm.LLM(**kwargs)
-        self.llm.collective_rpc("blend_attach")
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
@@ -201,7 +199,7 @@ class VLLMEngine(Engine):
         return computed
 
     # -- generation -----------------------------------------------------
-    def _sampling_params(self, rid, tp: TokenizedPrompt, mode, ratio, max_tokens, temperature, top_p, stop, seed, logprobs):
+    def _sampling_params(self, tp: TokenizedPrompt, mode, ratio, max_tokens, temperature, top_p, stop, seed, logprobs):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -216,7 +214,6 @@ class VLLMEngine(Engine):
                     "ratio": ratio,
                     "chunk_spans": [list(s) for s in tp.chunk_spans],
                     "num_tokens": min(suffix_start, len(tp) - 1),
-                    "id": rid,
                 }
             }
         return SamplingParams(
@@ -238,8 +235,8 @@ class VLLMEngine(Engine):
         ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         tp = self.tokenize(prompt)
+        params = self._sampling_params(tp, mode, ratio, max_tokens, temperature, top_p, stops, seed, logprobs)
         rid = f"blend-{next(self._ids)}"
-        params = self._sampling_params(rid, tp, mode, ratio, max_tokens, temperature, top_p, stops, seed, logprobs)
         req = _Request()
         self._requests[rid] = req
         with self._lock:
@@ -293,13 +290,7 @@ class VLLMEngine(Engine):
                 if completion.text:
                     text.append(completion.text)
                     yield completion.text
-            blend = (out.kv_transfer_params or {}).get("blend")
-            if blend is None and mode != "full" and tp.chunk_spans:
-                # Finished in its blend step: vLLM frees such requests before
-                # it reads the step's worker output, so ask the worker.
-                with self._lock:
-                    blend = self.llm.collective_rpc("blend_usage", args=([rid],))[0].get(rid)
-            blend = blend or {}
+            blend = (out.kv_transfer_params or {}).get("blend") or {}
             usage = Usage(
                 prompt_tokens=len(tp),
                 completion_tokens=len(ids),

@@ -28,6 +28,22 @@ class PrefillStats:
     missed: dict[str, list[int]] = field(default_factory=dict, repr=False)  # key -> ids, to save
 
 
+def planned_usage(
+    chunk_lengths: Sequence[int], hits: Sequence[bool], *, mode: str, ratio: float, sink_tokens: int
+) -> dict[str, int]:
+    """The usage a prefill will report, known before it runs: what the walk
+    counts when no token is forced fresh (its ``logits=False`` case). Lets a
+    scheduler report usage without waiting for the worker."""
+    cached = sum(max(0, n - sink_tokens) for n, hit in zip(chunk_lengths, hits) if hit) if mode != "full" else 0
+    recomputed = round(ratio * cached) if mode == "blend" else 0
+    return {
+        "cached_tokens": cached,
+        "recomputed_tokens": min(recomputed, cached),
+        "chunks_hit": sum(map(bool, hits)) if mode != "full" else 0,
+        "chunks_missed": (len(hits) - sum(map(bool, hits))) if mode != "full" else 0,
+    }
+
+
 class Blender:
     def __init__(
         self,
@@ -82,17 +98,28 @@ class Blender:
         mode: str,
         recompute_ratio: float | None = None,
         logits: bool = True,
+        hits: Sequence[bool] | None = None,
     ) -> tuple[torch.Tensor | None, PrefillStats]:
         """Prefill ``token_ids`` into an empty ``cache``; chunks at ``chunk_spans``
-        are reused in "reuse" and "blend" modes. Call ``save_missed`` after."""
+        are reused in "reuse" and "blend" modes. Call ``save_missed`` after.
+
+        hits: which chunks a scheduler already counted as hits. Those are
+        reused even if they left the store since (recomputed standalone now),
+        and the others are fresh, so the usage it reported stays true."""
         stats = PrefillStats()
         reused = []
         if mode != "full":
             sink = self.config.sink_tokens
-            for start, end in chunk_spans:
+            for i, (start, end) in enumerate(chunk_spans):
                 ids = list(token_ids[start:end])
                 key = self.key(ids)
+                if hits is not None and not hits[i]:
+                    stats.missed[key] = ids
+                    continue
                 entry = self.store.get(key, expect=self._expect(len(ids)))
+                if entry is None and hits is not None:
+                    entry = self.compute_chunk(ids, key)
+                    self.store.put(entry)
                 if entry is None:
                     stats.missed[key] = ids
                     continue
