@@ -78,3 +78,39 @@ def vllm_engine(model_dirs, store):
     engine = load_engine(model_dirs("llama"), backend="vllm", store=store, max_model_len=2048, kv_cache_gib=1)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def blend_server(model_dirs, store):
+    """A real blend server process (vLLM's OpenAI server with the connector) on loopback."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "blend_integrations.serve", model_dirs("llama"), "--store", str(store.path),
+           "--max-model-len", "2048", "--kv-cache-gib", "1", "--host", "127.0.0.1", "--port", str(port)]
+    log = open(store.path.parent / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while True:
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=5).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the blend server did not start; see {log.name}")
+            time.sleep(2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()

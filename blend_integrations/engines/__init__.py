@@ -8,7 +8,7 @@ from ..config import BlendConfig
 from ..store import ChunkStore
 from .base import Engine, Generation, GenerationStream, Usage
 
-BACKENDS = ("transformers", "vllm")
+BACKENDS = ("transformers", "vllm", "server")
 
 
 def load_engine(
@@ -20,7 +20,9 @@ def load_engine(
     device="auto",
     **engine_kwargs,
 ) -> Engine:
-    """Load ``model`` (a local path or a hub id, one code path) on a backend.
+    """Load ``model`` (a local path or a hub id, one code path) on a backend:
+    "transformers" (in-process reference), "vllm" (embedded vLLM) or "server"
+    (``model`` is the URL of a ``python -m blend_integrations.serve`` server).
 
     store: the chunk-KV store; None opens the default persistent store
     (``$BLEND_STORE_PATH`` or ``~/.cache/blend_integrations/chunks``).
@@ -37,6 +39,12 @@ def load_engine(
         from .vllm_engine import VLLMEngine
 
         return VLLMEngine(model, store=store, config=config, dtype=dtype, device=device, **engine_kwargs)
+    if backend == "server":
+        from .server_engine import ServerEngine
+
+        if store is not None:
+            raise ValueError("a server engine uses the server's chunk store; start the server with --store instead")
+        return ServerEngine(str(model), config=config, **engine_kwargs)
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 

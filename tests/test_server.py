@@ -1,0 +1,49 @@
+"""The blend server (vLLM's OpenAI server with the connector) and its client, over loopback."""
+
+from __future__ import annotations
+
+import pytest
+
+from blend_integrations import BlendPrompt, load_engine
+from blend_integrations.engines.server_engine import ServerError
+
+QUESTION = "Question: which city is named in the documents? Answer:"
+
+
+@pytest.fixture(scope="module")
+def client(blend_server):
+    return load_engine(blend_server, backend="server")
+
+
+def test_server_returns_the_same_tokens_as_the_embedded_engine(client, vllm_engine, docs):
+    client.warm(docs)  # computed and saved by the server's worker
+    prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
+    served = client.generate(prompt, max_tokens=10, recompute_ratio=1.0, logprobs=1)
+    assert (served.usage.chunks_hit, served.usage.chunks_missed) == (4, 0)
+    assert served.usage.cached_tokens == served.usage.recomputed_tokens > 0
+    embedded_full = vllm_engine.generate(prompt, max_tokens=10, mode="full")
+    assert served.token_ids == embedded_full.token_ids
+    assert client.generate(prompt, max_tokens=10, mode="full").token_ids == embedded_full.token_ids
+    blended = client.generate(prompt, max_tokens=10)
+    embedded = vllm_engine.generate(prompt, max_tokens=10)  # same store: the server's chunks serve it
+    assert embedded.usage.chunks_hit == 4
+    assert blended.usage.recomputed_tokens == embedded.usage.recomputed_tokens == round(0.15 * blended.usage.cached_tokens)
+    assert [max(lp, key=lp.get) for lp in served.logprobs] == served.token_ids
+
+
+def test_server_stream(client, docs):
+    client.warm(docs)
+    prompt = BlendPrompt("Read.", docs, QUESTION)
+    stream = client.stream(prompt, max_tokens=12)
+    text = "".join(stream)
+    gen = client.generate(prompt, max_tokens=12)
+    assert text == gen.text == stream.generation.text
+    assert stream.generation.usage.completion_tokens == len(gen.token_ids)
+    assert 0 < stream.generation.ttft_s <= stream.generation.total_s
+
+
+def test_server_errors_are_clear(client):
+    with pytest.raises(ValueError, match="server's chunk store"):
+        load_engine(client.base_url, backend="server", store=object())
+    with pytest.raises(ServerError, match="cannot reach the blend server"):
+        load_engine("http://127.0.0.1:9", backend="server")
