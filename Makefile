@@ -24,6 +24,7 @@ test: install
 
 bench: install
 	$(PY) -m blend_integrations.bench ttft
+	$(PY) -m blend_integrations.bench vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -83,6 +83,28 @@ class TokenizedPrompt:
         return len(self.token_ids)
 
 
+def spans_from_separator(token_ids: Sequence[int], separator_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Chunk spans of an already tokenized prompt ``prefix sep c1 sep ... ck sep
+    suffix``: the pieces between the first and the last separator. The
+    fallback for callers that send only text (the server side gets the
+    tokens of the joined text); empty pieces are skipped. Chunks found this way
+    were tokenized in context, so a BPE merge across a separator can give ids
+    that differ from the chunk tokenized alone: a cache miss, never a wrong hit."""
+    sep = list(separator_ids)
+    if not sep:
+        return []
+    ids = list(token_ids)
+    cuts = []
+    i = 0
+    while i + len(sep) <= len(ids):
+        if ids[i : i + len(sep)] == sep:
+            cuts.append(i)
+            i += len(sep)
+        else:
+            i += 1
+    return [(a + len(sep), b) for a, b in zip(cuts, cuts[1:]) if b > a + len(sep)]
+
+
 def bos_id_added(tokenizer) -> int | None:
     """The BOS id the tokenizer puts in front of text, or None if it adds none."""
     bos = tokenizer.bos_token_id

@@ -141,3 +141,13 @@ def test_hub_id_resolves_through_the_hub_cache(model_dirs, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().startswith("[1,")
+
+
+def test_spans_from_separator_in_token_ids():
+    from blend_integrations.prompt import spans_from_separator
+
+    sep = [9, 9]
+    ids = [1, 5, 9, 9, 6, 7, 9, 9, 9, 9, 8, 9, 9, 4]  # prefix, chunk, empty piece, chunk, suffix
+    assert spans_from_separator(ids, sep) == [(4, 6), (10, 11)]
+    assert spans_from_separator([1, 2, 3], sep) == []
+    assert spans_from_separator(ids, []) == []

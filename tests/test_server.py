@@ -47,3 +47,26 @@ def test_server_errors_are_clear(client):
         load_engine(client.base_url, backend="server", store=object())
     with pytest.raises(ServerError, match="cannot reach the blend server"):
         load_engine("http://127.0.0.1:9", backend="server")
+
+
+def test_text_only_caller_with_the_separator_fallback(client, docs):
+    """A plain HTTP client with nothing but text: the server finds the chunks between separators."""
+    import json
+    import urllib.request
+
+    text = "\n\n".join(["You answer questions."] + docs + [QUESTION])
+
+    def complete(blend):
+        body = {"model": client.model_name, "prompt": text, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        if blend:
+            body["kv_transfer_params"] = {"blend": {"mode": "blend", "ratio": 1.0, "separator": "\n\n"}}
+        req = urllib.request.Request(client.base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=300).read())
+
+    full = complete(False)
+    first = complete(True)
+    assert first["kv_transfer_params"]["blend"]["chunks_missed"] == len(docs)
+    again = complete(True)  # the chunks found in the text were saved after the first request
+    assert again["kv_transfer_params"]["blend"]["chunks_hit"] == len(docs)
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]

@@ -1,13 +1,13 @@
-"""``python -m blend_integrations.bench ttft [options]``; no part runs them all."""
+"""``python -m blend_integrations.bench [ttft|vllm] [options]``; no part runs them all."""
 
 import sys
 
-from . import ttft
+from . import ttft, vllm_bench
 
-PARTS = {"ttft": ttft.main}
+PARTS = {"ttft": ttft.main, "vllm": vllm_bench.main}
 
 
-def main() -> None:
+def main() -> None:  # vLLM starts processes: keep the entry under the __main__ guard below
     args = sys.argv[1:]
     if args and args[0] in ("-h", "--help"):
         print(f"usage: python -m blend_integrations.bench [{'|'.join(PARTS)}] [options]")

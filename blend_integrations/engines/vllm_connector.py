@@ -10,7 +10,9 @@ as matched. vLLM then computes the rest (separator, suffix) itself.
 
 Per request the caller sends ``SamplingParams(extra_args={"kv_transfer_params":
 {"blend": {"mode", "ratio", "chunk_spans", "num_tokens"}}})`` (``vllm serve``
-takes ``kv_transfer_params`` in the request body). The scheduler side decides
+takes ``kv_transfer_params`` in the request body). Callers that only have text
+send ``{"mode", "separator"}`` instead: the chunks are the pieces between
+separators in the prompt's tokens. The scheduler side decides
 which chunks are hits (``key in store``), so the usage it returns in
 ``RequestOutput.kv_transfer_params["blend"]`` is known when the request ends.
 
@@ -36,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..config import BlendConfig
 from ..fusion import Blender, KVCache, PrefillStats, planned_usage
+from ..prompt import bos_id_added, spans_from_separator
 from ..store import ChunkStore, chunk_key, model_fingerprint
 from . import vllm_plugin
 
@@ -58,21 +61,19 @@ class BlendConnectorMetadata(KVConnectorMetadata):
     jobs: list[BlendJob] = field(default_factory=list)
 
 
-def blend_params(request) -> dict | None:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    blend = params.get("blend")
-    return blend if isinstance(blend, dict) and blend.get("mode") in ("blend", "reuse") else None
+@functools.lru_cache(maxsize=4)
+def _tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
 
 
 @functools.lru_cache(maxsize=4)
 def _model_identity(model: str, tokenizer: str) -> tuple[str, int | None]:
     """(checkpoint fingerprint, BOS id the tokenizer adds) for a served model."""
-    from transformers import AutoTokenizer
-
-    from ..prompt import bos_id_added
     from .transformers_engine import resolve_model_dir
 
-    return model_fingerprint(resolve_model_dir(model)), bos_id_added(AutoTokenizer.from_pretrained(tokenizer))
+    return model_fingerprint(resolve_model_dir(model)), bos_id_added(_tokenizer(tokenizer))
 
 
 class BlendConnector(KVConnectorBase_V1):
@@ -84,6 +85,7 @@ class BlendConnector(KVConnectorBase_V1):
         self.fingerprint, self.bos = _model_identity(model_config.model, model_config.tokenizer)
         self.dtype_name = str(model_config.dtype).removeprefix("torch.")
         self.block_size = vllm_config.cache_config.block_size
+        self.tokenizer_name = model_config.tokenizer
         store_path = extra.get("store_path")
         limits = {k: int(extra[f"store_{k}"]) for k in ("size_limit_bytes", "memory_limit_bytes") if f"store_{k}" in extra}
         if role == KVConnectorRole.SCHEDULER:
@@ -99,8 +101,25 @@ class BlendConnector(KVConnectorBase_V1):
         self._unsaved: list[PrefillStats] = []
 
     # -- scheduler side -------------------------------------------------
+    def blend_params(self, request) -> dict | None:
+        """The request's blend parameters with chunk spans and ``num_tokens``;
+        None if it is not blended. Spans come from the caller, or for
+        text-only callers from a ``separator`` found in the prompt's tokens."""
+        params = (getattr(request, "kv_transfer_params", None) or {}).get("blend")
+        if not isinstance(params, dict) or params.get("mode") not in ("blend", "reuse"):
+            return None
+        if params.get("chunk_spans") is None and isinstance(params.get("separator"), str):
+            sep = _tokenizer(self.tokenizer_name).encode(params["separator"], add_special_tokens=False)
+            spans = spans_from_separator(request.prompt_token_ids, sep)
+            if not spans:
+                return None
+            params = {**params, "chunk_spans": spans, "num_tokens": spans[-1][1]}
+        if not params.get("chunk_spans") or not params.get("num_tokens"):
+            return None
+        return params
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = blend_params(request)
+        params = self.blend_params(request)
         if params is None or num_computed_tokens:
             return 0, False
         # load_kv_async=False: the blend pass runs synchronously before the forward.
@@ -108,7 +127,7 @@ class BlendConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self._to_load[request.request_id] = blend_params(request)
+            self._to_load[request.request_id] = self.blend_params(request)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = BlendConnectorMetadata()
