@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
-from ..config import BlendConfig
+from ..config import BlendConfig, check_mode, check_ratio
 from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
 from ..store import ChunkStore, chunk_key
+from .decoding import check_sampling
 
 
 @dataclass
@@ -34,6 +36,22 @@ class Generation:
     mode: str
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-k and the chosen token
     total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated, tokenized generation request."""
+
+    prompt: TokenizedPrompt
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: list[str]
+    seed: int | None
+    mode: str
+    recompute_ratio: float | None  # None: the engine's configured ratio
+    logprobs: int | None
+    started: float  # perf_counter() when the call came in: time to first token counts from here
 
 
 @dataclass
@@ -95,7 +113,6 @@ class Engine(ABC):
         assert stream.generation is not None
         return stream.generation
 
-    @abstractmethod
     def stream(
         self,
         prompt: BlendPrompt | TextOrIds,
@@ -116,6 +133,23 @@ class Engine(ABC):
         (CacheBlend). recompute_ratio overrides ``config.recompute_ratio``.
         logprobs: also return the top-k log-probabilities of every token.
         """
+        request = self._request(prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs)
+        stream = GenerationStream(iter(()))
+        stream._deltas = self._run(request, stream)
+        return stream
+
+    def _request(self, prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs) -> "Request":
+        """Validate the arguments and tokenize: what every engine does first."""
+        started = time.perf_counter()
+        check_mode(mode)
+        check_sampling(max_tokens, temperature, top_p, logprobs)
+        ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return Request(self.tokenize(prompt), max_tokens, temperature, top_p, stops, seed, mode, ratio, logprobs, started)
+
+    @abstractmethod
+    def _run(self, request: "Request", stream: GenerationStream) -> Iterator[str]:
+        """Yield text deltas and set ``stream.generation`` at the end."""
 
     def generate_many(self, prompts: Sequence[BlendPrompt | TextOrIds], **kwargs) -> list[Generation]:
         """Generate for several prompts; engines that batch run them together."""

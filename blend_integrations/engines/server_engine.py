@@ -16,10 +16,9 @@ import urllib.error
 import urllib.request
 from typing import Iterable, Iterator, Sequence
 
-from ..config import BlendConfig, check_mode, check_ratio
-from ..prompt import BlendPrompt, TextOrIds, TokenizedPrompt
-from .base import Engine, Generation, GenerationStream, Usage
-from .decoding import check_sampling
+from ..config import BlendConfig
+from ..prompt import BlendPrompt, TextOrIds
+from .base import Engine, Generation, GenerationStream, Request, Usage
 
 
 class ServerError(RuntimeError):
@@ -44,23 +43,24 @@ class ServerEngine(Engine):
 
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        card = self._request("GET", "/v1/models")["data"][0]
+        card = self._request_http("GET", "/v1/models")["data"][0]
         self.model_name = card["id"]
         self.context_length = int(card["max_model_len"])
         self.config = config or BlendConfig()
         self._tokenizer = AutoTokenizer.from_pretrained(tokenizer or card["root"])
         self.store = None  # the server's store is on the server
-        self.fingerprint = ""
-        self.dtype_name = ""
 
     @property
     def tokenizer(self):
         return self._tokenizer
 
+    def chunk_key(self, token_ids: Sequence[int]) -> str:
+        raise NotImplementedError("chunk keys depend on the served checkpoint; the server computes them")
+
     def __repr__(self) -> str:
         return f"ServerEngine({self.base_url!r}, model={self.model_name!r})"
 
-    def _request(self, method: str, path: str, body: dict | None = None, stream: bool = False):
+    def _request_http(self, method: str, path: str, body: dict | None = None, stream: bool = False):
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.base_url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -75,62 +75,39 @@ class ServerEngine(Engine):
         with resp:
             return json.loads(resp.read())
 
-    def _body(self, tp: TokenizedPrompt, mode, ratio, max_tokens, temperature, top_p, stop, seed, logprobs, stream):
+    def _body(self, req: Request, stream: bool) -> dict:
+        tp = req.prompt
         body = {
             "model": self.model_name,
             "prompt": tp.token_ids,
-            "max_tokens": min(max_tokens, self.context_length - len(tp)),
-            "temperature": temperature,
-            "top_p": top_p,
+            "max_tokens": min(req.max_tokens, self.context_length - len(tp)),
+            "temperature": req.temperature,
+            "top_p": req.top_p,
             "stream": stream,
         }
         if stream:
             body["stream_options"] = {"include_usage": True}
-        if stop:
-            body["stop"] = stop
-        if seed is not None:
-            body["seed"] = seed
-        if logprobs is not None:
-            body["logprobs"] = logprobs
+        if req.stop:
+            body["stop"] = req.stop
+        if req.seed is not None:
+            body["seed"] = req.seed
+        if req.logprobs is not None:
+            body["logprobs"] = req.logprobs
             body["return_tokens_as_token_ids"] = True  # logprob keys "token_id:<id>"
-        if mode != "full" and tp.chunk_spans:
+        if req.mode != "full" and tp.chunk_spans:
             body["kv_transfer_params"] = {
                 "blend": {
-                    "mode": mode,
-                    "ratio": ratio,
+                    "mode": req.mode,
+                    "ratio": req.recompute_ratio,
                     "chunk_spans": [list(s) for s in tp.chunk_spans],
                     "num_tokens": min(max(tp.chunk_spans[-1][1], 1), len(tp) - 1),
                 }
             }
         return body
 
-    def stream(
-        self,
-        prompt: BlendPrompt | TextOrIds,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        mode: str = "blend",
-        recompute_ratio: float | None = None,
-        logprobs: int | None = None,
-    ) -> GenerationStream:
-        t0 = time.perf_counter()
-        check_mode(mode)
-        check_sampling(max_tokens, temperature, top_p, logprobs)
-        ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        tp = self.tokenize(prompt)
-        body = self._body(tp, mode, ratio, max_tokens, temperature, top_p, stops, seed, logprobs, stream=True)
-        stream = GenerationStream(iter(()))
-        stream._deltas = self._follow(stream, body, tp, t0, mode)
-        return stream
-
-    def _follow(self, stream, body, tp, t0, mode) -> Iterator[str]:
+    def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         text, ttft, finish, n_tokens = [], None, "length", 0
-        with self._request("POST", "/v1/completions", body, stream=True) as resp:
+        with self._request_http("POST", "/v1/completions", self._body(req, stream=True), stream=True) as resp:
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -142,37 +119,39 @@ class ServerEngine(Engine):
                     continue
                 choice = event["choices"][0]
                 if ttft is None:
-                    ttft = time.perf_counter() - t0
+                    ttft = time.perf_counter() - req.started
                 if choice["text"]:
                     text.append(choice["text"])
                     yield choice["text"]
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
         stream.generation = Generation(
-            text="".join(text), token_ids=[], prompt_token_ids=list(tp.token_ids),
+            text="".join(text), token_ids=[], prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if finish == "length" else "stop",
-            ttft_s=ttft if ttft is not None else time.perf_counter() - t0,
-            usage=Usage(prompt_tokens=len(tp), completion_tokens=n_tokens), mode=mode,
-            total_s=time.perf_counter() - t0,
+            ttft_s=ttft if ttft is not None else time.perf_counter() - req.started,
+            usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=n_tokens), mode=req.mode,
+            total_s=time.perf_counter() - req.started,
         )
 
-    def generate(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> Generation:
+    def generate(
+        self,
+        prompt: BlendPrompt | TextOrIds,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        mode: str = "blend",
+        recompute_ratio: float | None = None,
+        logprobs: int | None = None,
+    ) -> Generation:
         """One completion request; ``ttft_s`` is the time to the whole answer here
         (a plain response has no first token to time; use ``stream`` for that)."""
-        t0 = time.perf_counter()
-        mode = kwargs.get("mode", "blend")
-        check_mode(mode)
-        max_tokens = kwargs.get("max_tokens", 256)
-        temperature, top_p, logprobs = kwargs.get("temperature", 0.0), kwargs.get("top_p", 1.0), kwargs.get("logprobs")
-        check_sampling(max_tokens, temperature, top_p, logprobs)
-        ratio = kwargs.get("recompute_ratio")
-        ratio = None if ratio is None else check_ratio(ratio)
-        stop = kwargs.get("stop")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        tp = self.tokenize(prompt)
-        body = self._body(tp, mode, ratio, max_tokens, temperature, top_p, stops, kwargs.get("seed"), logprobs, stream=False)
+        req = self._request(prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs)
+        body = self._body(req, stream=False)
         body["return_token_ids"] = True
-        resp = self._request("POST", "/v1/completions", body)
+        resp = self._request_http("POST", "/v1/completions", body)
         choice = resp["choices"][0]
         blend = (resp.get("kv_transfer_params") or {}).get("blend") or {}
         lp = None
@@ -181,13 +160,12 @@ class ServerEngine(Engine):
                 {int(t.removeprefix("token_id:")): v for t, v in (top or {}).items()}
                 for top in choice["logprobs"]["top_logprobs"]
             ]
-        elapsed = time.perf_counter() - t0
-        token_ids = choice.get("token_ids") or []
+        elapsed = time.perf_counter() - req.started
         return Generation(
-            text=choice["text"], token_ids=list(token_ids), prompt_token_ids=list(tp.token_ids),
+            text=choice["text"], token_ids=list(choice.get("token_ids") or []), prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
             ttft_s=elapsed, usage=Usage(
-                prompt_tokens=len(tp), completion_tokens=resp["usage"]["completion_tokens"],
+                prompt_tokens=len(req.prompt), completion_tokens=resp["usage"]["completion_tokens"],
                 cached_tokens=blend.get("cached_tokens", 0), recomputed_tokens=blend.get("recomputed_tokens", 0),
                 chunks_hit=blend.get("chunks_hit", 0), chunks_missed=blend.get("chunks_missed", 0),
             ), mode=mode, logprobs=lp, total_s=elapsed,

@@ -7,7 +7,6 @@ same walk with every token computed, so timings compare like with like.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -15,15 +14,13 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from ..config import BlendConfig, check_mode, check_ratio
+from ..config import BlendConfig
 from ..fusion import Blender, KVCache, forward
 from ..models import HFDecoder, check_supported
-from ..prompt import BlendPrompt, TextOrIds, bos_id_added
+from ..prompt import TextOrIds, bos_id_added
 from ..store import ChunkKV, ChunkStore, model_fingerprint
-from .base import Engine, Generation, GenerationStream, Usage
-from .decoding import TextAssembler, check_sampling, sample, top_logprobs
-
-log = logging.getLogger("blend_integrations.engine")
+from .base import Engine, Generation, GenerationStream, Request, Usage
+from .decoding import TextAssembler, sample, top_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,55 +129,35 @@ class TransformersEngine(Engine):
         return computed
 
     # -- generation -----------------------------------------------------
-    def stream(
-        self,
-        prompt: BlendPrompt | TextOrIds,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        mode: str = "blend",
-        recompute_ratio: float | None = None,
-        logprobs: int | None = None,
-    ) -> GenerationStream:
-        t0 = time.perf_counter()
-        check_mode(mode)
-        check_sampling(max_tokens, temperature, top_p, logprobs)
-        ratio = self.config.recompute_ratio if recompute_ratio is None else check_ratio(recompute_ratio)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        tp = self.tokenize(prompt)
-        stream = GenerationStream(iter(()))
-        stream._deltas = self._run(stream, t0, tp, max_tokens, temperature, top_p, stops, seed, mode, ratio, logprobs)
-        return stream
-
-    def _run(self, stream, t0, tp, max_tokens, temperature, top_p, stops, seed, mode, ratio, logprobs) -> Iterator[str]:
+    def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
+        tp = req.prompt
         with self._lock:
             generator = None
-            if temperature > 0:
+            if req.temperature > 0:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+                generator.manual_seed(req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
             n_prompt = len(tp)
-            max_tokens = min(max_tokens, self.context_length - n_prompt)
+            max_tokens = min(req.max_tokens, self.context_length - n_prompt)
             cache = KVCache.allocate(self.layers, n_prompt + max_tokens)
-            logits, stats = self.blender.prefill(cache, tp.token_ids, tp.chunk_spans, mode=mode, recompute_ratio=ratio)
-            text = TextAssembler(self._tokenizer, stops)
+            logits, stats = self.blender.prefill(
+                cache, tp.token_ids, tp.chunk_spans, mode=req.mode, recompute_ratio=req.recompute_ratio
+            )
+            text = TextAssembler(self._tokenizer, req.stop)
             out_ids: list[int] = []
-            out_logprobs: list[dict[int, float]] | None = [] if logprobs is not None else None
+            out_logprobs: list[dict[int, float]] | None = [] if req.logprobs is not None else None
             ttft = None
             finish = "length"
             try:
                 while True:
-                    token = sample(logits, temperature, top_p, generator)
+                    token = sample(logits, req.temperature, req.top_p, generator)
                     if ttft is None:
-                        ttft = time.perf_counter() - t0
+                        ttft = time.perf_counter() - req.started
                     if token in self._eos:
                         finish = "stop"
                         break
                     out_ids.append(token)
                     if out_logprobs is not None:
-                        out_logprobs.append(top_logprobs(logits, logprobs, token))
+                        out_logprobs.append(top_logprobs(logits, req.logprobs, token))
                     delta = text.add(token)
                     if delta:
                         yield delta
@@ -205,7 +182,8 @@ class TransformersEngine(Engine):
                 )
                 stream.generation = Generation(
                     text=text.text, token_ids=out_ids, prompt_token_ids=list(tp.token_ids), finish_reason=finish,
-                    ttft_s=ttft, usage=usage, mode=mode, logprobs=out_logprobs, total_s=time.perf_counter() - t0,
+                    ttft_s=ttft, usage=usage, mode=req.mode, logprobs=out_logprobs,
+                    total_s=time.perf_counter() - req.started,
                 )
             finally:
                 # Missed chunks are computed with the standalone recipe after the

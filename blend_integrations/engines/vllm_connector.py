@@ -25,7 +25,6 @@ and ``blend_config`` (``BlendConfig`` fields); everything has a default.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +40,6 @@ from ..fusion import Blender, KVCache, PrefillStats, planned_usage
 from ..prompt import bos_id_added, spans_from_separator
 from ..store import ChunkStore, chunk_key, model_fingerprint
 from . import vllm_plugin
-
-log = logging.getLogger("blend_integrations.vllm")
 
 
 @dataclass

