@@ -75,7 +75,9 @@ def docs():
 @pytest.fixture(scope="session")
 def vllm_engine(model_dirs, store):
     """One embedded vLLM engine (CPU build here) for the whole session: it takes ~40 s to start."""
-    engine = load_engine(model_dirs("llama"), backend="vllm", store=store, max_model_len=2048, kv_cache_gib=1)
+    # A small KV cache (96 blocks of 32 tokens) so that concurrent requests get preempted for real.
+    engine = load_engine(model_dirs("llama"), backend="vllm", store=store, max_model_len=2048, kv_cache_gib=1,
+                         num_gpu_blocks_override=96, disable_log_stats=False)
     yield engine
     engine.close()
 

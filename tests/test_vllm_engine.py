@@ -137,3 +137,23 @@ def test_unsupported_vllm_version(version):
     with pytest.raises(RuntimeError, match=f"vLLM {version} is not supported.*>= 0.32 and < 0.33"):
         check_vllm_version(version)
     check_vllm_version("0.32.0")
+
+
+def test_preempted_requests_are_blended_again(vllm_engine):
+    """When vLLM preempts a request for lack of KV blocks and resumes it later in new
+    blocks, the connector must run the blend pass into those blocks again."""
+    from blend_integrations.local_models import sample_text
+
+    docs = [" ".join(sample_text(6, seed=7000 + i)) for i in range(8)]
+    vllm_engine.warm(docs)
+    prompts = [BlendPrompt("Read.", [docs[i], docs[(i + 3) % 8], docs[(i + 5) % 8], docs[(i + 1) % 8]], "Answer:")
+               for i in range(8)]
+
+    def preemptions():
+        return sum(m.value for m in vllm_engine.llm.get_metrics() if m.name == "vllm:num_preemptions")
+
+    alone = [vllm_engine.generate(p, max_tokens=80).token_ids for p in prompts]
+    before = preemptions()
+    together = vllm_engine.generate_many(prompts, max_tokens=80)
+    assert preemptions() > before, "the test needs vLLM to preempt; shrink the KV cache"
+    assert [g.token_ids for g in together] == alone

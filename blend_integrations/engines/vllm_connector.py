@@ -89,7 +89,7 @@ class BlendConnector(KVConnectorBase_V1):
             limits["memory_limit_bytes"] = 0  # the scheduler only asks which keys exist
         self.store = ChunkStore(store_path, **limits)
         # scheduler side
-        self._to_load: dict[str, dict] = {}  # req_id -> blend params, until its job is sent
+        self._to_load: dict[str, tuple[dict, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
         self._usage: dict[str, dict[str, int]] = {}
         # worker side
         self.blender: Blender | None = None
@@ -124,18 +124,23 @@ class BlendConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self._to_load[request.request_id] = self.blend_params(request)
+            params = self.blend_params(request)
+            self._to_load[request.request_id] = (params, list(request.prompt_token_ids[: int(params["num_tokens"])]))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = BlendConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
-            params = self._to_load.pop(new.req_id, None)
-            if params is not None:
-                meta.jobs.append(self._job(new, params))
+            if new.req_id in self._to_load:
+                meta.jobs.append(self._job(new.req_id, new.block_ids[0]))
+        # A request preempted and resumed gets new blocks: blend into those again.
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in self._to_load and rid in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                meta.jobs.append(self._job(rid, cached.new_block_ids[i][0]))
         return meta
 
-    def _job(self, new, params: dict) -> BlendJob:
-        ids = list(new.prompt_token_ids[: int(params["num_tokens"])])
+    def _job(self, req_id: str, block_ids: list[int]) -> BlendJob:
+        params, ids = self._to_load.pop(req_id)
         spans = [(int(a), int(b)) for a, b in params["chunk_spans"]]
         hits = [
             chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=ids[a:b], bos_token_id=self.bos)
@@ -143,10 +148,10 @@ class BlendConnector(KVConnectorBase_V1):
             for a, b in spans
         ]
         ratio = self.config.recompute_ratio if params.get("ratio") is None else float(params["ratio"])
-        self._usage[new.req_id] = planned_usage(
+        self._usage[req_id] = planned_usage(
             [b - a for a, b in spans], hits, mode=params["mode"], ratio=ratio, sink_tokens=self.config.sink_tokens
         )
-        return BlendJob(new.req_id, ids, spans, hits, params["mode"], ratio, list(new.block_ids[0]))
+        return BlendJob(req_id, ids, spans, hits, params["mode"], ratio, list(block_ids))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._to_load.pop(request.request_id, None)
