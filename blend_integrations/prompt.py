@@ -114,37 +114,53 @@ def bos_id_added(tokenizer) -> int | None:
     return bos if ids and ids[0] == bos else None
 
 
-def tokenize_prompt(prompt: BlendPrompt | TextOrIds, tokenizer, separator: str) -> TokenizedPrompt:
-    """Assemble the token sequence. A plain string or id list has no chunks."""
+@dataclass(frozen=True)
+class Part:
+    """A piece of a prompt: fresh text/ids, or a chunk (tokenized alone, reusable)."""
+
+    content: TextOrIds
+    chunk: bool = False
+
+
+def tokenize_parts(parts: Sequence[Part], tokenizer) -> TokenizedPrompt:
+    """Tokenize each part alone and concatenate; chunk parts become spans.
+    The model's BOS goes first if its tokenizer adds one and the first part
+    is text that does not already start with it (a rendered chat template does)."""
     bos = bos_id_added(tokenizer)
-
-    def encode(part: TextOrIds) -> list[int]:
-        return list(part) if not isinstance(part, str) else tokenizer.encode(part, add_special_tokens=False)
-
-    def encode_head(part: TextOrIds) -> list[int]:
-        ids = encode(part)
-        if isinstance(part, str) and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
-        return ids
-
-    if not isinstance(prompt, BlendPrompt):
-        if not isinstance(prompt, str) and not _is_ids(prompt):
-            raise PromptError(f"prompt must be a BlendPrompt, a string or a list of token ids, got {type(prompt).__name__}")
-        ids = encode_head(prompt)
-        if not ids:
-            raise PromptError("the prompt is empty")
-        return TokenizedPrompt(ids)
-
-    sep = encode(separator)
-    ids = encode_head(prompt.prefix)
+    ids: list[int] = []
     spans = []
-    for i, chunk in enumerate(prompt.chunks):
-        chunk_ids = encode(chunk)
-        if not chunk_ids:
-            raise PromptError(f"chunk {i} is empty (it has no tokens); drop it or give it text")
-        ids += sep
-        spans.append((len(ids), len(ids) + len(chunk_ids)))
-        ids += chunk_ids
-    ids += sep
-    ids += encode(prompt.suffix)
+    for i, part in enumerate(parts):
+        content = part.content
+        piece = list(content) if not isinstance(content, str) else tokenizer.encode(content, add_special_tokens=False)
+        if i == 0 and isinstance(content, str) and bos is not None and (not piece or piece[0] != bos):
+            piece = [bos] + piece
+        if part.chunk:
+            if not piece:
+                raise PromptError(f"chunk {len(spans)} is empty (it has no tokens); drop it or give it text")
+            spans.append((len(ids), len(ids) + len(piece)))
+        ids += piece
+    if not ids:
+        raise PromptError("the prompt is empty")
     return TokenizedPrompt(ids, spans)
+
+
+def prompt_parts(prompt: BlendPrompt, separator: str) -> list[Part]:
+    """``prefix sep c1 sep ... ck sep suffix`` as parts."""
+    parts = [Part(prompt.prefix)]
+    for chunk in prompt.chunks:
+        parts += [Part(separator), Part(chunk, chunk=True)]
+    return parts + [Part(separator), Part(prompt.suffix)]
+
+
+def tokenize_prompt(prompt: BlendPrompt | TokenizedPrompt | TextOrIds, tokenizer, separator: str) -> TokenizedPrompt:
+    """Assemble the token sequence. A plain string or id list has no chunks;
+    a TokenizedPrompt is taken as it is."""
+    if isinstance(prompt, TokenizedPrompt):
+        return prompt
+    if isinstance(prompt, BlendPrompt):
+        return tokenize_parts(prompt_parts(prompt, separator), tokenizer)
+    if not isinstance(prompt, str) and not _is_ids(prompt):
+        raise PromptError(
+            f"prompt must be a BlendPrompt, a TokenizedPrompt, a string or a list of token ids, got {type(prompt).__name__}"
+        )
+    return tokenize_parts([Part(prompt)], tokenizer)

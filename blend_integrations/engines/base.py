@@ -7,7 +7,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from ..config import BlendConfig, check_mode, check_ratio
 from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
@@ -71,6 +71,44 @@ class GenerationStream:
         close = getattr(self._deltas, "close", None)
         if close is not None:
             close()
+
+
+class AsyncGenerationStream:
+    """Async iteration over an engine's ``stream``, run in a worker thread."""
+
+    def __init__(self, engine: "Engine", prompt, kwargs: dict) -> None:
+        self._engine, self._prompt, self._kwargs = engine, prompt, kwargs
+        self._stream: GenerationStream | None = None
+        self._deltas: asyncio.Queue | None = None
+
+    @property
+    def generation(self) -> Generation | None:
+        return self._stream.generation if self._stream is not None else None
+
+    def __aiter__(self) -> "AsyncGenerationStream":
+        return self
+
+    async def __anext__(self) -> str:
+        if self._deltas is None:
+            loop = asyncio.get_running_loop()
+            self._deltas = asyncio.Queue()
+            self._stream = await asyncio.to_thread(self._engine.stream, self._prompt, **self._kwargs)
+            threading.Thread(target=self._pump, args=(loop, self._stream, self._deltas), daemon=True).start()
+        item = await self._deltas.get()
+        if item is StopAsyncIteration:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    @staticmethod
+    def _pump(loop, stream: GenerationStream, deltas: asyncio.Queue) -> None:
+        try:
+            for delta in stream:
+                loop.call_soon_threadsafe(deltas.put_nowait, delta)
+            loop.call_soon_threadsafe(deltas.put_nowait, StopAsyncIteration)
+        except BaseException as exc:  # hand errors to the awaiting side
+            loop.call_soon_threadsafe(deltas.put_nowait, exc)
 
 
 class Engine(ABC):
@@ -159,29 +197,10 @@ class Engine(ABC):
         """``generate`` without blocking the event loop."""
         return await asyncio.to_thread(self.generate, prompt, **kwargs)
 
-    async def astream(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> AsyncIterator[str]:
-        """``stream`` without blocking the event loop: text deltas as they come."""
-        loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue = asyncio.Queue()
-        done = object()
-        stream = await asyncio.to_thread(self.stream, prompt, **kwargs)
-
-        def pump() -> None:
-            try:
-                for delta in stream:
-                    loop.call_soon_threadsafe(deltas.put_nowait, delta)
-                loop.call_soon_threadsafe(deltas.put_nowait, done)
-            except BaseException as exc:  # hand errors to the awaiting side
-                loop.call_soon_threadsafe(deltas.put_nowait, exc)
-
-        threading.Thread(target=pump, daemon=True).start()
-        while True:
-            item = await deltas.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+    def astream(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> "AsyncGenerationStream":
+        """``stream`` without blocking the event loop: text deltas as they
+        come; ``generation`` is set once it is exhausted."""
+        return AsyncGenerationStream(self, prompt, kwargs)
 
     @abstractmethod
     def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:

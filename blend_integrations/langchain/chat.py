@@ -1,0 +1,261 @@
+"""``BlendLLM`` (a LangChain ``LLM``) and ``ChatBlend`` (a ``BaseChatModel``)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models.llms import LLM
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
+from langchain_core.outputs import Generation as LCGeneration
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from ..config import BlendConfig
+from ..engines import Engine, Generation, load_engine
+from ..prompt import Part, PromptError, TokenizedPrompt, tokenize_parts
+from ..store import ChunkStore
+
+# Marks chunk boundaries in text. Pieces between two separators are chunks;
+# the separator itself is replaced by the engine's separator tokens.
+BLEND_SEPARATOR = "\n<blend-chunk/>\n"
+
+ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "chat": "user"}
+
+
+def chunk_block(text: str) -> dict:
+    """A content block that marks ``text`` (a retrieved document) as a chunk."""
+    return {"type": "text", "text": text, "chunk": True}
+
+
+def format_docs(docs: Sequence[Any]) -> str:
+    """LCEL ``format_docs`` that makes every document a chunk."""
+    texts = [getattr(d, "page_content", d) for d in docs]
+    return BLEND_SEPARATOR + BLEND_SEPARATOR.join(texts) + BLEND_SEPARATOR if texts else ""
+
+
+def _split_text(text: str) -> list[Part]:
+    """Text with BLEND_SEPARATOR: the pieces between separators are chunks."""
+    pieces = text.split(BLEND_SEPARATOR)
+    if len(pieces) < 3:
+        return [Part(text.replace(BLEND_SEPARATOR, ""))]
+    return [Part(pieces[0])] + [Part(p, chunk=True) for p in pieces[1:-1] if p.strip()] + [Part(pieces[-1])]
+
+
+def _content_parts(content: str | list) -> list[Part]:
+    if isinstance(content, str):
+        return _split_text(content)
+    parts: list[Part] = []
+    for block in content:
+        if isinstance(block, str):
+            parts += _split_text(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts += [Part(block["text"], chunk=True)] if block.get("chunk") else _split_text(block["text"])
+        else:
+            raise PromptError(f"unsupported content block for a blend model: {block!r:.80}")
+    return parts
+
+
+def messages_to_prompt(messages: Sequence[BaseMessage], tokenizer, separator: str) -> TokenizedPrompt:
+    """Render messages through the model's own chat template with every chunk
+    kept a separate part: chunks stand in the template as unique placeholders,
+    the rendered text is split around them, and each piece is tokenized alone."""
+    nonce = secrets.token_hex(4)
+    chunks: list[str] = []
+    conversation = []
+    for message in messages:
+        texts = []
+        for part in _content_parts(message.content):
+            if part.chunk:
+                texts.append(f"<<blend-{nonce}-{len(chunks)}>>")
+                chunks.append(part.content)
+            elif part.content:
+                texts.append(part.content)
+        conversation.append({"role": ROLES.get(message.type, message.type), "content": separator.join(texts)})
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    pieces = re.split(rf"<<blend-{nonce}-(\d+)>>", rendered)
+    parts = [Part(pieces[0])]
+    for i in range(1, len(pieces), 2):
+        parts += [Part(chunks[int(pieces[i])], chunk=True), Part(pieces[i + 1])]
+    return tokenize_parts([p for p in parts if p.chunk or p.content], tokenizer)
+
+
+class _BlendModel(BaseModel):
+    """What both LangChain classes share: the engine and the generation settings."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+
+    engine: Any = None
+    model: str | None = None
+    backend: str = "transformers"
+    store: Any = None
+    store_path: str | None = None
+    config: Any = None
+    engine_kwargs: dict = {}
+    mode: str = "blend"
+    recompute_ratio: float | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _load(self):
+        if self.engine is None:
+            if self.model is None:
+                raise ValueError("give model= (a local path, hub id or server URL) or engine= (a loaded Engine)")
+            store = self.store
+            if store is None and self.backend != "server":
+                store = ChunkStore(self.store_path)
+            self.engine = load_engine(self.model, backend=self.backend, store=store,
+                                      config=self.config or BlendConfig(), **self.engine_kwargs)
+        elif not isinstance(self.engine, Engine):
+            raise ValueError(f"engine must be a blend_integrations Engine, got {type(self.engine).__name__}")
+        return self
+
+    def _settings(self, stop: list[str] | None, kwargs: dict) -> dict:
+        settings = {
+            "max_tokens": kwargs.pop("max_tokens", self.max_tokens),
+            "temperature": kwargs.pop("temperature", self.temperature),
+            "top_p": kwargs.pop("top_p", self.top_p),
+            "seed": kwargs.pop("seed", self.seed),
+            "mode": kwargs.pop("mode", self.mode),
+            "recompute_ratio": kwargs.pop("recompute_ratio", self.recompute_ratio),
+            "stop": stop,
+        }
+        if kwargs:
+            raise TypeError(f"unexpected generation arguments: {', '.join(sorted(kwargs))}")
+        return settings
+
+    def _metadata(self, gen: Generation) -> dict:
+        return {
+            "model_name": self.engine.model_name,
+            "finish_reason": gen.finish_reason,
+            "mode": gen.mode,
+            "ttft_s": gen.ttft_s,
+            "cached_tokens": gen.usage.cached_tokens,
+            "recomputed_tokens": gen.usage.recomputed_tokens,
+            "chunks_hit": gen.usage.chunks_hit,
+            "chunks_missed": gen.usage.chunks_missed,
+        }
+
+    @staticmethod
+    def _usage(gen: Generation) -> dict:
+        u = gen.usage
+        return {
+            "input_tokens": u.prompt_tokens,
+            "output_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "input_token_details": {"cache_read": u.cached_tokens},
+        }
+
+
+class BlendLLM(_BlendModel, LLM):
+    """A text-completion model that blends: chunks are marked by BLEND_SEPARATOR."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "blend"
+
+    @property
+    def _identifying_params(self) -> dict:
+        return {"model": self.engine.model_name, "backend": self.engine.backend, "mode": self.mode}
+
+    def _prompt(self, prompt: str) -> TokenizedPrompt | str:
+        parts = _split_text(prompt)
+        return tokenize_parts(parts, self.engine.tokenizer) if len(parts) > 1 else prompt
+
+    def _call(self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> str:
+        return self.engine.generate(self._prompt(prompt), **self._settings(stop, kwargs)).text
+
+    def _result(self, gens: list[Generation]) -> LLMResult:
+        return LLMResult(generations=[
+            [LCGeneration(text=g.text, generation_info={**self._metadata(g), "usage": self._usage(g)})] for g in gens
+        ])
+
+    def _generate(self, prompts: list[str], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> LLMResult:
+        settings = self._settings(stop, kwargs)
+        return self._result(self.engine.generate_many([self._prompt(p) for p in prompts], **settings))
+
+    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> LLMResult:
+        settings = self._settings(stop, kwargs)
+        gens = await asyncio.gather(*(self.engine.agenerate(self._prompt(p), **settings) for p in prompts))
+        return self._result(list(gens))
+
+    def _stream(self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[GenerationChunk]:
+        stream = self.engine.stream(self._prompt(prompt), **self._settings(stop, kwargs))
+        for delta in stream:
+            chunk = GenerationChunk(text=delta)
+            if run_manager:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        gen = stream.generation
+        yield GenerationChunk(text="", generation_info={**self._metadata(gen), "usage": self._usage(gen)})
+
+    async def _astream(self, prompt: str, stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[GenerationChunk]:
+        stream = self.engine.astream(self._prompt(prompt), **self._settings(stop, kwargs))
+        async for delta in stream:
+            chunk = GenerationChunk(text=delta)
+            if run_manager:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        gen = stream.generation
+        yield GenerationChunk(text="", generation_info={**self._metadata(gen), "usage": self._usage(gen)})
+
+
+class ChatBlend(_BlendModel, BaseChatModel):
+    """A chat model that blends: messages go through the model's chat template,
+    and chunk content blocks or BLEND_SEPARATOR pieces stay separate chunks."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "blend-chat"
+
+    @property
+    def _identifying_params(self) -> dict:
+        return {"model": self.engine.model_name, "backend": self.engine.backend, "mode": self.mode}
+
+    def _prompt(self, messages: list[BaseMessage]) -> TokenizedPrompt:
+        return messages_to_prompt(messages, self.engine.tokenizer, self.engine.config.separator)
+
+    def _final(self, gen: Generation) -> AIMessageChunk:
+        return AIMessageChunk(content="", usage_metadata=self._usage(gen), response_metadata=self._metadata(gen),
+                              chunk_position="last")
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
+        gen = self.engine.generate(self._prompt(messages), **self._settings(stop, kwargs))
+        message = AIMessage(content=gen.text, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen))
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[ChatGenerationChunk]:
+        stream = self.engine.stream(self._prompt(messages), **self._settings(stop, kwargs))
+        for delta in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield ChatGenerationChunk(message=self._final(stream.generation))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
+        gen = await self.engine.agenerate(self._prompt(messages), **self._settings(stop, kwargs))
+        message = AIMessage(content=gen.text, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen))
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[ChatGenerationChunk]:
+        stream = self.engine.astream(self._prompt(messages), **self._settings(stop, kwargs))
+        async for delta in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield ChatGenerationChunk(message=self._final(stream.generation))
