@@ -8,9 +8,23 @@ Chunk boundaries reach the engine without re-tokenizing joined text:
 - ``BLEND_SEPARATOR`` in text (a text prompt, or a message's text): the text
   between two separators is a chunk, tokenized alone. Use it as
   ``document_separator`` or in an LCEL ``format_docs`` (``format_docs`` here
-  puts it around every document).
+  puts it around every document);
+- ``create_blend_rag_chain(retriever, llm)``: retrieved ``Document``s go to the
+  model as chunk blocks directly.
+
+``BlendCacheWarmer`` computes chunk KV at ingestion, so first queries hit.
 """
 
 from .chat import BLEND_SEPARATOR, BlendLLM, ChatBlend, chunk_block, format_docs, messages_to_prompt
+from .rag import BlendCacheWarmer, create_blend_rag_chain
 
-__all__ = ["BLEND_SEPARATOR", "BlendLLM", "ChatBlend", "chunk_block", "format_docs", "messages_to_prompt"]
+__all__ = [
+    "BLEND_SEPARATOR",
+    "BlendCacheWarmer",
+    "BlendLLM",
+    "ChatBlend",
+    "chunk_block",
+    "create_blend_rag_chain",
+    "format_docs",
+    "messages_to_prompt",
+]

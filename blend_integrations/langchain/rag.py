@@ -1,0 +1,77 @@
+"""Retriever-aware pieces: a RAG chain that hands documents over as chunks, and a cache warmer."""
+
+from __future__ import annotations
+
+import asyncio
+from operator import itemgetter
+from typing import Any, Sequence
+
+from langchain_core.documents import BaseDocumentTransformer, Document
+from langchain_core.messages import HumanMessage
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
+
+from ..engines import Engine
+from .chat import BlendLLM, ChatBlend, chunk_block, format_docs
+
+DEFAULT_PROMPT = ChatPromptTemplate.from_messages([
+    ("system", "Answer the question using only the documents. Say so if they do not contain the answer."),
+    ("human", "Question: {question}"),
+])
+
+
+def create_blend_rag_chain(retriever: Runnable, llm: ChatBlend | BlendLLM, prompt: ChatPromptTemplate | None = None) -> Runnable:
+    """question (a string or ``{"question": ...}``) -> ``{"question", "documents", "answer"}``.
+
+    The retrieved ``Document``s go to the model as chunks directly: content
+    blocks placed before the text of the prompt's last human message (for a
+    ``BlendLLM``, BLEND_SEPARATOR pieces before the rendered prompt's end).
+    ``answer`` is the model's message (a string for a ``BlendLLM``); it
+    streams. ``prompt`` needs a ``{question}`` variable.
+    """
+    prompt = prompt or DEFAULT_PROMPT
+
+    def normalize(x: Any) -> dict:
+        if isinstance(x, str):
+            return {"question": x}
+        if isinstance(x, dict) and "question" in x:
+            return {**x}
+        raise ValueError(f'the chain takes a question string or {{"question": ...}}, got {x!r:.80}')
+
+    def model_input(x: dict):
+        docs = [d.page_content for d in x["documents"]]
+        variables = {k: v for k, v in x.items() if k != "documents"}
+        if isinstance(llm, BlendLLM):
+            text = prompt.format(**variables)
+            return format_docs(docs) + text
+        messages = prompt.format_messages(**variables)
+        humans = [i for i, m in enumerate(messages) if isinstance(m, HumanMessage)]
+        if not humans:
+            raise ValueError("the prompt needs a human message for the documents to go in")
+        i = humans[-1]
+        text = messages[i].content if isinstance(messages[i].content, list) else [{"type": "text", "text": messages[i].content}]
+        messages[i] = HumanMessage(content=[chunk_block(d) for d in docs] + text)
+        return messages
+
+    return (
+        RunnableLambda(normalize)
+        | RunnablePassthrough.assign(documents=itemgetter("question") | retriever)
+        | RunnablePassthrough.assign(answer=RunnableLambda(model_input) | llm)
+    ).with_config(run_name="blend_rag_chain")
+
+
+class BlendCacheWarmer(BaseDocumentTransformer):
+    """A document transformer for ingestion: computes and stores every
+    document's chunk KV, so the first query that retrieves it already hits.
+    Documents pass through unchanged."""
+
+    def __init__(self, model: ChatBlend | BlendLLM | Engine, *, progress: bool = True) -> None:
+        self.engine = model if isinstance(model, Engine) else model.engine
+        self.progress = progress
+
+    def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
+        self.engine.warm([d.page_content for d in documents if d.page_content], progress=self.progress)
+        return documents
+
+    async def atransform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
+        return await asyncio.to_thread(self.transform_documents, documents, **kwargs)
