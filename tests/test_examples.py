@@ -17,9 +17,10 @@ def run(args, tmp_path):
     return out.stdout
 
 
-def test_demo(tmp_path):
-    out = run(["-m", "blend_integrations.demo", "--max-tokens", "4"], tmp_path)
-    assert "(4/4 chunks)" in out
+def test_langchain_rag_example_is_the_demo(tmp_path):
+    assert "examples/langchain_rag.py" in (ROOT / "Makefile").read_text().split("demo:")[1].split("\n\n")[0]
+    out = run(["examples/langchain_rag.py", "--max-tokens", "4"], tmp_path)
+    assert "retrieved: [" in out and "(4/4 chunks)" in out
     assert "time to first token: full" in out and "x sooner" in out
 
 
