@@ -102,6 +102,8 @@ class _BlendModel(BaseModel):
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    stop: list[str] | None = None  # default stop sequences, extended by each call's
+    timeout: float | None = None  # seconds; the HTTP timeout of the "server" backend
 
     @model_validator(mode="after")
     def _load(self):
@@ -109,10 +111,14 @@ class _BlendModel(BaseModel):
             if self.model is None:
                 raise ValueError("give model= (a local path, hub id or server URL) or engine= (a loaded Engine)")
             store = self.store
-            if store is None and self.backend != "server":
+            kwargs = dict(self.engine_kwargs)
+            if self.backend == "server":
+                if self.timeout is not None:
+                    kwargs.setdefault("timeout_s", self.timeout)
+            elif store is None:
                 store = ChunkStore(self.store_path)
             self.engine = load_engine(self.model, backend=self.backend, store=store,
-                                      config=self.config or BlendConfig(), **self.engine_kwargs)
+                                      config=self.config or BlendConfig(), **kwargs)
         elif not isinstance(self.engine, Engine):
             raise ValueError(f"engine must be a blend_integrations Engine, got {type(self.engine).__name__}")
         return self
@@ -125,11 +131,21 @@ class _BlendModel(BaseModel):
             "seed": kwargs.pop("seed", self.seed),
             "mode": kwargs.pop("mode", self.mode),
             "recompute_ratio": kwargs.pop("recompute_ratio", self.recompute_ratio),
-            "stop": stop,
+            "stop": list(self.stop or []) + list(stop or []),
         }
         if kwargs:
             raise TypeError(f"unexpected generation arguments: {', '.join(sorted(kwargs))}")
         return settings
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs):
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "blend_integrations"
+        params["ls_model_name"] = kwargs.get("model") or self.engine.model_name
+        params["ls_temperature"] = kwargs.get("temperature", self.temperature)
+        params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_tokens)
+        if stop or self.stop:
+            params["ls_stop"] = list(self.stop or []) + list(stop or [])
+        return params
 
     def _metadata(self, gen: Generation) -> dict:
         return {
