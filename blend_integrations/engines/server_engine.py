@@ -19,6 +19,7 @@ from typing import Iterable, Iterator, Sequence
 from ..config import BlendConfig
 from ..prompt import BlendPrompt, TextOrIds
 from .base import Engine, Generation, GenerationStream, Request, Usage
+from .vllm_engine import kv_transfer_params
 
 
 class ServerError(RuntimeError):
@@ -94,15 +95,9 @@ class ServerEngine(Engine):
         if req.logprobs is not None:
             body["logprobs"] = req.logprobs
             body["return_tokens_as_token_ids"] = True  # logprob keys "token_id:<id>"
-        if req.mode != "full" and tp.chunk_spans:
-            body["kv_transfer_params"] = {
-                "blend": {
-                    "mode": req.mode,
-                    "ratio": req.recompute_ratio,
-                    "chunk_spans": [list(s) for s in tp.chunk_spans],
-                    "num_tokens": min(max(tp.chunk_spans[-1][1], 1), len(tp) - 1),
-                }
-            }
+        params = kv_transfer_params(req)
+        if params:
+            body["kv_transfer_params"] = params
         return body
 
     def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
@@ -164,11 +159,8 @@ class ServerEngine(Engine):
         return Generation(
             text=choice["text"], token_ids=list(choice.get("token_ids") or []), prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            ttft_s=elapsed, usage=Usage(
-                prompt_tokens=len(req.prompt), completion_tokens=resp["usage"]["completion_tokens"],
-                cached_tokens=blend.get("cached_tokens", 0), recomputed_tokens=blend.get("recomputed_tokens", 0),
-                chunks_hit=blend.get("chunks_hit", 0), chunks_missed=blend.get("chunks_missed", 0),
-            ), mode=mode, logprobs=lp, total_s=elapsed,
+            ttft_s=elapsed, mode=mode, logprobs=lp, total_s=elapsed,
+            usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=resp["usage"]["completion_tokens"], **blend),
         )
 
     def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:

@@ -77,7 +77,7 @@ class BlendConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.config = BlendConfig(**{k: tuple(v) if k == "check_layers" else v for k, v in extra.get("blend_config", {}).items()})
+        self.config = BlendConfig(**extra.get("blend_config", {}))
         model_config = vllm_config.model_config
         self.fingerprint, self.bos = _model_identity(model_config.model, model_config.tokenizer)
         self.dtype_name = str(model_config.dtype).removeprefix("torch.")

@@ -8,6 +8,7 @@ concurrent requests are batched by vLLM's scheduler.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import queue
@@ -41,6 +42,54 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: int, on_gpu: bool,
+                      dtype: str = "auto") -> dict:
+    """The vLLM engine arguments blending needs, by vLLM's argument names: the
+    embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
+    dtype "auto" is float32 on CPU, bfloat16 on CUDA, as for the transformers engine."""
+    args = {
+        "dtype": dtype if dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
+        "max_model_len": max_model_len,
+        "load_format": "blend",  # vLLM's default loading; hands the model to the connector
+        "kv_transfer_config": {
+            "kv_connector": "BlendConnector",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "store_path": str(store.path),
+                "store_size_limit_bytes": store.size_limit_bytes,
+                "store_memory_limit_bytes": store.memory_limit_bytes,
+                "blend_config": {**dataclasses.asdict(config), "check_layers": list(config.check_layers)},
+            },
+        },
+        # Blended KV must never enter vLLM's prefix cache, and a blended
+        # prompt must be prefilled in one step (no chunked prefill split).
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": max(max_model_len, 2048),
+    }
+    if not on_gpu:
+        args |= {"enforce_eager": True, "block_size": 32}  # the CPU backend needs blocks of a multiple of 32
+    return args
+
+
+def kv_transfer_params(req: Request) -> dict | None:
+    """What a request tells the blend connector (embedded or over HTTP); None
+    for a request with nothing to blend. Everything up to the end of the last
+    chunk is blended; vLLM computes the rest, at least the last token, whose
+    logits it samples from."""
+    tp = req.prompt
+    if req.mode == "full" or not tp.chunk_spans:
+        return None
+    return {
+        "blend": {
+            "mode": req.mode,
+            "ratio": req.recompute_ratio,
+            "chunk_spans": [list(s) for s in tp.chunk_spans],
+            "num_tokens": min(max(tp.chunk_spans[-1][1], 1), len(tp) - 1),
+        }
+    }
+
+
 class VLLMEngine(Engine):
     backend = "vllm"
 
@@ -68,53 +117,28 @@ class VLLMEngine(Engine):
         on_gpu = device == "cuda" or (device == "auto" and _has_cuda())
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' for the vLLM backend, got {device!r}")
-        if dtype == "auto":
-            dtype = "bfloat16" if on_gpu else "float32"
         self.model_name = str(model)
         self.config = config or BlendConfig()
         self.store = store if store is not None else ChunkStore()
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.fingerprint = model_fingerprint(model_dir)
-        self.dtype_name = dtype
         if not on_gpu:
             # The CPU backend reserves its KV cache from host RAM, in GiB.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
-        max_model_len = max_model_len or int(hf_config.max_position_embeddings)
-        kv_transfer = KVTransferConfig(
-            kv_connector="BlendConnector",
-            kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "store_path": str(self.store.path),
-                "store_size_limit_bytes": self.store.size_limit_bytes,
-                "store_memory_limit_bytes": self.store.memory_limit_bytes,
-                "blend_config": {
-                    "recompute_ratio": self.config.recompute_ratio,
-                    "check_layers": list(self.config.check_layers),
-                    "deviation": self.config.deviation,
-                    "separator": self.config.separator,
-                    "sink_tokens": self.config.sink_tokens,
-                },
-            },
+        args = blend_engine_args(
+            store=self.store, config=self.config, on_gpu=on_gpu, dtype=dtype,
+            max_model_len=max_model_len or int(hf_config.max_position_embeddings),
         )
+        self.dtype_name = args["dtype"]
         kwargs = dict(
+            args,
             model=model_dir,
             tokenizer=model_dir,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            # Blended KV must never enter vLLM's prefix cache, and a blended
-            # prompt must be prefilled in one step (no chunked prefill split).
-            enable_prefix_caching=False,
-            max_num_batched_tokens=max(max_model_len, 2048),
+            kv_transfer_config=KVTransferConfig(**args["kv_transfer_config"]),
             max_num_seqs=max_num_seqs,
-            enforce_eager=not on_gpu,
-            load_format="blend",  # vLLM's default loading; hands the model to the connector
-            kv_transfer_config=kv_transfer,
             worker_extension_cls=f"{CONNECTOR_MODULE}.BlendWorkerExtension",
             seed=0,
         )
-        if not on_gpu:
-            kwargs["block_size"] = 32  # the CPU backend needs a multiple of 32
         kwargs.update(llm_kwargs)
         self.llm = vllm.LLM(**kwargs)
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
@@ -196,19 +220,7 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         tp = req.prompt
-        extra = {}
-        if req.mode != "full" and tp.chunk_spans:
-            # Everything before the suffix is blended; vLLM computes the rest
-            # (at least the last token, whose logits it samples from).
-            suffix_start = max(tp.chunk_spans[-1][1], 1)
-            extra["kv_transfer_params"] = {
-                "blend": {
-                    "mode": req.mode,
-                    "ratio": req.recompute_ratio,
-                    "chunk_spans": [list(s) for s in tp.chunk_spans],
-                    "num_tokens": min(suffix_start, len(tp) - 1),
-                }
-            }
+        params = kv_transfer_params(req)
         return SamplingParams(
             max_tokens=min(req.max_tokens, self.context_length - len(tp)),
             temperature=req.temperature,
@@ -217,7 +229,7 @@ class VLLMEngine(Engine):
             seed=req.seed,
             logprobs=req.logprobs,
             output_kind=RequestOutputKind.DELTA,
-            extra_args=extra or None,
+            extra_args={"kv_transfer_params": params} if params else None,
         )
 
     def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
@@ -261,14 +273,7 @@ class VLLMEngine(Engine):
                     text.append(completion.text)
                     yield completion.text
             blend = (out.kv_transfer_params or {}).get("blend") or {}
-            usage = Usage(
-                prompt_tokens=len(tp),
-                completion_tokens=len(ids),
-                cached_tokens=blend.get("cached_tokens", 0),
-                recomputed_tokens=blend.get("recomputed_tokens", 0),
-                chunks_hit=blend.get("chunks_hit", 0),
-                chunks_missed=blend.get("chunks_missed", len(tp.chunk_spans) if mode != "full" else 0),
-            )
+            usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
             stream.generation = Generation(
                 text="".join(text), token_ids=ids, prompt_token_ids=list(tp.token_ids),
                 finish_reason="length" if completion.finish_reason == "length" else "stop",

@@ -147,6 +147,10 @@ class _BlendModel(BaseModel):
             params["ls_stop"] = list(self.stop or []) + list(stop or [])
         return params
 
+    @property
+    def _identifying_params(self) -> dict:
+        return {"model": self.engine.model_name, "backend": self.engine.backend, "mode": self.mode}
+
     def _metadata(self, gen: Generation) -> dict:
         return {
             "model_name": self.engine.model_name,
@@ -177,10 +181,6 @@ class BlendLLM(_BlendModel, LLM):
     def _llm_type(self) -> str:
         return "blend"
 
-    @property
-    def _identifying_params(self) -> dict:
-        return {"model": self.engine.model_name, "backend": self.engine.backend, "mode": self.mode}
-
     def _prompt(self, prompt: str) -> TokenizedPrompt | str:
         parts = _split_text(prompt)
         return tokenize_parts(parts, self.engine.tokenizer) if len(parts) > 1 else prompt
@@ -188,10 +188,11 @@ class BlendLLM(_BlendModel, LLM):
     def _call(self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> str:
         return self.engine.generate(self._prompt(prompt), **self._settings(stop, kwargs)).text
 
+    def _info(self, gen: Generation) -> dict:
+        return {**self._metadata(gen), "usage": self._usage(gen)}
+
     def _result(self, gens: list[Generation]) -> LLMResult:
-        return LLMResult(generations=[
-            [LCGeneration(text=g.text, generation_info={**self._metadata(g), "usage": self._usage(g)})] for g in gens
-        ])
+        return LLMResult(generations=[[LCGeneration(text=g.text, generation_info=self._info(g))] for g in gens])
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> LLMResult:
@@ -211,8 +212,7 @@ class BlendLLM(_BlendModel, LLM):
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        gen = stream.generation
-        yield GenerationChunk(text="", generation_info={**self._metadata(gen), "usage": self._usage(gen)})
+        yield GenerationChunk(text="", generation_info=self._info(stream.generation))
 
     async def _astream(self, prompt: str, stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[GenerationChunk]:
         stream = self.engine.astream(self._prompt(prompt), **self._settings(stop, kwargs))
@@ -221,8 +221,7 @@ class BlendLLM(_BlendModel, LLM):
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        gen = stream.generation
-        yield GenerationChunk(text="", generation_info={**self._metadata(gen), "usage": self._usage(gen)})
+        yield GenerationChunk(text="", generation_info=self._info(stream.generation))
 
 
 class ChatBlend(_BlendModel, BaseChatModel):
@@ -233,12 +232,12 @@ class ChatBlend(_BlendModel, BaseChatModel):
     def _llm_type(self) -> str:
         return "blend-chat"
 
-    @property
-    def _identifying_params(self) -> dict:
-        return {"model": self.engine.model_name, "backend": self.engine.backend, "mode": self.mode}
-
     def _prompt(self, messages: list[BaseMessage]) -> TokenizedPrompt:
         return messages_to_prompt(messages, self.engine.tokenizer, self.engine.config.separator)
+
+    def _result(self, gen: Generation) -> ChatResult:
+        message = AIMessage(content=gen.text, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen))
+        return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _final(self, gen: Generation) -> AIMessageChunk:
         return AIMessageChunk(content="", usage_metadata=self._usage(gen), response_metadata=self._metadata(gen),
@@ -247,8 +246,7 @@ class ChatBlend(_BlendModel, BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
         gen = self.engine.generate(self._prompt(messages), **self._settings(stop, kwargs))
-        message = AIMessage(content=gen.text, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen))
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        return self._result(gen)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[ChatGenerationChunk]:
@@ -263,8 +261,7 @@ class ChatBlend(_BlendModel, BaseChatModel):
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
         gen = await self.engine.agenerate(self._prompt(messages), **self._settings(stop, kwargs))
-        message = AIMessage(content=gen.text, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen))
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        return self._result(gen)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[ChatGenerationChunk]:
