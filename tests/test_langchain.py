@@ -23,6 +23,14 @@ def chat_messages(docs):
             HumanMessage(content=[chunk_block(d) for d in docs] + [{"type": "text", "text": QUESTION}])]
 
 
+class Results(BaseCallbackHandler):
+    def __init__(self):
+        self.results = []
+
+    def on_llm_end(self, response, **kwargs):
+        self.results.append(response)
+
+
 class Tokens(BaseCallbackHandler):
     def __init__(self):
         self.tokens = []
@@ -110,6 +118,33 @@ def test_llm_separator_text_is_split_into_chunks(engine, docs):
     llm.invoke(prompt)
     info = llm.generate([prompt]).generations[0][-1].generation_info
     assert info["chunks_hit"] == len(docs)
+
+
+def test_stuff_documents_chain_with_blend_separator(any_engine, docs):
+    """LangChain's stuff-documents chain: BLEND_SEPARATOR as document_separator, and
+    around {context} in the prompt, makes every document a chunk."""
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+    from langchain_core.documents import Document
+    from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
+
+    any_engine.warm(docs)
+    documents = [Document(page_content=d) for d in docs]
+    context = "Documents:" + BLEND_SEPARATOR + "{context}" + BLEND_SEPARATOR + QUESTION
+    chat_prompt = ChatPromptTemplate.from_messages([("system", "Answer from the documents."), ("human", context)])
+    seen = Results()
+    answers = {}
+    for mode in ("blend", "full"):
+        chain = create_stuff_documents_chain(ChatBlend(engine=any_engine, max_tokens=8, mode=mode, recompute_ratio=1.0),
+                                             chat_prompt, document_separator=BLEND_SEPARATOR)
+        answers[mode] = chain.invoke({"context": documents}, config={"callbacks": [seen]})
+    meta = seen.results[0].generations[0][0].message.response_metadata
+    assert meta["chunks_hit"] == len(docs) and meta["chunks_missed"] == 0
+    assert answers["blend"] == answers["full"]
+
+    text_chain = create_stuff_documents_chain(BlendLLM(engine=any_engine, max_tokens=4), PromptTemplate.from_template(context),
+                                              document_separator=BLEND_SEPARATOR)
+    text_chain.invoke({"context": documents}, config={"callbacks": [seen]})
+    assert seen.results[-1].generations[0][0].generation_info["chunks_hit"] == len(docs)
 
 
 def test_construction_errors(engine):
