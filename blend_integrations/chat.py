@@ -1,0 +1,62 @@
+"""Chat prompts with chunks: conversations rendered through the model's own chat
+template while every chunk stays a separate, alone-tokenized part. The LangChain
+and LlamaIndex adapters turn their message types into the turns used here."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Sequence
+
+from .prompt import Part, TokenizedPrompt, tokenize_parts
+
+# Marks chunk boundaries in text. Pieces between two separators are chunks;
+# the separator itself is replaced by the engine's separator tokens.
+BLEND_SEPARATOR = "\n<blend-chunk/>\n"
+
+
+def split_text(text: str) -> list[Part]:
+    """Text with BLEND_SEPARATOR: the pieces between separators are chunks."""
+    pieces = text.split(BLEND_SEPARATOR)
+    if len(pieces) < 3:
+        return [Part(text.replace(BLEND_SEPARATOR, ""))]
+    return [Part(pieces[0])] + [Part(p, chunk=True) for p in pieces[1:-1] if p.strip()] + [Part(pieces[-1])]
+
+
+def separated(texts: Sequence[str]) -> str:
+    """Texts as chunks in one string: BLEND_SEPARATOR around every one."""
+    return BLEND_SEPARATOR + BLEND_SEPARATOR.join(texts) + BLEND_SEPARATOR if texts else ""
+
+
+def render_chat(turns: Sequence[dict], tokenizer, separator: str, *, tools: list[dict] | None = None,
+                reply_prefix: str = "") -> TokenizedPrompt:
+    """Render ``turns`` (template message dicts whose ``content`` is a list of
+    ``Part``) through the tokenizer's chat template. Chunks stand in the
+    template as unique placeholders, the rendered text is split around them,
+    and each piece is tokenized alone; the parts of one turn are joined with
+    ``separator``. ``tools``: OpenAI-style tool schemas for the template;
+    ``reply_prefix``: text the assistant's reply starts with."""
+    nonce = secrets.token_hex(4)
+    chunks: list[str] = []
+    conversation = []
+    for turn in turns:
+        texts = []
+        for part in turn["content"]:
+            if part.chunk:
+                texts.append(f"<<blend-{nonce}-{len(chunks)}>>")
+                chunks.append(part.content)
+            elif part.content:
+                texts.append(part.content)
+        conversation.append({**turn, "content": separator.join(texts)})
+    rendered = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
+    pieces = re.split(rf"<<blend-{nonce}-(\d+)>>", rendered + reply_prefix)
+    parts = [Part(pieces[0])]
+    for i in range(1, len(pieces), 2):
+        parts += [Part(chunks[int(pieces[i])], chunk=True), Part(pieces[i + 1])]
+    return tokenize_parts([p for p in parts if p.chunk or p.content], tokenizer)
+
+
+def text_prompt(text: str, tokenizer) -> TokenizedPrompt | str:
+    """A completion prompt: BLEND_SEPARATOR pieces become chunks; plain text stays text."""
+    parts = split_text(text)
+    return tokenize_parts(parts, tokenizer) if len(parts) > 1 else text

@@ -1,0 +1,13 @@
+"""LlamaIndex: ``BlendLLM``, a synthesizer that keeps every retrieved node its own
+chunk, a query engine built on it, and an ingestion step that warms chunk KV.
+
+LlamaIndex's stock response modes repack node texts into new strings, which
+loses chunk identity; ``BlendSynthesizer`` (and ``as_blend_query_engine``)
+hand each node's text to the engine as one chunk instead. ``BlendLLM`` also
+works as a plain LLM for the stock modes.
+"""
+
+from .llm import BlendLLM, blend_stats
+from .rag import BlendKVWarmup, BlendSynthesizer, as_blend_query_engine
+
+__all__ = ["BlendKVWarmup", "BlendLLM", "BlendSynthesizer", "as_blend_query_engine", "blend_stats"]
