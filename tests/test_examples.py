@@ -24,6 +24,12 @@ def test_langchain_rag_example_is_the_demo(tmp_path):
     assert "time to first token: full" in out and "x sooner" in out
 
 
+def test_llamaindex_rag_example(tmp_path):
+    out = run(["examples/llamaindex_rag.py", "--max-tokens", "4"], tmp_path)
+    assert "retrieved: [" in out and "(4/4 chunks)" in out
+    assert "time to first token: full" in out and "x sooner" in out
+
+
 def test_quickstart_example(tmp_path):
     out = run(["examples/quickstart.py"], tmp_path)
     assert "computed at warm-up: 5 chunks" in out

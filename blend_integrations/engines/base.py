@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
@@ -36,6 +37,12 @@ class Generation:
     mode: str
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-k and the chosen token
     total_s: float = 0.0
+
+    def stats(self) -> dict:
+        """What the call reused and recomputed, and how soon it answered (a flat
+        dict: the integrations put it in their responses' metadata)."""
+        return {"mode": self.mode, "finish_reason": self.finish_reason, "ttft_s": self.ttft_s,
+                **dataclasses.asdict(self.usage)}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ Chunk boundaries reach the engine without re-tokenizing joined text:
 formats are in ``blend_integrations.tool_calls``).
 """
 
-from .chat import BLEND_SEPARATOR, BlendLLM, ChatBlend, chunk_block, format_docs, messages_to_prompt
+from ..chat import BLEND_SEPARATOR
+from .chat import BlendLLM, ChatBlend, chunk_block, format_docs, messages_to_prompt
 from .rag import BlendCacheWarmer, create_blend_rag_chain
 
 __all__ = [

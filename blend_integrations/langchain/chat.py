@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import secrets
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -23,13 +21,10 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from ..config import BlendConfig
 from ..engines import Engine, Generation, load_engine
-from ..prompt import Part, PromptError, TokenizedPrompt, tokenize_parts
+from ..chat import render_chat, separated, split_text, text_prompt
+from ..prompt import Part, PromptError, TokenizedPrompt
 from ..store import ChunkStore
 from .. import tool_calls
-
-# Marks chunk boundaries in text. Pieces between two separators are chunks;
-# the separator itself is replaced by the engine's separator tokens.
-BLEND_SEPARATOR = "\n<blend-chunk/>\n"
 
 ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "chat": "user"}
 
@@ -41,27 +36,18 @@ def chunk_block(text: str) -> dict:
 
 def format_docs(docs: Sequence[Any]) -> str:
     """LCEL ``format_docs`` that makes every document a chunk."""
-    texts = [getattr(d, "page_content", d) for d in docs]
-    return BLEND_SEPARATOR + BLEND_SEPARATOR.join(texts) + BLEND_SEPARATOR if texts else ""
-
-
-def _split_text(text: str) -> list[Part]:
-    """Text with BLEND_SEPARATOR: the pieces between separators are chunks."""
-    pieces = text.split(BLEND_SEPARATOR)
-    if len(pieces) < 3:
-        return [Part(text.replace(BLEND_SEPARATOR, ""))]
-    return [Part(pieces[0])] + [Part(p, chunk=True) for p in pieces[1:-1] if p.strip()] + [Part(pieces[-1])]
+    return separated([getattr(d, "page_content", d) for d in docs])
 
 
 def _content_parts(content: str | list) -> list[Part]:
     if isinstance(content, str):
-        return _split_text(content)
+        return split_text(content)
     parts: list[Part] = []
     for block in content:
         if isinstance(block, str):
-            parts += _split_text(block)
+            parts += split_text(block)
         elif isinstance(block, dict) and block.get("type") == "text":
-            parts += [Part(block["text"], chunk=True)] if block.get("chunk") else _split_text(block["text"])
+            parts += [Part(block["text"], chunk=True)] if block.get("chunk") else split_text(block["text"])
         elif isinstance(block, dict) and block.get("type") in ("tool_use", "tool_call"):
             continue  # an AIMessage's tool_calls field carries the same call
         else:
@@ -69,9 +55,9 @@ def _content_parts(content: str | list) -> list[Part]:
     return parts
 
 
-def _turn(message: BaseMessage, content: str) -> dict:
+def _turn(message: BaseMessage) -> dict:
     """One message as a chat-template turn (the OpenAI-style dicts HF templates read)."""
-    turn = {"role": ROLES.get(message.type, message.type), "content": content}
+    turn = {"role": ROLES.get(message.type, message.type), "content": _content_parts(message.content)}
     if isinstance(message, AIMessage) and message.tool_calls:
         turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
                               for c in message.tool_calls]
@@ -85,28 +71,9 @@ def _turn(message: BaseMessage, content: str) -> dict:
 def messages_to_prompt(messages: Sequence[BaseMessage], tokenizer, separator: str, *,
                        tools: list[dict] | None = None, reply_prefix: str = "") -> TokenizedPrompt:
     """Render messages through the model's own chat template with every chunk
-    kept a separate part: chunks stand in the template as unique placeholders,
-    the rendered text is split around them, and each piece is tokenized alone.
-    ``tools``: OpenAI-style tool schemas for the template; ``reply_prefix``:
-    text the assistant's reply starts with (a forced tool call)."""
-    nonce = secrets.token_hex(4)
-    chunks: list[str] = []
-    conversation = []
-    for message in messages:
-        texts = []
-        for part in _content_parts(message.content):
-            if part.chunk:
-                texts.append(f"<<blend-{nonce}-{len(chunks)}>>")
-                chunks.append(part.content)
-            elif part.content:
-                texts.append(part.content)
-        conversation.append(_turn(message, separator.join(texts)))
-    rendered = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
-    pieces = re.split(rf"<<blend-{nonce}-(\d+)>>", rendered + reply_prefix)
-    parts = [Part(pieces[0])]
-    for i in range(1, len(pieces), 2):
-        parts += [Part(chunks[int(pieces[i])], chunk=True), Part(pieces[i + 1])]
-    return tokenize_parts([p for p in parts if p.chunk or p.content], tokenizer)
+    (chunk block or BLEND_SEPARATOR piece) kept a separate, alone-tokenized part.
+    ``tools``: OpenAI-style tool schemas; ``reply_prefix``: text the reply starts with."""
+    return render_chat([_turn(m) for m in messages], tokenizer, separator, tools=tools, reply_prefix=reply_prefix)
 
 
 class _BlendModel(BaseModel):
@@ -177,16 +144,7 @@ class _BlendModel(BaseModel):
         return {"model": self.engine.model_name, "backend": self.engine.backend, "mode": self.mode}
 
     def _metadata(self, gen: Generation) -> dict:
-        return {
-            "model_name": self.engine.model_name,
-            "finish_reason": gen.finish_reason,
-            "mode": gen.mode,
-            "ttft_s": gen.ttft_s,
-            "cached_tokens": gen.usage.cached_tokens,
-            "recomputed_tokens": gen.usage.recomputed_tokens,
-            "chunks_hit": gen.usage.chunks_hit,
-            "chunks_missed": gen.usage.chunks_missed,
-        }
+        return {"model_name": self.engine.model_name, **gen.stats()}
 
     @staticmethod
     def _usage(gen: Generation) -> dict:
@@ -207,8 +165,7 @@ class BlendLLM(_BlendModel, LLM):
         return "blend"
 
     def _prompt(self, prompt: str) -> TokenizedPrompt | str:
-        parts = _split_text(prompt)
-        return tokenize_parts(parts, self.engine.tokenizer) if len(parts) > 1 else prompt
+        return text_prompt(prompt, self.engine.tokenizer)
 
     def _call(self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> str:
         return self.engine.generate(self._prompt(prompt), **self._settings(stop, kwargs)).text

@@ -7,7 +7,7 @@ hand each node's text to the engine as one chunk instead. ``BlendLLM`` also
 works as a plain LLM for the stock modes.
 """
 
-from .llm import BlendLLM, blend_stats
+from .llm import BlendLLM
 from .rag import BlendKVWarmup, BlendSynthesizer, as_blend_query_engine
 
-__all__ = ["BlendKVWarmup", "BlendLLM", "BlendSynthesizer", "as_blend_query_engine", "blend_stats"]
+__all__ = ["BlendKVWarmup", "BlendLLM", "BlendSynthesizer", "as_blend_query_engine"]

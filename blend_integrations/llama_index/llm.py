@@ -23,27 +23,11 @@ from pydantic import Field, PrivateAttr
 
 from ..chat import render_chat, split_text, text_prompt
 from ..config import BlendConfig
-from ..engines import Engine, Generation, load_engine
+from ..engines import Engine, load_engine
 from ..prompt import Part, PromptError, TokenizedPrompt, tokenize_parts
 from ..store import ChunkStore
 
 SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "mode", "recompute_ratio", "stop")
-
-
-def blend_stats(gen: Generation) -> dict:
-    """What a generation reused and recomputed, and how soon it answered."""
-    u = gen.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "cached_tokens": u.cached_tokens,
-        "recomputed_tokens": u.recomputed_tokens,
-        "ttft_s": gen.ttft_s,
-        "completion_tokens": u.completion_tokens,
-        "chunks_hit": u.chunks_hit,
-        "chunks_missed": u.chunks_missed,
-        "mode": gen.mode,
-        "finish_reason": gen.finish_reason,
-    }
 
 
 def _turn(message: ChatMessage) -> dict:
@@ -66,7 +50,7 @@ class BlendLLM(LLM):
     Prompts: ``complete`` splits text on BLEND_SEPARATOR into chunks; ``chat``
     renders messages through the model's chat template (BLEND_SEPARATOR in a
     message marks chunks too); ``complete_chunks`` takes the chunks explicitly.
-    Every response carries ``additional_kwargs["blend"]`` (``blend_stats``)."""
+    Every response carries ``additional_kwargs["blend"]`` (``Generation.stats()``)."""
 
     model: str | None = Field(default=None, description="local path or hub id of the model")
     backend: str = Field(default="transformers", description='"transformers" or "vllm"')
@@ -148,11 +132,11 @@ class BlendLLM(LLM):
 
     def _complete(self, prompt: TokenizedPrompt | str, kwargs: dict) -> CompletionResponse:
         gen = self._engine.generate(prompt, **self._settings(kwargs))
-        return CompletionResponse(text=gen.text, raw=gen, additional_kwargs={"blend": blend_stats(gen)})
+        return CompletionResponse(text=gen.text, raw=gen, additional_kwargs={"blend": gen.stats()})
 
     async def _acomplete(self, prompt: TokenizedPrompt | str, kwargs: dict) -> CompletionResponse:
         gen = await self._engine.agenerate(prompt, **self._settings(kwargs))
-        return CompletionResponse(text=gen.text, raw=gen, additional_kwargs={"blend": blend_stats(gen)})
+        return CompletionResponse(text=gen.text, raw=gen, additional_kwargs={"blend": gen.stats()})
 
     def _stream(self, prompt: TokenizedPrompt | str, kwargs: dict) -> Iterator[CompletionResponse]:
         stream = self._engine.stream(prompt, **self._settings(kwargs))
@@ -161,7 +145,7 @@ class BlendLLM(LLM):
             text += delta
             yield CompletionResponse(text=text, delta=delta)
         yield CompletionResponse(text=text, delta="", raw=stream.generation,
-                                 additional_kwargs={"blend": blend_stats(stream.generation)})
+                                 additional_kwargs={"blend": stream.generation.stats()})
 
     async def _astream(self, prompt: TokenizedPrompt | str, kwargs: dict) -> AsyncIterator[CompletionResponse]:
         stream = self._engine.astream(prompt, **self._settings(kwargs))
@@ -170,7 +154,7 @@ class BlendLLM(LLM):
             text += delta
             yield CompletionResponse(text=text, delta=delta)
         yield CompletionResponse(text=text, delta="", raw=stream.generation,
-                                 additional_kwargs={"blend": blend_stats(stream.generation)})
+                                 additional_kwargs={"blend": stream.generation.stats()})
 
     @staticmethod
     def _as_chat(r: CompletionResponse) -> ChatResponse:
