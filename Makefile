@@ -25,6 +25,7 @@ test: install
 bench: install
 	$(PY) -m blend_integrations.bench ttft
 	$(PY) -m blend_integrations.bench vllm
+	$(PY) -m blend_integrations.bench quality
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

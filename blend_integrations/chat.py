@@ -14,6 +14,9 @@ from .prompt import Part, TokenizedPrompt, tokenize_parts
 # the separator itself is replaced by the engine's separator tokens.
 BLEND_SEPARATOR = "\n<blend-chunk/>\n"
 
+# The default instruction of the RAG chains and synthesizer; the reader model was trained with it.
+RAG_SYSTEM_PROMPT = "Answer the question using only the documents. Reply with the answer only."
+
 
 def split_text(text: str) -> list[Part]:
     """Text with BLEND_SEPARATOR: the pieces between separators are chunks."""

@@ -8,12 +8,14 @@ for full prefill against blend.
     python examples/langchain_rag.py [--model PATH_OR_HUB_ID] [--backend transformers|vllm] [--store DIR]
 
 Without --model a 16-layer Llama-style model with random weights is built
-locally: its answer text is noise, its timings are real.
+locally: its answer text is noise, its timings are real. The documents in
+examples/data come from blend_integrations.quality.data (seed 13).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 from langchain_core.documents import Document
@@ -39,18 +41,24 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    chunks = RecursiveCharacterTextSplitter(chunk_size=1200, chunk_overlap=0).split_documents(load_documents(DATA))
+    # documents here are short: the splitter keeps each one whole
+    chunks = RecursiveCharacterTextSplitter(chunk_size=3000, chunk_overlap=0).split_documents(load_documents(DATA))
     chat = ChatBlend(model=args.model or str(cached_model_dir()), backend=args.backend, store_path=args.store,
                      max_tokens=args.max_tokens)
     # Ingestion: the chunk KV of every piece is computed once and stored.
     chunks = BlendCacheWarmer(chat).transform_documents(chunks)
     retriever = InMemoryVectorStore.from_documents(chunks, LangChainMiniLM()).as_retriever(search_kwargs={"k": 4})
 
-    question = "Who founded Harbor Iron Works, and where was the founder born?"
-    full = create_blend_rag_chain(retriever, chat.bind(mode="full")).invoke(question)
-    blend = create_blend_rag_chain(retriever, chat).invoke(question)
+    question, expected = "Who founded Harbor Press?", "Ada Okafor"
+    full_chain = create_blend_rag_chain(retriever, chat.bind(mode="full"))
+    blend_chain = create_blend_rag_chain(retriever, chat)
+    # four rounds taking turns; the first warms up, TTFT is the median of the others
+    rounds = [(full_chain.invoke(question), blend_chain.invoke(question)) for _ in range(4)]
+    full, blend = rounds[-1]
+    ttft_full = statistics.median(f["answer"].response_metadata["ttft_s"] for f, _ in rounds[1:])
+    ttft = statistics.median(b["answer"].response_metadata["ttft_s"] for _, b in rounds[1:])
 
-    meta_full, meta = full["answer"].response_metadata, blend["answer"].response_metadata
+    meta = blend["answer"].response_metadata
     usage = blend["answer"].usage_metadata
     print(f"question: {question}")
     print(f"retrieved: {[d.metadata['source'] for d in blend['documents']]}")
@@ -59,10 +67,8 @@ def main() -> None:
     print(f"prompt tokens {usage['input_tokens']}, read from the chunk cache {usage['input_token_details']['cache_read']} "
           f"({meta['chunks_hit']}/{meta['chunks_hit'] + meta['chunks_missed']} chunks), "
           f"recomputed {meta['recomputed_tokens']}")
-    print(f"time to first token: full {1000 * meta_full['ttft_s']:.0f} ms, blend {1000 * meta['ttft_s']:.0f} ms "
-          f"({meta_full['ttft_s'] / meta['ttft_s']:.2f}x sooner)")
-    if args.model is None:
-        print("(the default model has random weights: its answer text is noise; its timings are real)")
+    print(f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)")
+    print(f"expected answer: {expected!r}" + ("" if args.model else " (the random default model cannot know it)"))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""``python -m blend_integrations.bench [ttft|vllm] [options]``; no part runs them all."""
+"""``python -m blend_integrations.bench [ttft|vllm|quality] [options]``; no part runs them all."""
 
 import sys
 
-from . import ttft, vllm_bench
+from . import quality, ttft, vllm_bench
 
-PARTS = {"ttft": ttft.main, "vllm": vllm_bench.main}
+PARTS = {"ttft": ttft.main, "vllm": vllm_bench.main, "quality": quality.main}
 
 
 def main() -> None:  # vLLM starts processes: keep the entry under the __main__ guard below

@@ -35,7 +35,7 @@ class Generation:
     ttft_s: float  # call start to first token, tokenization and store reads included
     usage: Usage
     mode: str
-    logprobs: list[dict[int, float]] | None = None  # per generated token: top-k and the chosen token
+    logprobs: list[dict[int, float]] | None = None  # per decoding step (an end token's too): top-k and the chosen token
     total_s: float = 0.0
 
     def stats(self) -> dict:

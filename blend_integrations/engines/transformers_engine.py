@@ -152,12 +152,12 @@ class TransformersEngine(Engine):
                     token = sample(logits, req.temperature, req.top_p, generator)
                     if ttft is None:
                         ttft = time.perf_counter() - req.started
+                    if out_logprobs is not None:  # the end token's step too, as vLLM reports it
+                        out_logprobs.append(top_logprobs(logits, req.logprobs, token))
                     if token in self._eos:
                         finish = "stop"
                         break
                     out_ids.append(token)
-                    if out_logprobs is not None:
-                        out_logprobs.append(top_logprobs(logits, req.logprobs, token))
                     delta = text.add(token)
                     if delta:
                         yield delta

@@ -11,11 +11,12 @@ from langchain_core.messages import HumanMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
 
+from ..chat import RAG_SYSTEM_PROMPT
 from ..engines import Engine
 from .chat import BlendLLM, ChatBlend, chunk_block, format_docs
 
 DEFAULT_PROMPT = ChatPromptTemplate.from_messages([
-    ("system", "Answer the question using only the documents. Say so if they do not contain the answer."),
+    ("system", RAG_SYSTEM_PROMPT),
     ("human", "Question: {question}"),
 ])
 

@@ -18,10 +18,10 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Query
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 from pydantic import ConfigDict, Field
 
+from ..chat import RAG_SYSTEM_PROMPT
 from ..engines import Engine
 from .llm import BlendLLM
 
-DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents. Say so if they do not contain the answer."
 DEFAULT_QUERY_TEMPLATE = "Question: {query_str}"
 
 
@@ -33,7 +33,7 @@ class BlendSynthesizer(BaseSynthesizer):
     ``prompt_tokens``, ``cached_tokens``, ``recomputed_tokens``, ``ttft_s`` and
     more (for a streaming response it is filled once the stream is consumed)."""
 
-    def __init__(self, llm: BlendLLM, *, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    def __init__(self, llm: BlendLLM, *, system_prompt: str | None = RAG_SYSTEM_PROMPT,
                  query_template: str = DEFAULT_QUERY_TEMPLATE, streaming: bool = False,
                  callback_manager: CallbackManager | None = None, **generation: Any) -> None:
         if not isinstance(llm, BlendLLM):
@@ -102,7 +102,7 @@ class BlendSynthesizer(BaseSynthesizer):
 
 
 def as_blend_query_engine(index_or_retriever: Any, llm: BlendLLM, *, streaming: bool = False,
-                          system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, query_template: str = DEFAULT_QUERY_TEMPLATE,
+                          system_prompt: str | None = RAG_SYSTEM_PROMPT, query_template: str = DEFAULT_QUERY_TEMPLATE,
                           node_postprocessors: list[BaseNodePostprocessor] | None = None,
                           **retriever_kwargs: Any) -> RetrieverQueryEngine:
     """A query engine over an index (``retriever_kwargs``, e.g. ``similarity_top_k``,

@@ -1,0 +1,110 @@
+"""The quality task (data, metrics, training) and the quality benchmark on the bundled reader model."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blend_integrations.quality.data import (
+    CITIES,
+    PROFESSIONS,
+    exact_match,
+    make_example,
+    make_examples,
+    normalize,
+    token_f1,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def words(text: str) -> int:
+    return len(re.findall(r"\w+|[^\w\s]", text))
+
+
+def test_examples_are_deterministic_and_shaped_as_specified():
+    a, b, c = make_examples(40, seed=3), make_examples(40, seed=3), make_examples(40, seed=4)
+    assert a == b and a != c
+    assert {e.hops for e in a} == {1, 2}
+    for e in a:
+        assert 6 <= len(e.documents) <= 10
+        assert all(100 <= words(d) <= 560 for d in e.documents)  # the drawn length, plus the last sentence
+        assert len(e.evidence) == e.hops
+        assert e.answer in e.documents[e.evidence[-1]]
+
+
+def test_every_question_has_one_answer_in_its_documents():
+    import random
+
+    rng = random.Random(0)
+    for hops in (1, 2):
+        for _ in range(50):
+            e = make_example(rng, hops=hops)
+            subject = re.search(r"(?:founded|founder of|is|was) ([A-Z]\w+ [A-Z]\w+)", e.question).group(1)
+            evidence = [e.documents[i] for i in e.evidence]
+            if hops == 2:  # the company's document names the founder, whose document holds the answer
+                founder = re.search(rf"{subject} was founded by ([A-Z]\w+ [A-Z]\w+)", evidence[0] + evidence[-1]).group(1)
+                person_doc = next(d for d in evidence if d.startswith(f"Notes on {founder}."))
+                assert e.answer in person_doc and (e.answer in CITIES or e.answer in PROFESSIONS)
+            # no other document states a fact about the question's subject
+            others = [d for i, d in enumerate(e.documents) if i not in e.evidence]
+            assert not any(f"{subject} was" in d or f"{subject} is based" in d for d in others)
+
+
+def test_metrics():
+    assert exact_match(" Mara Okafor.", "mara okafor") == 1.0
+    assert exact_match("Mara", "Mara Okafor") == 0.0
+    assert token_f1("Mara", "Mara Okafor") == pytest.approx(2 / 3)
+    assert token_f1("", "Mara") == 0.0
+    assert normalize("  The  City, Lenholm! ") == "the city lenholm"
+
+
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory):
+    """Two 2-step training runs with the same seed."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path_factory.mktemp(f"reader-{name}")
+        subprocess.run([sys.executable, "-m", "blend_integrations.quality.train", str(out), "--steps", "2",
+                        "--tokens-per-step", "512", "--threads", "1"], check=True, capture_output=True, timeout=900)
+        runs.append(out)
+    return runs
+
+
+def test_training_script_is_deterministic_and_writes_a_model_card(short_runs, tmp_path):
+    from blend_integrations import ChunkStore, load_engine
+
+    a, b = short_runs
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    summary = json.loads((a / "training.json").read_text())["summary"]
+    assert summary["steps"] == 2 and summary["tokens"] >= 1024
+    card = (a / "README.md").read_text()
+    for heading in ("## Data", "## Size", "## Training", "## Accuracy"):
+        assert heading in card
+    assert "--steps 2 --seed 0 --threads 1" in card
+    engine = load_engine(str(a), store=ChunkStore(tmp_path / "store"), device="cpu")
+    assert engine.generate("Notes on Mara Okafor.", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_quality_bench_quick(short_runs):
+    """The benchmark's machinery on a barely trained reader (its scores say nothing;
+    the full run on the trained reader is docs/results/quality.md)."""
+    out = subprocess.run([sys.executable, "-m", "blend_integrations.bench", "quality", "--quick", "--json",
+                          "--model", str(short_runs[0])], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"full", "reuse", "prefix", "blend@0.05", "blend@0.10", "blend@0.15", "blend@0.30",
+            "blend@0.15 k-deviation", "blend@0.15 gradual", "blend@0.15 sink4"} == set(table)
+    for metrics in table.values():
+        assert set(metrics) == {"em_1hop", "em_2hop", "f1_1hop", "f1_2hop", "kl"}
+        assert all(0.0 <= metrics[k] <= 1.0 for k in ("em_1hop", "em_2hop", "f1_1hop", "f1_2hop"))
+        assert metrics["kl"] >= -1e-6
+    assert table["full"]["kl"] == 0.0
+    # a prefix cache holds exactly what full prefill computes
+    assert table["prefix"]["kl"] < 1e-4 and table["prefix"]["f1_1hop"] == table["full"]["f1_1hop"]
+    assert "quality" in (ROOT / "Makefile").read_text().split("bench:")[1].split("\n\n")[0]
