@@ -81,14 +81,14 @@ def encode(example: Example, tokenizer) -> tuple[list[int], list[int]]:
 
 
 def stage(progress: float) -> dict:
-    """The curriculum: from the evidence alone in short documents (learn to copy
-    the fact's value), to a few documents (learn to find the right one), to the
-    benchmark's 6-10 documents of 100-500 tokens."""
-    if progress < 0.15:
-        return {"n_docs": (1, 2), "doc_tokens": (20, 80)}
-    if progress < 0.4:
-        return {"n_docs": (2, 5), "doc_tokens": (30, 150)}
-    if progress < 0.65:
+    """The curriculum: many small steps on tiny documents first (retrieval has to
+    be learned on short contexts; on long ones the model stays at the prior),
+    then longer and more documents, up to the benchmark's 6-10 of 100-500 tokens."""
+    if progress < 0.3:
+        return {"n_docs": (1, 3), "doc_tokens": (10, 30)}
+    if progress < 0.5:
+        return {"n_docs": (2, 5), "doc_tokens": (30, 120)}
+    if progress < 0.75:
         return {"n_docs": (4, 8), "doc_tokens": (60, 300)}
     return {"n_docs": (6, 10), "doc_tokens": (100, 500)}
 
@@ -149,8 +149,8 @@ and people (birthplace, profession), one document of 100-500 tokens of filler
 per entity with its facts at random points, distractor documents, and a 1-hop
 (answer in one document) or 2-hop (answer needs two) question, half each.
 Documents are shown in shuffled order and tokenized alone, as the engines
-tokenize chunks. The curriculum grows from the evidence alone (1-2 documents of
-20-80 tokens) to 6-10 documents of 100-500 tokens. Each training prompt carries
+tokenize chunks. The curriculum grows from 1-3 documents of 10-30 tokens to
+6-10 documents of 100-500 tokens. Each training prompt carries
 {summary["follow_ups"]} follow-up questions as further chat turns (more answers per prompt;
 inference asks one). The loss is the answers' tokens plus
 {summary["lm_weight"]} times the language-model loss on the whole prompt (the documents are
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train the reader model on the synthetic QA task.")
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=800, help="optimizer steps; the schedule follows them")
-    parser.add_argument("--tokens-per-step", type=int, default=8192)
+    parser.add_argument("--tokens-per-step", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--lm-weight", type=float, default=0.2)
     parser.add_argument("--follow-ups", type=int, default=6, help="extra questions per training prompt")
