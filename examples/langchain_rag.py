@@ -15,13 +15,13 @@ examples/data come from blend_integrations.quality.data (seed 13).
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_text_splitters import RecursiveCharacterTextSplitter
-from local_embeddings import LangChainMiniLM  # sibling: this folder is on sys.path
+from local_embeddings import LangChainMiniLM  # siblings: this folder is on sys.path
+from report import print_comparison
 
 from blend_integrations.langchain import BlendCacheWarmer, ChatBlend, create_blend_rag_chain
 from blend_integrations.local_models import cached_model_dir
@@ -55,21 +55,13 @@ def main() -> None:
     # four rounds taking turns; the first warms up, TTFT is the median of the others
     rounds = [(full_chain.invoke(question), blend_chain.invoke(question)) for _ in range(4)]
     full, blend = rounds[-1]
-    ttft_full = statistics.median(f["answer"].response_metadata["ttft_s"] for f, _ in rounds[1:])
-    ttft = statistics.median(b["answer"].response_metadata["ttft_s"] for _, b in rounds[1:])
-
-    meta = blend["answer"].response_metadata
-    usage = blend["answer"].usage_metadata
-    print(f"question: {question}")
-    print(f"retrieved: {[d.metadata['source'] for d in blend['documents']]}")
-    print(f"answer (blend): {blend['answer'].content.strip()!r}")
-    print(f"answer (full):  {full['answer'].content.strip()!r}")
-    print(f"prompt tokens {usage['input_tokens']}, read from the chunk cache {usage['input_token_details']['cache_read']} "
-          f"({meta['chunks_hit']}/{meta['chunks_hit'] + meta['chunks_missed']} chunks), "
-          f"recomputed {meta['recomputed_tokens']}")
-    print(f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)")
-    print(f"expected answer: {expected!r}" + ("" if args.model else " (the random default model cannot know it)"))
-
+    print_comparison(
+        question=question, expected=expected, retrieved=[d.metadata["source"] for d in blend["documents"]],
+        answer_blend=blend["answer"].content, answer_full=full["answer"].content,
+        stats=blend["answer"].response_metadata, random_model=args.model is None,
+        ttft_pairs=[(f["answer"].response_metadata["ttft_s"], b["answer"].response_metadata["ttft_s"])
+                    for f, b in rounds[1:]],
+    )
 
 if __name__ == "__main__":
     main()

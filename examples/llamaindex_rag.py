@@ -15,13 +15,13 @@ examples/data come from blend_integrations.quality.data (seed 13).
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
-from local_embeddings import LlamaIndexMiniLM  # sibling: this folder is on sys.path
+from local_embeddings import LlamaIndexMiniLM  # siblings: this folder is on sys.path
+from report import print_comparison
 
 from blend_integrations.llama_index import BlendKVWarmup, BlendLLM, as_blend_query_engine
 from blend_integrations.local_models import cached_model_dir
@@ -53,20 +53,12 @@ def main() -> None:
     # four rounds taking turns; the first warms up, TTFT is the median of the others
     rounds = [(full_engine.query(question), blend_engine.query(question)) for _ in range(4)]
     full, blend = rounds[-1]
-    ttft_full = statistics.median(f.metadata["blend"]["ttft_s"] for f, _ in rounds[1:])
-    ttft = statistics.median(b.metadata["blend"]["ttft_s"] for _, b in rounds[1:])
-
-    stats = blend.metadata["blend"]
-    print(f"question: {question}")
-    print(f"retrieved: {[n.node.metadata['file_name'] for n in blend.source_nodes]}")
-    print(f"answer (blend): {blend.response.strip()!r}")
-    print(f"answer (full):  {full.response.strip()!r}")
-    print(f"prompt tokens {stats['prompt_tokens']}, read from the chunk cache {stats['cached_tokens']} "
-          f"({stats['chunks_hit']}/{stats['chunks_hit'] + stats['chunks_missed']} chunks), "
-          f"recomputed {stats['recomputed_tokens']}")
-    print(f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)")
-    print(f"expected answer: {expected!r}" + ("" if args.model else " (the random default model cannot know it)"))
-
+    print_comparison(
+        question=question, expected=expected, retrieved=[n.node.metadata["file_name"] for n in blend.source_nodes],
+        answer_blend=blend.response, answer_full=full.response, stats=blend.metadata["blend"],
+        random_model=args.model is None,
+        ttft_pairs=[(f.metadata["blend"]["ttft_s"], b.metadata["blend"]["ttft_s"]) for f, b in rounds[1:]],
+    )
 
 if __name__ == "__main__":
     main()

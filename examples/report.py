@@ -1,0 +1,23 @@
+"""What the RAG examples print: the answers, cache statistics and time to first
+token, full prefill against blend."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def print_comparison(*, question: str, expected: str, retrieved: list[str], answer_blend: str, answer_full: str,
+                     stats: dict, ttft_pairs: list[tuple[float, float]], random_model: bool) -> None:
+    """``stats``: the blend call's statistics (``Generation.stats()`` keys);
+    ``ttft_pairs``: (full, blend) seconds per measured round."""
+    ttft_full = statistics.median(f for f, _ in ttft_pairs)
+    ttft = statistics.median(b for _, b in ttft_pairs)
+    print(f"question: {question}")
+    print(f"retrieved: {retrieved}")
+    print(f"answer (blend): {answer_blend.strip()!r}")
+    print(f"answer (full):  {answer_full.strip()!r}")
+    print(f"prompt tokens {stats['prompt_tokens']}, read from the chunk cache {stats['cached_tokens']} "
+          f"({stats['chunks_hit']}/{stats['chunks_hit'] + stats['chunks_missed']} chunks), "
+          f"recomputed {stats['recomputed_tokens']}")
+    print(f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)")
+    print(f"expected answer: {expected!r}" + (" (the random default model cannot know it)" if random_model else ""))
