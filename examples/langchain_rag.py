@@ -14,14 +14,13 @@ examples/data come from blend_integrations.quality.data (seed 13).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_text_splitters import RecursiveCharacterTextSplitter
 from local_embeddings import LangChainMiniLM  # siblings: this folder is on sys.path
-from report import print_comparison
+from shared import parse_args, print_comparison
 
 from blend_integrations.langchain import BlendCacheWarmer, ChatBlend, create_blend_rag_chain
 from blend_integrations.local_models import cached_model_dir
@@ -34,12 +33,7 @@ def load_documents(folder: Path) -> list[Document]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="local checkpoint or hub id (Llama, Mistral, Qwen2, Qwen3 families)")
-    parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
-    parser.add_argument("--store", help="chunk store directory (default: the user cache)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    args = parser.parse_args()
+    args = parse_args(__doc__.splitlines()[0])
 
     # documents here are short: the splitter keeps each one whole
     chunks = RecursiveCharacterTextSplitter(chunk_size=3000, chunk_overlap=0).split_documents(load_documents(DATA))

@@ -14,14 +14,13 @@ examples/data come from blend_integrations.quality.data (seed 13).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from local_embeddings import LlamaIndexMiniLM  # siblings: this folder is on sys.path
-from report import print_comparison
+from shared import parse_args, print_comparison
 
 from blend_integrations.llama_index import BlendKVWarmup, BlendLLM, as_blend_query_engine
 from blend_integrations.local_models import cached_model_dir
@@ -30,12 +29,7 @@ DATA = Path(__file__).parent / "data"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="local checkpoint or hub id (Llama, Mistral, Qwen2, Qwen3 families)")
-    parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
-    parser.add_argument("--store", help="chunk store directory (default: the user cache)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    args = parser.parse_args()
+    args = parse_args(__doc__.splitlines()[0])
 
     llm = BlendLLM(args.model or str(cached_model_dir()), backend=args.backend, store_path=args.store,
                    max_tokens=args.max_tokens)

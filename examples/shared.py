@@ -1,9 +1,19 @@
-"""What the RAG examples print: the answers, cache statistics and time to first
-token, full prefill against blend."""
+"""What the RAG examples share: their command line, and what they print (the
+answers, cache statistics and time to first token, full prefill against blend)."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", help="local checkpoint or hub id (Llama, Mistral, Qwen2, Qwen3 families)")
+    parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument("--store", help="chunk store directory (default: the user cache)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    return parser.parse_args()
 
 
 def print_comparison(*, question: str, expected: str, retrieved: list[str], answer_blend: str, answer_full: str,
