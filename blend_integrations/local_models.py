@@ -65,9 +65,10 @@ def sample_text(n_sentences: int, seed: int = 0) -> list[str]:
     return out
 
 
-def train_tokenizer(path: str | Path, *, vocab_size: int = 2048, seed: int = 0):
-    """Train a byte-level BPE tokenizer on generated text and save it to ``path``.
-    The tokenizer adds BOS in front of text, like Llama's."""
+def train_tokenizer(path: str | Path, *, vocab_size: int = 2048, seed: int = 0, texts: list[str] | None = None):
+    """Train a byte-level BPE tokenizer on ``texts`` (default: generated text from
+    ``seed``) and save it to ``path``, with the chat roles as special tokens and
+    CHAT_TEMPLATE. The tokenizer adds BOS in front of text, like Llama's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,7 +82,7 @@ def train_tokenizer(path: str | Path, *, vocab_size: int = 2048, seed: int = 0):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(sample_text(4000, seed), trainer=trainer)
+    tok.train_from_iterator(texts if texts is not None else sample_text(4000, seed), trainer=trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
     fast = PreTrainedTokenizerFast(

@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ..chat import render_chat
 from ..config import BlendConfig
 from ..engines import load_engine
-from ..prompt import Part, TokenizedPrompt
+from ..prompt import TokenizedPrompt
 from ..quality import reader_model_dir
-from ..quality.data import SYSTEM_PROMPT, Example, exact_match, make_examples, token_f1
+from ..quality.data import exact_match, make_examples, prompt, token_f1
 from ..store import ChunkStore
 
 HELD_OUT_SEED = 20_000  # training draws from other seeds
@@ -50,14 +49,6 @@ MODES: dict[str, tuple[dict, dict]] = {
     "blend@0.15 gradual": ({"check_layers": (1, 2, 3)}, {"recompute_ratio": 0.15}),
     "blend@0.15 sink4": ({"sink_tokens": 4}, {"recompute_ratio": 0.15}),
 }
-
-
-def prompt_of(example: Example, tokenizer) -> TokenizedPrompt:
-    """The prompt the reader was trained on: system turn, then the documents as chunks and the question."""
-    turns = [{"role": "system", "content": [Part(SYSTEM_PROMPT)]},
-             {"role": "user", "content": [Part(d, chunk=True) for d in example.documents]
-              + [Part(f"Question: {example.question}")]}]
-    return render_chat(turns, tokenizer, DEFAULT.separator)
 
 
 def first_token_logprobs(entries: dict[int, float], vocab: int) -> torch.Tensor:
@@ -109,7 +100,7 @@ def run(args) -> dict:
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval() if "prefix" in modes else None
 
     examples = make_examples(args.questions, seed=HELD_OUT_SEED)
-    prompts = [prompt_of(e, tokenizer) for e in examples]
+    prompts = [prompt(e, tokenizer) for e in examples]
     engine.warm([d for e in examples for d in e.documents], progress=not args.json)
     rows: dict[str, list[dict]] = {name: [] for name in modes}
     started = time.time()

@@ -21,7 +21,9 @@ import string
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..chat import RAG_SYSTEM_PROMPT
+from ..chat import RAG_SYSTEM_PROMPT, render_chat
+from ..config import BlendConfig
+from ..prompt import Part, TokenizedPrompt
 
 FIRST_NAMES = (
     "Mara Jonas Ilse Tomas Nadia Oskar Lena Pavel Ines Hugo Greta Milan Sofia Anton Vera Emil Clara Felix Rosa Leon "
@@ -219,6 +221,16 @@ def corpus_text(n_docs: int, seed: int) -> list[str]:
     while len(out) < n_docs:
         out += make_example(rng, hops=1, n_docs=(4, 6), doc_tokens=(40, 200)).documents
     return out[:n_docs]
+
+
+def prompt(example: Example, tokenizer) -> TokenizedPrompt:
+    """The question as the engines see it, in training and in the benchmark: a
+    system turn, then a user turn with every document a chunk and the question
+    last, joined by BlendConfig's default separator."""
+    turns = [{"role": "system", "content": [Part(SYSTEM_PROMPT)]},
+             {"role": "user", "content": [Part(d, chunk=True) for d in example.documents]
+              + [Part(f"Question: {example.question}")]}]
+    return render_chat(turns, tokenizer, BlendConfig().separator)
 
 
 # -- metrics ------------------------------------------------------------------------------

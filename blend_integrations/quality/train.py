@@ -22,50 +22,22 @@ from pathlib import Path
 
 import torch
 
-from ..chat import render_chat
-from ..local_models import CHAT_TEMPLATE
-from ..prompt import Part
-from .data import SYSTEM_PROMPT, Example, corpus_text, make_example, make_examples
-
-SEPARATOR = "\n\n"  # BlendConfig's default: what joins documents at inference
+from ..local_models import train_tokenizer
+from .data import Example, corpus_text, make_example, make_examples, prompt
 ARCH = {"num_layers": 4, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 768}
 
 
 def train_reader_tokenizer(path: Path, vocab_size: int, seed: int):
-    """Byte-level BPE on the task's text, with the chat roles as special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    """The local models' tokenizer recipe (BPE, chat roles, chat template) on the task's text."""
     texts = corpus_text(1500, seed) + [f"{e.question} {e.answer}" for e in make_examples(1000, seed + 1, n_docs=(2, 3))]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", additional_special_tokens=special[4:])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(path))
-    return fast
-
-
-def prompt_turns(example: Example) -> list[dict]:
-    """The prompt as the engines see it: system turn, then a user turn with every
-    document a chunk and the question last."""
-    return [{"role": "system", "content": [Part(SYSTEM_PROMPT)]},
-            {"role": "user", "content": [Part(d, chunk=True) for d in example.documents]
-             + [Part(f"Question: {example.question}")]}]
+    return train_tokenizer(path, vocab_size=vocab_size, texts=texts)
 
 
 def encode(example: Example, tokenizer) -> tuple[list[int], list[int]]:
     """(token ids, 1 where the token is part of an answer) for teacher forcing.
     Follow-up questions continue the conversation as further turns, as the chat
     template writes them: more answers to learn from for the same documents."""
-    ids = render_chat(prompt_turns(example), tokenizer, SEPARATOR).token_ids
+    ids = prompt(example, tokenizer).token_ids
     mask = [0] * len(ids)
     answers = [example.answer] + [a for _, a in example.follow_ups]
     questions = [q for q, _ in example.follow_ups] + [None]
