@@ -2,6 +2,7 @@
 retrieved chunk wherever it lands in the prompt, recompute only the tokens
 that matter."""
 
+from .chat import BLEND_SEPARATOR, RAG_SYSTEM_PROMPT, rag_prompt
 from .config import BlendConfig
 from .engines import Engine, Generation, GenerationStream, Usage, load_engine
 from .models import UnsupportedModelError
@@ -11,6 +12,8 @@ from .store import ChunkStore, CorruptEntryError
 __version__ = "0.1.0"
 
 __all__ = [
+    "BLEND_SEPARATOR",
+    "RAG_SYSTEM_PROMPT",
     "BlendConfig",
     "BlendPrompt",
     "ChunkStore",
@@ -23,4 +26,5 @@ __all__ = [
     "UnsupportedModelError",
     "Usage",
     "load_engine",
+    "rag_prompt",
 ]

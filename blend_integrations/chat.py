@@ -63,3 +63,13 @@ def text_prompt(text: str, tokenizer) -> TokenizedPrompt | str:
     """A completion prompt: BLEND_SEPARATOR pieces become chunks; plain text stays text."""
     parts = split_text(text)
     return tokenize_parts(parts, tokenizer) if len(parts) > 1 else text
+
+
+def rag_prompt(documents: Sequence[str], question: str, tokenizer, separator: str, *,
+               system: str | None = RAG_SYSTEM_PROMPT) -> TokenizedPrompt:
+    """A retrieval question through the model's chat template: a system turn,
+    then a user turn with every document a chunk and ``Question: ...`` last.
+    The layout the reader model was trained on and the RAG chains build."""
+    turns = [{"role": "system", "content": [Part(system)]}] if system else []
+    turns.append({"role": "user", "content": [Part(d, chunk=True) for d in documents] + [Part(f"Question: {question}")]})
+    return render_chat(turns, tokenizer, separator)

@@ -66,21 +66,25 @@ def test_metrics():
 
 @pytest.fixture(scope="module")
 def short_runs(tmp_path_factory):
-    """Two 2-step training runs with the same seed."""
+    """Two 2-step training runs with the same seed; the second stops after its
+    first step (a checkpoint) and is started again."""
     runs = []
-    for name in ("a", "b"):
+    for name, slices in (("a", [[]]), ("b", [["--stop-after", "1"], []])):
         out = tmp_path_factory.mktemp(f"reader-{name}")
-        subprocess.run([sys.executable, "-m", "blend_integrations.quality.train", str(out), "--steps", "2",
-                        "--tokens-per-step", "512", "--threads", "1"], check=True, capture_output=True, timeout=900)
+        for extra in slices:
+            subprocess.run([sys.executable, "-m", "blend_integrations.quality.train", str(out), "--steps", "2",
+                            "--tokens-per-step", "512", "--threads", "1", *extra],
+                           check=True, capture_output=True, timeout=900)
         runs.append(out)
     return runs
 
 
-def test_training_script_is_deterministic_and_writes_a_model_card(short_runs, tmp_path):
+def test_training_is_deterministic_resumable_and_writes_a_model_card(short_runs, tmp_path):
     from blend_integrations import ChunkStore, load_engine
 
     a, b = short_runs
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert not (b / "checkpoint.pt").exists()  # removed once the run is complete
     summary = json.loads((a / "training.json").read_text())["summary"]
     assert summary["steps"] == 2 and summary["tokens"] >= 1024
     card = (a / "README.md").read_text()

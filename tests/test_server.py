@@ -70,3 +70,16 @@ def test_text_only_caller_with_the_separator_fallback(client, docs):
     again = complete(True)  # the chunks found in the text were saved after the first request
     assert again["kv_transfer_params"]["blend"]["chunks_hit"] == len(docs)
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"] == full["choices"][0]["token_ids"]
+
+
+def test_integrations_reach_the_server_by_url(blend_server, docs):
+    """ChatBlend and the LlamaIndex BlendLLM built from the server's URL: the server keeps the store."""
+    from blend_integrations.langchain import ChatBlend
+    from blend_integrations.llama_index import BlendLLM
+
+    chat = ChatBlend(model=blend_server, backend="server", max_tokens=4)
+    llm = BlendLLM(blend_server, backend="server", max_tokens=4)
+    chat.engine.warm(docs)
+    stats = llm.complete_chunks(docs[::-1], QUESTION).additional_kwargs["blend"]
+    assert (stats["chunks_hit"], stats["chunks_missed"]) == (len(docs), 0)
+    assert chat.invoke("Say something.").response_metadata["chunks_hit"] == 0

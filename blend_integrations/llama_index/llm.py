@@ -41,7 +41,7 @@ def _turn(message: ChatMessage) -> dict:
 
 class BlendLLM(LLM):
     """A LlamaIndex LLM that blends. Build it from ``model=`` (a local path or
-    hub id) and ``backend=`` ("transformers" or "vllm"), with ``store=`` (a
+    hub id, or a server URL) and ``backend=`` ("transformers", "vllm" or "server"), with ``store=`` (a
     ``ChunkStore``) or ``store_path=``, or from ``engine=`` so several indexes
     and chains share one engine and store. ``mode``, ``recompute_ratio``,
     ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` are also
@@ -53,7 +53,7 @@ class BlendLLM(LLM):
     Every response carries ``additional_kwargs["blend"]`` (``Generation.stats()``)."""
 
     model: str | None = Field(default=None, description="local path or hub id of the model")
-    backend: str = Field(default="transformers", description='"transformers" or "vllm"')
+    backend: str = Field(default="transformers", description='"transformers", "vllm" or "server"')
     store_path: str | None = Field(default=None, description="chunk store directory (default: the user cache)")
     engine_kwargs: dict = Field(default_factory=dict, description="backend options for load_engine")
     mode: str = Field(default="blend", description='"blend", "full" or "reuse"')
@@ -71,9 +71,11 @@ class BlendLLM(LLM):
         super().__init__(model=model, **kwargs)
         if engine is None:
             if model is None:
-                raise ValueError("give model= (a local path or hub id) or engine= (a loaded Engine)")
-            engine = load_engine(model, backend=self.backend, store=store or ChunkStore(self.store_path),
-                                 config=config or BlendConfig(), **self.engine_kwargs)
+                raise ValueError("give model= (a local path, hub id or server URL) or engine= (a loaded Engine)")
+            if store is None and self.backend != "server":  # a server keeps its own store
+                store = ChunkStore(self.store_path)
+            engine = load_engine(model, backend=self.backend, store=store, config=config or BlendConfig(),
+                                 **self.engine_kwargs)
         elif not isinstance(engine, Engine):
             raise ValueError(f"engine must be a blend_integrations Engine, got {type(engine).__name__}")
         self._engine = engine

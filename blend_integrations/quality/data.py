@@ -21,9 +21,9 @@ import string
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..chat import RAG_SYSTEM_PROMPT, render_chat
+from ..chat import rag_prompt
 from ..config import BlendConfig
-from ..prompt import Part, TokenizedPrompt
+from ..prompt import TokenizedPrompt
 
 FIRST_NAMES = (
     "Mara Jonas Ilse Tomas Nadia Oskar Lena Pavel Ines Hugo Greta Milan Sofia Anton Vera Emil Clara Felix Rosa Leon "
@@ -89,9 +89,6 @@ _FILLER = (
     "The church bells could be heard across the whole valley.",
     "An annual fair brought musicians, merchants and acrobats to the town.",
 )
-
-SYSTEM_PROMPT = RAG_SYSTEM_PROMPT
-
 
 @dataclass
 class Company:
@@ -224,13 +221,9 @@ def corpus_text(n_docs: int, seed: int) -> list[str]:
 
 
 def prompt(example: Example, tokenizer) -> TokenizedPrompt:
-    """The question as the engines see it, in training and in the benchmark: a
-    system turn, then a user turn with every document a chunk and the question
-    last, joined by BlendConfig's default separator."""
-    turns = [{"role": "system", "content": [Part(SYSTEM_PROMPT)]},
-             {"role": "user", "content": [Part(d, chunk=True) for d in example.documents]
-              + [Part(f"Question: {example.question}")]}]
-    return render_chat(turns, tokenizer, BlendConfig().separator)
+    """The question as the engines see it, in training and in the benchmark
+    (``rag_prompt`` with BlendConfig's default separator)."""
+    return rag_prompt(example.documents, example.question, tokenizer, BlendConfig().separator)
 
 
 # -- metrics ------------------------------------------------------------------------------
