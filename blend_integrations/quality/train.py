@@ -86,7 +86,26 @@ def build_model(tokenizer, seed: int):
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    copy_init(model.model.layers[-1].self_attn, config)
+    return model
+
+
+@torch.no_grad()
+def copy_init(attention, config) -> None:
+    """Start the layer's value and output projections as a copy: whatever its
+    heads attend to is added to the residual stream unchanged (on the subspace
+    the key/value heads carry), so with tied embeddings an attended token raises
+    its own logit from the first step. From a random start, a model this small
+    learned to attend to the answer long before it learned to copy it."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    kv_heads, group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    basis, _ = torch.linalg.qr(torch.randn(hidden, hidden))  # orthonormal columns
+    values = basis[:, : kv_heads * head_dim].T  # v = values @ x
+    attention.v_proj.weight.copy_(values)
+    out = torch.cat([values[(h // group) * head_dim:(h // group + 1) * head_dim].T / group
+                     for h in range(config.num_attention_heads)], dim=1)
+    attention.o_proj.weight.copy_(out)
 
 
 def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float, look_weight: float) -> torch.Tensor:
