@@ -28,6 +28,7 @@ import torch
 
 from ..local_models import train_tokenizer
 from .data import Example, corpus_text, make_example, make_examples, prompt
+EMBEDDING_STD = 0.1
 ARCH = {"num_layers": 4, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 768}
 
 
@@ -87,6 +88,11 @@ def build_model(tokenizer, seed: int):
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Larger than Llama's 0.02: at 0.02 a token's residual stream at the last
+        # layer is mostly the layers' output (cosine 0.14 with its embedding), at
+        # 0.1 mostly the token (0.8), so what a head attends to can be copied.
+        model.model.embed_tokens.weight.normal_(0.0, EMBEDDING_STD)
     copy_init(model.model.layers[-1].self_attn, config)
     return model
 
@@ -119,22 +125,22 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float, loo
     mask = torch.tensor(answer_mask[1:], dtype=torch.float32, device=model.device)
     loss = (per_token * mask).sum() / mask.sum() + lm_weight * per_token.mean()
     if look_weight > 0:
-        loss = loss + look_weight * look_loss(out.attentions[-1][0], ids, answer_mask)
+        loss = loss + look_weight * look_loss(out.attentions[-1][0], ids, answer_mask, model.config.eos_token_id)
     return loss
 
 
-def look_loss(attention: torch.Tensor, ids: list[int], answer_mask: list[int]) -> torch.Tensor:
-    """Where the answer is copied from. At the position that predicts an answer's
-    first token, every head of the last layer should attend to earlier
-    occurrences of that token (``attention``: heads x queries x keys). Through
-    the answer loss alone a model this small stays at the prior for a long time
-    (it answers the most frequent name, whatever the documents say); this gives
-    the lookup a direct signal. It shapes training only: the model is a plain Llama."""
+def look_loss(attention: torch.Tensor, ids: list[int], answer_mask: list[int], eos_id: int) -> torch.Tensor:
+    """Where the answer is copied from. At the position that predicts an answer
+    token, every head of the last layer should attend to earlier occurrences of
+    that token (``attention``: heads x queries x keys). Through the answer loss
+    alone a model this small stays at the prior for a long time (it answers the
+    most frequent name, whatever the documents say); this gives the lookup a
+    direct signal. It shapes training only: the model is a plain Llama."""
     terms = []
     for p in range(1, len(ids)):
-        if answer_mask[p] and not answer_mask[p - 1]:
-            sources = torch.tensor([j for j in range(p - 1) if ids[j] == ids[p]], dtype=torch.long,
-                                   device=attention.device)
+        if answer_mask[p] and ids[p] != eos_id:
+            sources = torch.tensor([j for j in range(p - 1) if ids[j] == ids[p] and not answer_mask[j]],
+                                   dtype=torch.long, device=attention.device)
             if len(sources):
                 terms.append(-torch.log(attention[:, p - 1, sources].sum(-1).clamp(min=1e-9)).mean())
     return torch.stack(terms).mean() if terms else attention.new_zeros(())
@@ -180,9 +186,9 @@ tokenize chunks. The curriculum: {stages}. Each training prompt carries
 {summary["follow_ups"]} follow-up questions as further chat turns (more answers per prompt;
 inference asks one). The loss is the answers' tokens plus
 {summary["lm_weight"]} times the language-model loss on the whole prompt (the documents are
-the plain text), plus {summary["look_weight"]} times a look loss: at each answer's first token, the
-heads of the last layer are trained to attend to earlier occurrences of that token
-(where the answer can be copied from). The look loss only shapes training; the
+the plain text), plus {summary["look_weight"]} times a look loss: when predicting an answer token, the
+heads of the last layer are trained to attend to that token's occurrences in the
+documents (where the answer can be copied from). The look loss only shapes training; the
 model is a plain Llama. The tokenizer is a byte-level BPE trained on the same
 generator's text ({summary["vocab"]} tokens); the chat template is the one of
 `blend_integrations.local_models` (roles as special tokens, Hermes-style tools).
@@ -191,7 +197,10 @@ generator's text ({summary["vocab"]} tokens); the chat template is the one of
 
 {summary["params"] / 1e6:.2f} M parameters: {a["num_layers"]} layers, hidden size {a["hidden_size"]}, \
 {a["num_heads"]} attention heads ({a["num_kv_heads"]} key/value heads), MLP {a["intermediate_size"]}, tied embeddings,
-RoPE (theta 10000), context 8192; float32 safetensors.
+RoPE (theta 10000), context 8192; float32 safetensors. Initialisation: Llama's,
+except the embeddings (std {summary.get("embedding_std", EMBEDDING_STD)}, so a token's identity dominates
+its residual stream) and the last layer's value and output projections, which
+start as a copy of what the heads attend to.
 
 ## Training
 
@@ -309,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
                "arch": ARCH, "vocab": len(tokenizer), "lr": args.lr, "lm_weight": args.lm_weight,
                "look_weight": args.look_weight, "tokens_per_step": args.tokens_per_step,
                "follow_ups": args.follow_ups, "held_out_teacher_forced": final, "gate": GATE,
+               "embedding_std": EMBEDDING_STD,
                "stages": [[STAGES[i]["n_docs"], STAGES[i]["doc_tokens"], start]
                           for i, start in enumerate(state["stage_starts"])]}
     log = state["log"]
