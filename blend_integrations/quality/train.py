@@ -3,16 +3,20 @@ answers questions from its documents (blend_integrations.quality.data).
 
     python -m blend_integrations.quality.train OUT_DIR [--steps 800] [--seed 0]
 
-Deterministic for a seed, step count and thread count. Every 100 steps the
-run saves OUT_DIR/checkpoint.pt; the same command continues from it exactly
-as if the run had not stopped (``--stop-after N`` trains in slices). The loss
-is the answer tokens', plus a smaller language-model loss on the whole prompt,
-plus a look loss that points the last layer's attention at where the answer
-can be copied from; each training prompt asks several questions about its
-documents, as further chat turns. Prompts are built
-exactly as the engines build them at inference (the chat template, each
-document tokenized alone), and the curriculum grows from a few short documents
-to the benchmark's 6-10 documents of 100-500 tokens.
+The loss is the answer tokens', plus a smaller language-model loss on the whole
+prompt, plus a look loss that points the last layer's attention at where the
+answer can be copied from; each training prompt asks several questions about
+its documents, as further chat turns. Prompts are built exactly as the engines
+build them at inference (the chat template, each document tokenized alone),
+and the curriculum grows from a few short documents to the benchmark's 6-10
+documents of 100-500 tokens.
+
+Every 100 steps the run saves OUT_DIR/checkpoint.pt, and the same command
+continues from it (``--stop-after N`` trains in slices). With ``--threads 1`` a
+run is bit-for-bit deterministic for a seed and step count, stopped and
+continued or not; with more threads PyTorch's float reductions can differ from
+run to run, and so can the step at which the model learns to copy the answer
+(an abrupt change).
 """
 
 from __future__ import annotations
