@@ -128,24 +128,31 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float, loo
     mask = torch.tensor(answer_mask[1:], dtype=torch.float32, device=model.device)
     loss = (per_token * mask).sum() / mask.sum() + lm_weight * per_token.mean()
     if look_weight > 0:
-        loss = loss + look_weight * look_loss(out.attentions[-1][0], ids, answer_mask)
+        loss = loss + look_weight * look_loss(out.attentions[-1][0], ids, answer_mask, model.config.eos_token_id)
     return loss
 
 
-def look_loss(attention: torch.Tensor, ids: list[int], answer_mask: list[int]) -> torch.Tensor:
-    """Where the answer is copied from. At the position that predicts an answer's
-    first token, every head of the last layer should attend to earlier
-    occurrences of that token (``attention``: heads x queries x keys). Through
-    the answer loss alone a model this small stays at the prior for a long time
-    (it answers the most frequent name, whatever the documents say); this gives
-    the lookup a direct signal. It shapes training only: the model is a plain Llama."""
+def look_loss(attention: torch.Tensor, ids: list[int], answer_mask: list[int], eos_id: int) -> torch.Tensor:
+    """Where the answer is copied from. At the position that predicts an answer
+    token, every head of the last layer should attend to where that token can be
+    copied from (``attention``: heads x queries x keys): for an answer's first
+    token, its earlier occurrences; for the next ones, the occurrences that
+    follow the token before it (induction: "Ada" -> the "Okafor" after an
+    earlier "Ada"). Through the answer loss alone a model this small stays at
+    the prior for a long time (it answers the most frequent name, whatever the
+    documents say); this gives the lookup a direct signal. It shapes training
+    only: the model is a plain Llama."""
     terms = []
     for p in range(1, len(ids)):
-        if answer_mask[p] and not answer_mask[p - 1]:
-            sources = torch.tensor([j for j in range(p - 1) if ids[j] == ids[p]], dtype=torch.long,
-                                   device=attention.device)
-            if len(sources):
-                terms.append(-torch.log(attention[:, p - 1, sources].sum(-1).clamp(min=1e-9)).mean())
+        if not answer_mask[p] or ids[p] == eos_id:
+            continue
+        if not answer_mask[p - 1]:
+            sources = [j for j in range(p - 1) if ids[j] == ids[p]]
+        else:
+            sources = [j for j in range(1, p - 1) if ids[j] == ids[p] and ids[j - 1] == ids[p - 1]]
+        if sources:
+            at = torch.tensor(sources, dtype=torch.long, device=attention.device)
+            terms.append(-torch.log(attention[:, p - 1, at].sum(-1).clamp(min=1e-9)).mean())
     return torch.stack(terms).mean() if terms else attention.new_zeros(())
 
 
@@ -190,9 +197,10 @@ tokenize chunks. The curriculum: {stages}. Each training prompt carries
 {summary["follow_ups"]} follow-up questions as further chat turns (more answers per prompt;
 inference asks one). The loss is the answers' tokens plus
 {summary["lm_weight"]} times the language-model loss on the whole prompt (the documents are
-the plain text), plus {summary["look_weight"]} times a look loss: when predicting an answer's first token,
-the heads of the last layer are trained to attend to that token's earlier
-occurrences (where the answer can be copied from). The look loss only shapes training; the
+the plain text), plus {summary["look_weight"]} times a look loss: when predicting an answer token, the heads
+of the last layer are trained to attend to where it can be copied from (the
+first token's earlier occurrences; for the next ones, the occurrences after the
+token before it). The look loss only shapes training; the
 model is a plain Llama. The tokenizer is a byte-level BPE trained on the same
 generator's text ({summary["vocab"]} tokens); the chat template is the one of
 `blend_integrations.local_models` (roles as special tokens, Hermes-style tools).
