@@ -134,6 +134,46 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path: Path) -> None:
+    """Left: median TTFT per mode (bars span min-max). Right: the measured
+    speedup against the share of the prompt computed, next to the compute
+    ceiling for that share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    names = list(results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    medians = [results[n]["ttft_ms"] for n in names]
+    spans = [[m - results[n]["ttft_min_ms"] for n, m in zip(names, medians)],
+             [results[n]["ttft_max_ms"] - m for n, m in zip(names, medians)]]
+    left.bar(range(len(names)), medians, yerr=spans, capsize=3,
+             color=["tab:gray" if n == "full" else "tab:blue" for n in names])
+    left.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    left.set_ylabel("time to first token (ms)")
+    left.set_title("TTFT per mode (median, min-max)")
+    shares = [results[n]["computed_share"] for n in names]
+    right.plot(shares, [results[n]["speedup"] for n in names], "o", color="tab:blue", label="measured")
+    right.plot(shares, [results[n]["ceiling"] for n in names], "x", color="tab:red", label="compute ceiling")
+    labelled = set()
+    for n, x, y in zip(names, shares, (results[n]["speedup"] for n in names)):
+        if round(x, 3) not in labelled:  # one label per share (blend from disk sits on blend)
+            labelled.add(round(x, 3))
+            right.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    right.set_xscale("log")
+    right.set_yscale("log")
+    right.set_xlabel("computed share of the prompt |R|/N")
+    right.set_ylabel("full / mode")
+    right.set_title("Speedup against the share computed")
+    right.legend(fontsize=8)
+    fig.suptitle(report["config"]["model"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m blend_integrations.bench ttft", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
@@ -155,11 +195,13 @@ def main(argv=None) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "ttft.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, out / "ttft.png")
         (out / "ttft.md").write_text(
             "# Time to first token: full prefill vs reuse vs blend\n\n"
             "Command: `make bench` (or `python -m blend_integrations.bench ttft`).\n\n" + table + "\n"
+            "\n![TTFT per mode, and speedup against the computed share](ttft.png)\n"
         )
-        print(f"\nwritten: {out / 'ttft.md'}, {out / 'ttft.json'}")
+        print(f"\nwritten: {out / 'ttft.md'}, {out / 'ttft.json'}, {out / 'ttft.png'}")
 
 
 if __name__ == "__main__":
