@@ -116,3 +116,39 @@ def blend_server(model_dirs, store):
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+# -- Redis: a real server on loopback (tests/redis_server.py) -----------------
+
+
+def _start_redis(workdir):
+    from redis_server import RedisServer
+
+    try:
+        return RedisServer(workdir).start()
+    except RuntimeError as e:  # no redis-server: fail, don't skip (CI installs it)
+        problem = str(e)
+    pytest.fail(problem, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One redis-server for the session."""
+    server = _start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """URL of database 0 of the session's server, emptied for this test."""
+    redis_server.client().flushall()
+    return redis_server.url()
+
+
+@pytest.fixture
+def private_redis_server(tmp_path):
+    """A redis-server of this test alone, which it may kill and start again (same port)."""
+    server = _start_redis(tmp_path / "redis")
+    yield server
+    server.stop()

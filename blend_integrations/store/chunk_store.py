@@ -1,14 +1,23 @@
-"""Persistent two-tier store of chunk KV caches.
+"""Persistent tiered store of chunk KV caches.
 
 Tier 1 is an in-process LRU of decoded tensors; tier 2 is a diskcache
-directory shared by every process and engine pointing at the same path.
+directory shared by every process and engine pointing at the same path;
+tier 3, optional, is a Redis database shared by machines (see
+``redis_tier`` for its layout, size limit and eviction). Writes go through
+to every tier; a read looks in each tier in turn and copies a hit into the
+tiers above it.
+
 Entries are content-addressed (see ``keys.chunk_key``): a key's value never
 legitimately changes, so a process's memory tier can never be stale with
-respect to another process's writes, and the only shared state is the
-diskcache directory, which is process- and thread-safe on its own.
+respect to another process's writes, and two writers of one key write the
+same bytes. The shared state is the diskcache directory, which is process-
+and thread-safe on its own, and Redis, where each operation is one atomic
+script.
 
 The cache is an optimisation: any problem with it (damaged entry, full disk,
-locked database) is logged and turned into a miss, and the caller recomputes.
+locked database, Redis down or slow) is logged and turned into a miss, and
+the caller recomputes. After a Redis failure the store leaves Redis alone for
+``REMOTE_RETRY_S`` seconds instead of paying a timeout on every call.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,11 +38,16 @@ import torch
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
 from .format import ChunkKV, CorruptEntryError, _decode, encode
+from .redis_tier import RedisTier, redact
 
 logger = logging.getLogger("blend_integrations.store")
 
 # Failures of the disk tier that must never fail a request.
 _DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+
+# Seconds to leave Redis alone after a failure before trying it again.
+REMOTE_RETRY_S = 5.0
+_SKIPPED = object()  # a Redis call not made (backing off) or failed
 
 
 def default_store_path() -> Path:
@@ -113,29 +128,35 @@ class _BytesOnlyDisk(diskcache.Disk):
 class StoreStats:
     """Counters of one ChunkStore instance (this process only).
 
-    Every ``get`` counts exactly one of ``memory_hits``, ``disk_hits`` or
-    ``misses``; ``corrupt`` counts the misses that found a damaged or foreign
-    entry (and dropped it) and ``errors`` the disk-tier failures (I/O,
-    sqlite, lock timeouts) on reads or writes.
+    Every ``get`` counts exactly one of ``memory_hits``, ``disk_hits``,
+    ``remote_hits`` or ``misses``; ``corrupt`` counts the misses that found a
+    damaged or foreign entry (and dropped it) and ``errors`` the failures of
+    the disk tier (I/O, sqlite, lock timeouts) and of Redis (connection,
+    timeout, error replies) on reads or writes. ``bytes_read`` and
+    ``bytes_written`` are the disk tier's, ``remote_bytes_*`` Redis's.
     """
 
     memory_hits: int = 0
     disk_hits: int = 0
+    remote_hits: int = 0
     misses: int = 0
     corrupt: int = 0
     puts: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    remote_bytes_read: int = 0
+    remote_bytes_written: int = 0
     errors: int = 0
 
     @property
     def hits(self) -> int:
-        return self.memory_hits + self.disk_hits
+        return self.memory_hits + self.disk_hits + self.remote_hits
 
 
 # After fork() the child has one thread, but a lock held by another parent
 # thread at fork time would stay locked forever: give every live store a fresh
-# lock and an empty memory tier in the child. (diskcache reconnects on its own.)
+# lock, an empty memory tier and its own Redis client (sockets must not be
+# shared with the parent) in the child. (diskcache reconnects on its own.)
 _live_stores: "weakref.WeakSet[ChunkStore]" = weakref.WeakSet()
 
 
@@ -144,6 +165,8 @@ def _reset_after_fork() -> None:
         store._lock = threading.RLock()
         store._memory = OrderedDict()
         store._memory_bytes = 0
+        if store._remote is not None:
+            store._remote.reset_after_fork()
 
 
 if hasattr(os, "register_at_fork"):
@@ -151,12 +174,20 @@ if hasattr(os, "register_at_fork"):
 
 
 class ChunkStore:
-    """Memory LRU in front of a shared, size-bounded diskcache directory.
+    """Memory LRU in front of a shared, size-bounded diskcache directory, and
+    optionally a shared, size-bounded Redis database (``remote``).
 
     Safe for concurrent use by several threads (a lock guards the memory
-    tier) and several processes on the same ``path`` (only diskcache state is
-    shared). ``clear()`` clears this process's memory tier and the shared
-    disk tier; other processes' memory tiers keep their (still valid) copies.
+    tier), several processes on the same ``path`` (only diskcache state is
+    shared) and several machines on the same ``remote``. ``clear()`` clears
+    this process's memory tier and the shared disk and Redis tiers; other
+    processes' memory and disk tiers keep their (still valid) copies.
+
+    ``remote`` is a ``redis://``, ``rediss://`` or ``unix://`` URL (with the
+    database number, e.g. ``redis://cache-host:6379/0``). Every Redis call
+    gives up after ``remote_timeout_s`` seconds; ``remote_size_limit_bytes``
+    (None: no limit of the store's own) bounds the bytes the store keeps in
+    that database.
     """
 
     def __init__(
@@ -165,6 +196,9 @@ class ChunkStore:
         *,
         size_limit_bytes: int = 16 * 2**30,
         memory_limit_bytes: int = 1 * 2**30,
+        remote: str | None = None,
+        remote_size_limit_bytes: int | None = 4 * 2**30,
+        remote_timeout_s: float = 1.0,
     ) -> None:
         if type(size_limit_bytes) is not int or size_limit_bytes <= 0:
             raise ValueError(f"size_limit_bytes must be a positive int, got {size_limit_bytes!r}")
@@ -173,9 +207,25 @@ class ChunkStore:
                 "memory_limit_bytes must be a non-negative int (0 disables the memory tier), "
                 f"got {memory_limit_bytes!r}"
             )
+        if remote_size_limit_bytes is not None and (
+            type(remote_size_limit_bytes) is not int or remote_size_limit_bytes <= 0
+        ):
+            raise ValueError(
+                f"remote_size_limit_bytes must be a positive int or None, got {remote_size_limit_bytes!r}"
+            )
+        if not isinstance(remote_timeout_s, (int, float)) or not remote_timeout_s > 0:
+            raise ValueError(f"remote_timeout_s must be a positive number, got {remote_timeout_s!r}")
+        self._remote = (
+            None
+            if remote is None
+            else RedisTier(remote, size_limit_bytes=remote_size_limit_bytes, timeout_s=float(remote_timeout_s))
+        )
         self.path = Path(path).expanduser() if path is not None else default_store_path()
         self.size_limit_bytes = size_limit_bytes
         self.memory_limit_bytes = memory_limit_bytes
+        self.remote = remote
+        self.remote_size_limit_bytes = remote_size_limit_bytes
+        self.remote_timeout_s = remote_timeout_s
         self.stats = StoreStats()
 
         self._lock = threading.RLock()
@@ -183,6 +233,10 @@ class ChunkStore:
         self._memory_bytes = 0
         self._warned: set[str] = set()  # keys already warned about
         self._write_error_logged = False
+        self._remote_error_logged = False
+        self._remote_down = False  # the last Redis call failed
+        self._remote_retry_at = 0.0  # time.monotonic() before which Redis is skipped
+        self._remote_retry_s = REMOTE_RETRY_S
 
         self.path.mkdir(parents=True, exist_ok=True)
         self._disk = diskcache.Cache(
@@ -204,10 +258,14 @@ class ChunkStore:
     ) -> ChunkKV | None:
         """Return the entry for ``key``, or None on a miss.
 
+        Looks in memory, then on disk, then in Redis; a hit is copied into
+        the tiers above the one it came from.
+
         ``expect = (num_layers, num_kv_heads, num_tokens, head_dim, dtype)``:
         an entry of another geometry is treated as corrupt. Damaged or
-        foreign entries are dropped from both tiers, logged once per key and
-        reported as a miss, so the caller recomputes and ``put``s again.
+        foreign entries are dropped from memory and disk (and from Redis if
+        read from there), logged once per key and reported as a miss, so the
+        caller recomputes and ``put``s again.
 
         The returned tensor may be shared with other callers (memory tier):
         treat it as read-only.
@@ -232,15 +290,13 @@ class ChunkStore:
             self._drop_corrupt(key, reason)
             return None
 
+        data = None
         try:
             # read=True: diskcache hands us an open file while holding its
             # lock; the (large) read then happens outside the lock.
             value = self._disk.get(key, default=None, read=True)
-            if value is None:
-                with self._lock:
-                    self.stats.misses += 1
-                return None
-            data = _read_all(value)
+            if value is not None:
+                data = _read_all(value)
         except CorruptEntryError as e:  # refused by _BytesOnlyDisk
             self._drop_corrupt(key, str(e))
             return None
@@ -248,25 +304,42 @@ class ChunkStore:
             # Possibly transient (locked db, I/O hiccup): don't delete; the
             # caller's recompute-and-put replaces the entry if it is bad.
             with self._lock:
-                self.stats.misses += 1
                 self.stats.errors += 1
-            self._warn_once(key, f"disk tier read failed ({type(e).__name__}: {e}); treating as a miss")
-            return None
+            self._warn_once(key, f"disk tier read failed ({type(e).__name__}: {e}); treating it as a disk miss")
+        if data is not None:
+            entry = self._checked(key, data, expect, adopt=True, remote=False)
+            if entry is not None:
+                with self._lock:
+                    self.stats.disk_hits += 1
+                    self.stats.bytes_read += len(data)
+                    self._remember(entry)
+            return entry
 
-        try:
-            entry = _decode(data, expected_key=key, adopt=True)
-        except CorruptEntryError as e:
-            self._drop_corrupt(key, str(e))
+        data = None if self._remote is None else self._remote_call("read", self._remote.get, key)
+        if data is None or data is _SKIPPED:
+            with self._lock:
+                self.stats.misses += 1
             return None
-        reason = _mismatch(entry, expect)
-        if reason is not None:
-            self._drop_corrupt(key, reason)
-            return None
-        with self._lock:
-            self.stats.disk_hits += 1
-            self.stats.bytes_read += len(data)
-            self._remember(entry)
+        entry = self._checked(key, data, expect, adopt=False, remote=True)
+        if entry is not None:
+            with self._lock:
+                self.stats.remote_hits += 1
+                self.stats.remote_bytes_read += len(data)
+                self._remember(entry)
+            self._disk_put(key, data)
         return entry
+
+    def _checked(self, key: str, data, expect, *, adopt: bool, remote: bool) -> ChunkKV | None:
+        """Decode and check stored bytes; a bad entry is dropped (a miss)."""
+        try:
+            entry = _decode(data, expected_key=key, adopt=adopt)
+            reason = _mismatch(entry, expect)
+        except CorruptEntryError as e:
+            reason = str(e)
+        if reason is None:
+            return entry
+        self._drop_corrupt(key, reason, remote=remote)
+        return None
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
@@ -275,9 +348,11 @@ class ChunkStore:
             if key in self._memory:
                 return True
         try:
-            return key in self._disk
+            if key in self._disk:
+                return True
         except _DISK_ERRORS:
-            return False
+            pass
+        return self._remote is not None and self._remote_call("lookup", self._remote.exists, key) is True
 
     def __len__(self) -> int:
         """Number of entries in the shared disk tier."""
@@ -286,11 +361,12 @@ class ChunkStore:
     # -- writes ----------------------------------------------------------
 
     def put(self, entry: ChunkKV) -> None:
-        """Store ``entry`` in memory and on disk (write-through).
+        """Store ``entry`` in memory, on disk and in Redis (write-through).
 
-        Disk failures (disk full, locked database) are logged and swallowed;
-        the memory tier still gets the entry. The memory tier keeps a
-        reference to ``entry.kv``: don't modify the tensor afterwards.
+        Disk and Redis failures (disk full, locked database, Redis down) are
+        logged and swallowed; the other tiers still get the entry. The
+        memory tier keeps a reference to ``entry.kv``: don't modify the
+        tensor afterwards.
         """
         if not isinstance(entry, ChunkKV):
             raise TypeError(f"put() needs a ChunkKV, got {type(entry).__name__}")
@@ -298,28 +374,42 @@ class ChunkStore:
             self.stats.puts += 1
             self._remember(entry)
         data = encode(entry)
+        too_big = []
         if len(data) > self.size_limit_bytes:
-            self._warn_once(
-                entry.key,
-                f"entry of {len(data)} bytes exceeds size_limit_bytes={self.size_limit_bytes}; "
-                "kept in memory only",
-            )
+            too_big.append(f"size_limit_bytes={self.size_limit_bytes} (not written to disk)")
+        if self._remote is not None and not self._fits_remote(data):
+            too_big.append(f"remote_size_limit_bytes={self.remote_size_limit_bytes} (not written to Redis)")
+        if too_big:
+            self._warn_once(entry.key, f"entry of {len(data)} bytes exceeds {' and '.join(too_big)}")
+        self._disk_put(entry.key, data)
+        if self._remote is not None and self._fits_remote(data):
+            if self._remote_call("write", self._remote.put, entry.key, data) is not _SKIPPED:
+                with self._lock:
+                    self.stats.remote_bytes_written += len(data)
+
+    def _fits_remote(self, data: bytes) -> bool:
+        return self.remote_size_limit_bytes is None or len(data) <= self.remote_size_limit_bytes
+
+    def _disk_put(self, key: str, data: bytes) -> None:
+        """Write to the disk tier and evict down to its limit; an entry larger
+        than the limit is skipped. Failures are logged, never raised."""
+        if len(data) > self.size_limit_bytes:
             return
         disk = self._disk.disk
         disk.forget_pending()
         try:
-            self._disk.set(entry.key, data)
+            self._disk.set(key, data)
         except _DISK_ERRORS as e:
             disk.discard_pending()  # don't leave an orphaned value file behind
-            self._write_failed(entry.key, e)
+            self._write_failed(key, e)
             return
         disk.forget_pending()  # committed: the file is the entry's now
         with self._lock:
             self.stats.bytes_written += len(data)
         try:
-            self._evict_to_limit(keep=entry.key)
+            self._evict_to_limit(keep=key)
         except _DISK_ERRORS as e:
-            self._write_failed(entry.key, e)
+            self._write_failed(key, e)
 
     def _write_failed(self, key: str, error: BaseException) -> None:
         with self._lock:
@@ -328,7 +418,7 @@ class ChunkStore:
             self._write_error_logged = True
         log = logger.warning if first else logger.debug
         log(
-            "chunk store %s: disk write of key %s... failed (%s: %s); kept in memory only%s",
+            "chunk store %s: disk write of key %s... failed (%s: %s); not stored on disk%s",
             self.path, key[:16], type(error).__name__, error,
             " (further write failures are logged at DEBUG)" if first else "",
         )
@@ -355,19 +445,24 @@ class ChunkStore:
             disk.delete(rows[0][0])
 
     def clear(self) -> None:
-        """Remove every entry from this process's memory tier and the disk tier."""
+        """Remove every entry from this process's memory tier, the disk tier
+        and Redis (only the store's own ``blend:`` keys there)."""
         with self._lock:
             self._memory.clear()
             self._memory_bytes = 0
         self._disk.clear(retry=True)
+        if self._remote is not None:
+            self._remote_call("clear", self._remote.clear)
 
     def close(self) -> None:
-        """Drop the memory tier and close this thread's database connection
-        (diskcache reconnects lazily if the store is used again)."""
+        """Drop the memory tier, close this thread's database connection and
+        the Redis connections (both reconnect if the store is used again)."""
         with self._lock:
             self._memory.clear()
             self._memory_bytes = 0
         self._disk.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> ChunkStore:
         return self
@@ -377,13 +472,45 @@ class ChunkStore:
 
     def __repr__(self) -> str:
         s = self.stats
+        remote = "" if self.remote is None else (
+            f"remote={redact(self.remote)!r}, remote_size_limit_bytes={self.remote_size_limit_bytes}, "
+        )
         return (
             f"ChunkStore(path={str(self.path)!r}, size_limit_bytes={self.size_limit_bytes}, "
-            f"memory_limit_bytes={self.memory_limit_bytes}, memory_entries={len(self._memory)}, "
+            f"memory_limit_bytes={self.memory_limit_bytes}, {remote}memory_entries={len(self._memory)}, "
             f"hits={s.hits}, misses={s.misses}, corrupt={s.corrupt})"
         )
 
     # -- internals -------------------------------------------------------
+
+    def _remote_call(self, action: str, fn, *args):
+        """``fn(*args)`` on Redis, or ``_SKIPPED`` if it failed or Redis is
+        being left alone after a failure. Failures are counted and logged."""
+        with self._lock:
+            if time.monotonic() < self._remote_retry_at:
+                return _SKIPPED
+        try:
+            result = fn(*args)
+        except self._remote.errors as e:
+            with self._lock:
+                self.stats.errors += 1
+                self._remote_down = True
+                self._remote_retry_at = time.monotonic() + self._remote_retry_s
+                first = not self._remote_error_logged
+                self._remote_error_logged = True
+            log = logger.warning if first else logger.debug
+            log(
+                "chunk store %s: Redis %s: %s failed (%s: %s); using the local tiers only, "
+                "trying Redis again in %g s%s",
+                self.path, redact(self.remote), action, type(e).__name__, e, self._remote_retry_s,
+                " (further Redis errors are logged at DEBUG)" if first else "",
+            )
+            return _SKIPPED
+        with self._lock:
+            back, self._remote_down = self._remote_down, False
+        if back:
+            logger.info("chunk store %s: Redis %s answers again", self.path, redact(self.remote))
+        return result
 
     def _remember(self, entry: ChunkKV) -> None:
         """Insert into the memory LRU, evicting least recently used entries.
@@ -400,7 +527,9 @@ class ChunkStore:
             _, evicted = self._memory.popitem(last=False)
             self._memory_bytes -= evicted.nbytes
 
-    def _drop_corrupt(self, key: str, reason: str) -> None:
+    def _drop_corrupt(self, key: str, reason: str, *, remote: bool = False) -> None:
+        """Drop a bad entry from memory and disk, and from Redis if it came
+        from there (a bad local copy says nothing about Redis's)."""
         with self._lock:
             old = self._memory.pop(key, None)
             if old is not None:
@@ -413,7 +542,10 @@ class ChunkStore:
             self._disk.delete(key)
         except _DISK_ERRORS as e:
             reason += f"; deleting it failed too ({type(e).__name__}: {e})"
-        self._warn_once(key, f"dropped corrupt entry: {reason}")
+        if remote:
+            self._remote_call("delete", self._remote.delete, key)
+            reason = f"from Redis {redact(self.remote)}: {reason}"
+        self._warn_once(key, f"dropped corrupt entry {reason}" if remote else f"dropped corrupt entry: {reason}")
 
     def _warn_once(self, key: str, message: str) -> None:
         with self._lock:
