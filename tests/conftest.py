@@ -72,12 +72,22 @@ def docs():
     return [" ".join(sample_text(5, seed=seed + i)) for i in range(4)]
 
 
+VLLM_REDIS_PASSWORD = "vllm-secret"
+
+
 @pytest.fixture(scope="session")
-def vllm_engine(model_dirs, store):
-    """One embedded vLLM engine (CPU build here) for the whole session: it takes ~40 s to start."""
+def vllm_engine(model_dirs, store, redis_server):
+    """One embedded vLLM engine (CPU build here) for the whole session: it takes ~40 s to start.
+
+    Its store is the session store's directory with the session's Redis server as its remote tier,
+    reached as a user with a password, so that the password's way into vLLM's processes is used too.
+    """
+    redis_server.client().acl_setuser("blend", enabled=True, passwords=[f"+{VLLM_REDIS_PASSWORD}"],
+                                      keys=["*"], categories=["+@all"])
+    remote = f"redis://blend:{VLLM_REDIS_PASSWORD}@127.0.0.1:{redis_server.port}/0"
     # A small KV cache (96 blocks of 32 tokens) so that concurrent requests get preempted for real.
-    engine = load_engine(model_dirs("llama"), backend="vllm", store=store, max_model_len=2048, kv_cache_gib=1,
-                         num_gpu_blocks_override=96, disable_log_stats=False)
+    engine = load_engine(model_dirs("llama"), backend="vllm", store=ChunkStore(store.path, remote=remote),
+                         max_model_len=2048, kv_cache_gib=1, num_gpu_blocks_override=96, disable_log_stats=False)
     yield engine
     engine.close()
 

@@ -44,7 +44,7 @@ def counted_gets(stats) -> int:
 # configuration
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:6379/0", "127.0.0.1:6379", "", "redis//127.0.0.1"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379/0", "127.0.0.1:6379", "redis//127.0.0.1"])
 def test_bad_url_is_a_value_error_naming_it(tmp_path, url):
     with pytest.raises(ValueError, match="remote must be a redis://") as info:
         ChunkStore(tmp_path, remote=url)
@@ -63,6 +63,41 @@ def test_bad_remote_settings(tmp_path):
         ChunkStore(tmp_path, remote="redis://127.0.0.1/0", remote_size_limit_bytes=0)
     with pytest.raises(ValueError, match="remote_timeout_s"):
         ChunkStore(tmp_path, remote="redis://127.0.0.1/0", remote_timeout_s=0)
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://user:hunter2@127.0.0.1:1/0", "redis://user:***@127.0.0.1:1/0"),
+    ("rediss://:hunter2@cache-host/2", "rediss://:***@cache-host/2"),
+    ("unix:///run/redis.sock?db=1&password=hunter2&x=y", "unix:///run/redis.sock?db=1&password=***&x=y"),
+    ("redis://127.0.0.1:1/0", "redis://127.0.0.1:1/0"),
+])
+def test_the_password_is_never_shown(tmp_path, url, shown):
+    from blend_integrations.store.redis_tier import redact
+
+    assert redact(url) == shown
+    with ChunkStore(tmp_path, remote=url) as store:
+        assert f"remote={shown!r}" in repr(store)
+
+
+def test_remote_defaults_to_the_environment(tmp_path, monkeypatch, redis_url):
+    monkeypatch.setenv("BLEND_STORE_REMOTE", redis_url)
+    with ChunkStore(tmp_path / "a") as store:
+        assert store.remote == redis_url
+        store.put(make_entry(0))
+    with ChunkStore(tmp_path / "b", remote="") as local_only:  # "": no Redis tier, whatever the environment says
+        assert local_only.remote is None and make_entry(0).key not in local_only
+    with ChunkStore(tmp_path / "c") as other:
+        assert other.get(make_entry(0).key) is not None and other.stats.remote_hits == 1
+    monkeypatch.setenv("BLEND_STORE_REMOTE", "cache-host:6379")
+    with pytest.raises(ValueError, match=r"\$BLEND_STORE_REMOTE: remote must be a redis://.*'cache-host:6379'"):
+        ChunkStore(tmp_path / "c")
+    for unset in ("", None):
+        if unset is None:
+            monkeypatch.delenv("BLEND_STORE_REMOTE")
+        else:
+            monkeypatch.setenv("BLEND_STORE_REMOTE", unset)
+        with ChunkStore(tmp_path / "c") as store:
+            assert store.remote is None and "remote=" not in repr(store)
 
 
 def test_missing_redis_package(tmp_path, monkeypatch):
@@ -386,3 +421,41 @@ def test_store_usable_after_fork(tmp_path, redis_server, redis_url):
     store.put(make_entry(2))
     assert make_entry(1).key in store and store.stats.errors == 0
     store.close()
+
+
+# --------------------------------------------------------------------------
+# engines in two processes
+
+
+def _engine_first_request(model_dir: str, store_path: str, url: str, docs: list[str], out) -> None:
+    """A new process's first request on ``docs``, blended at ratio 1, and the same prompt with full prefill."""
+    from blend_integrations import BlendPrompt, load_engine
+
+    store = ChunkStore(store_path, remote=url)
+    engine = load_engine(model_dir, store=store, device="cpu")
+    prompt = BlendPrompt("Read.", docs, "Question: which city is named in the documents? Answer:")
+    blend = engine.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+    full = engine.generate(prompt, max_tokens=10, mode="full")
+    out.put((blend.usage, store.stats, blend.token_ids, full.token_ids))
+    store.close()
+
+
+def test_two_engine_processes_share_chunks_through_redis(tmp_path, model_dirs, redis_url, docs):
+    """Two transformers engines in two processes, each with its own empty directory: the second
+    process's first request, on the same documents in another order, hits every chunk in Redis."""
+    ctx = mp.get_context("spawn")
+    results = []
+    for name, order in (("a", docs), ("b", [docs[2], docs[0], docs[3], docs[1]])):
+        out = ctx.Queue()
+        p = ctx.Process(target=_engine_first_request, args=(model_dirs("llama"), str(tmp_path / name), redis_url,
+                                                             order, out))
+        p.start()
+        results.append(out.get(timeout=300))
+        p.join(60)
+        assert p.exitcode == 0
+    (usage_a, stats_a, _, _), (usage_b, stats_b, blend_b, full_b) = results
+    n = len(docs)
+    assert (usage_a.chunks_hit, usage_a.chunks_missed) == (0, n) and stats_a.remote_bytes_written > 0
+    assert (usage_b.chunks_hit, usage_b.chunks_missed) == (n, 0)
+    assert stats_b.remote_hits == n and stats_b.disk_hits == stats_b.memory_hits == 0 and stats_b.errors == 0
+    assert blend_b == full_b

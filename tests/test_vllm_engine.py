@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shlex
 
 import pytest
 
-from blend_integrations import BlendPrompt, PromptError, UnsupportedModelError, load_engine
-from blend_integrations.engines.vllm_engine import check_vllm_version
+from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, PromptError, UnsupportedModelError, load_engine
+from blend_integrations.engines.vllm_engine import (
+    blend_engine_args,
+    blend_engine_env,
+    check_vllm_version,
+    connector_store_args,
+)
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -157,3 +164,83 @@ def test_preempted_requests_are_blended_again(vllm_engine):
     together = vllm_engine.generate_many(prompts, max_tokens=80)
     assert preemptions() > before, "the test needs vLLM to preempt; shrink the KV cache"
     assert [g.token_ids for g in together] == alone
+
+
+# -- the Redis tier in vLLM's processes ----------------------------------------
+
+
+def test_chunks_in_redis_are_hits_for_the_vllm_engine(vllm_engine, model_dirs, redis_url, tmp_path, docs):
+    """The connector opens the store's Redis tier in vLLM's processes (the session engine's URL has a
+    password, which reaches them in $BLEND_STORE_REMOTE): chunks that a transformers engine wrote to
+    Redis from another directory are hits, and the worker copies them to its own directory."""
+    writer = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path / "elsewhere", remote=redis_url), device="cpu")
+    assert writer.warm(docs) == len(docs)
+    keys = [writer.chunk_key(writer.tokenizer.encode(d, add_special_tokens=False)) for d in docs]
+    assert keys == [vllm_engine.chunk_key(vllm_engine.tokenizer.encode(d, add_special_tokens=False)) for d in docs]
+    vllm_disk = ChunkStore(vllm_engine.store.path, memory_limit_bytes=0, remote="")  # its directory alone
+    assert not any(k in vllm_disk for k in keys)
+
+    prompt = BlendPrompt("Read.", [docs[2], docs[0], docs[3], docs[1]], QUESTION)
+    blend = vllm_engine.generate(prompt, max_tokens=8, recompute_ratio=1.0)
+    assert (blend.usage.chunks_hit, blend.usage.chunks_missed) == (len(docs), 0)
+    assert blend.token_ids == vllm_engine.generate(prompt, max_tokens=8, mode="full").token_ids
+    assert all(k in vllm_disk for k in keys)  # Redis hits are copied down to the disk tier
+
+
+def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeypatch):
+    monkeypatch.delenv("BLEND_STORE_REMOTE", raising=False)
+    url = "redis://blend:hunter2@cache-host:6380/3"
+    store = ChunkStore(tmp_path, remote=url, remote_size_limit_bytes=2**20, remote_timeout_s=0.5)
+    args = blend_engine_args(store=store, config=BlendConfig(), max_model_len=2048, on_gpu=False)
+    extra = args["kv_transfer_config"]["kv_connector_extra_config"]
+    assert "hunter2" not in json.dumps(args)
+    assert extra["store_remote"] == "redis://blend:***@cache-host:6380/3" and extra["store_remote_in_env"] is True
+    assert (extra["store_remote_size_limit_bytes"], extra["store_remote_timeout_s"]) == (2**20, 0.5)
+    assert blend_engine_env(store) == {"BLEND_STORE_REMOTE": url}
+
+    # the connector's side: the full URL from the environment vLLM's processes inherit
+    with pytest.raises(ValueError, match=r"'redis://blend:\*\*\*@cache-host:6380/3' has a password.*"
+                                         r"set BLEND_STORE_REMOTE.*\(it is not set\)"):
+        connector_store_args(extra)
+    monkeypatch.setenv("BLEND_STORE_REMOTE", "redis://blend:other@elsewhere:6380/3")
+    with pytest.raises(ValueError, match=r"\(it is 'redis://blend:\*\*\*@elsewhere:6380/3'\)"):
+        connector_store_args(extra)
+    monkeypatch.setenv("BLEND_STORE_REMOTE", url)
+    assert connector_store_args(extra) == {
+        "path": str(tmp_path), "size_limit_bytes": store.size_limit_bytes, "memory_limit_bytes": store.memory_limit_bytes,
+        "remote": url, "remote_size_limit_bytes": 2**20, "remote_timeout_s": 0.5,
+    }
+
+    # without a password the URL is in the config and nothing in the environment
+    plain = ChunkStore(tmp_path, remote="redis://cache-host:6380/3")
+    extra = blend_engine_args(store=plain, config=BlendConfig(), max_model_len=2048,
+                              on_gpu=False)["kv_transfer_config"]["kv_connector_extra_config"]
+    assert (extra["store_remote"], extra["store_remote_in_env"], blend_engine_env(plain)) == (
+        "redis://cache-host:6380/3", False, {})
+    assert connector_store_args(extra)["remote"] == "redis://cache-host:6380/3"
+
+    # no Redis tier: the connector opens none, even with $BLEND_STORE_REMOTE set
+    none = blend_engine_args(store=ChunkStore(tmp_path, remote=""), config=BlendConfig(), max_model_len=2048,
+                             on_gpu=False)["kv_transfer_config"]["kv_connector_extra_config"]
+    assert none["store_remote"] is None and connector_store_args(none)["remote"] == ""
+
+
+def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, capsys):
+    from blend_integrations import serve
+
+    monkeypatch.delenv("BLEND_STORE_REMOTE", raising=False)
+    url = "redis://:hunter2@cache-host:6379/0"
+    serve.main(["some/model", "--store", str(tmp_path), "--store-remote", url, "--print", "--port", "8000"])
+    words = shlex.split(capsys.readouterr().out)
+    assert f"BLEND_STORE_REMOTE={url}" in words  # the environment to run it with
+    cmd = words[words.index("-m") - 1:]
+    assert "hunter2" not in " ".join(cmd) and cmd[-2:] == ["--port", "8000"]
+    extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["store_remote"] == "redis://:***@cache-host:6379/0" and extra["store_remote_in_env"] is True
+
+    monkeypatch.setenv("BLEND_STORE_REMOTE", "redis://cache-host:6379/1")  # the default of --store-remote
+    serve.main(["some/model", "--store", str(tmp_path), "--print"])
+    out = capsys.readouterr().out
+    assert "BLEND_STORE_REMOTE" not in out.split(" -m ")[0] and '"store_remote": "redis://cache-host:6379/1"' in out
+    serve.main(["some/model", "--store", str(tmp_path), "--store-remote", "", "--print"])
+    assert '"store_remote": null' in capsys.readouterr().out

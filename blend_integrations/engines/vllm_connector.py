@@ -18,8 +18,12 @@ which chunks are hits (``key in store``), so the usage it returns in
 
 The worker gets its model from the ``blend`` model loader (``load_format=
 "blend"``, registered by this package's vLLM plugin). ``kv_connector_extra_config``
-may set ``store_path``, ``store_size_limit_bytes``, ``store_memory_limit_bytes``
-and ``blend_config`` (``BlendConfig`` fields); everything has a default.
+may set ``store_path``, ``store_size_limit_bytes``, ``store_memory_limit_bytes``,
+the Redis tier's ``store_remote`` (a URL, or null for none; missing:
+``$BLEND_STORE_REMOTE``), ``store_remote_in_env`` (true: ``store_remote`` has its
+password replaced by ``***`` and the full URL is ``$BLEND_STORE_REMOTE``),
+``store_remote_size_limit_bytes``, ``store_remote_timeout_s``, and
+``blend_config`` (``BlendConfig`` fields); everything has a default.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from ..fusion import Blender, KVCache, PrefillStats, planned_usage
 from ..prompt import bos_id_added, spans_from_separator
 from ..store import ChunkStore, chunk_key, model_fingerprint
 from . import vllm_plugin
+from .vllm_engine import connector_store_args
 
 
 @dataclass
@@ -83,11 +88,10 @@ class BlendConnector(KVConnectorBase_V1):
         self.dtype_name = str(model_config.dtype).removeprefix("torch.")
         self.block_size = vllm_config.cache_config.block_size
         self.tokenizer_name = model_config.tokenizer
-        store_path = extra.get("store_path")
-        limits = {k: int(extra[f"store_{k}"]) for k in ("size_limit_bytes", "memory_limit_bytes") if f"store_{k}" in extra}
+        store_args = connector_store_args(extra)
         if role == KVConnectorRole.SCHEDULER:
-            limits["memory_limit_bytes"] = 0  # the scheduler only asks which keys exist
-        self.store = ChunkStore(store_path, **limits)
+            store_args["memory_limit_bytes"] = 0  # the scheduler only asks which keys exist
+        self.store = ChunkStore(**store_args)
         # scheduler side
         self._to_load: dict[str, tuple[dict, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
         self._usage: dict[str, dict[str, int]] = {}

@@ -8,6 +8,7 @@ concurrent requests are batched by vLLM's scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -19,7 +20,8 @@ from typing import Iterable, Iterator, Sequence
 from ..config import BlendConfig
 from ..models import check_supported
 from ..prompt import BlendPrompt, TextOrIds
-from ..store import ChunkStore, model_fingerprint
+from ..store import REMOTE_ENV, ChunkStore, model_fingerprint
+from ..store.redis_tier import redact
 from .base import Engine, Generation, GenerationStream, Request, Usage
 from .transformers_engine import resolve_model_dir
 
@@ -59,6 +61,7 @@ def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: 
                 "store_path": str(store.path),
                 "store_size_limit_bytes": store.size_limit_bytes,
                 "store_memory_limit_bytes": store.memory_limit_bytes,
+                **_remote_config(store),
                 "blend_config": {**dataclasses.asdict(config), "check_layers": list(config.check_layers)},
             },
         },
@@ -70,6 +73,66 @@ def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: 
     if not on_gpu:
         args |= {"enforce_eager": True, "block_size": 32}  # the CPU backend needs blocks of a multiple of 32
     return args
+
+
+# vLLM logs its whole config at start-up, kv_connector_extra_config included,
+# so a Redis password must stay out of it: the config carries the URL with the
+# password shown as *** and store_remote_in_env, and the full URL travels in
+# $BLEND_STORE_REMOTE, which vLLM's processes inherit (blend_engine_env).
+def _remote_config(store: ChunkStore) -> dict:
+    if store.remote is None:
+        return {"store_remote": None}
+    return {
+        "store_remote": redact(store.remote),
+        "store_remote_in_env": redact(store.remote) != store.remote,
+        "store_remote_size_limit_bytes": store.remote_size_limit_bytes,
+        "store_remote_timeout_s": store.remote_timeout_s,
+    }
+
+
+def blend_engine_env(store: ChunkStore) -> dict[str, str]:
+    """The environment variables vLLM's processes need besides the engine
+    arguments: the store's Redis URL when it has a password."""
+    if store.remote is None or redact(store.remote) == store.remote:
+        return {}
+    return {REMOTE_ENV: store.remote}
+
+
+def connector_store_args(extra: dict) -> dict:
+    """The ``ChunkStore`` arguments (path and limits, Redis tier) that
+    ``kv_connector_extra_config`` gives; what is missing keeps its default."""
+    args = {"path": extra.get("store_path")}
+    for name in ("size_limit_bytes", "memory_limit_bytes", "remote_size_limit_bytes", "remote_timeout_s"):
+        if f"store_{name}" in extra:
+            args[name] = extra[f"store_{name}"]
+    if "store_remote" not in extra:
+        return args  # ChunkStore's default: $BLEND_STORE_REMOTE, if set
+    url = extra["store_remote"] or ""  # null: no Redis tier, whatever the environment says
+    if url and extra.get("store_remote_in_env"):
+        full = os.environ.get(REMOTE_ENV, "")
+        if redact(full) != url:
+            found = f"it is {redact(full)!r}" if full else "it is not set"
+            raise ValueError(
+                f"the chunk store's Redis URL {url!r} has a password, which is kept out of vLLM's config: "
+                f"set {REMOTE_ENV} to the full URL in the environment of vLLM's processes ({found})"
+            )
+        url = full
+    return args | {"remote": url}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """Set environment variables for the duration of the block, then restore them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def kv_transfer_params(req: Request) -> dict | None:
@@ -140,7 +203,10 @@ class VLLMEngine(Engine):
             seed=0,
         )
         kwargs.update(llm_kwargs)
-        self.llm = vllm.LLM(**kwargs)
+        # vLLM starts its processes (and their connectors) in LLM(); they keep
+        # the variables, this process gets its own back.
+        with _environ(blend_engine_env(self.store)):
+            self.llm = vllm.LLM(**kwargs)
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._ids = itertools.count()
         self._requests: dict[str, queue.Queue] = {}  # request id -> its outputs, until finished

@@ -1,6 +1,6 @@
 """Persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
 
-from .chunk_store import ChunkStore, StoreStats, default_store_path
+from .chunk_store import REMOTE_ENV, ChunkStore, StoreStats, default_store_path, default_store_remote
 from .format import ChunkKV, CorruptEntryError
 from .keys import RECIPE_VERSION, chunk_key, model_fingerprint
 
@@ -13,4 +13,6 @@ __all__ = [
     "model_fingerprint",
     "RECIPE_VERSION",
     "default_store_path",
+    "default_store_remote",
+    "REMOTE_ENV",
 ]

@@ -58,6 +58,14 @@ def default_store_path() -> Path:
     return Path.home() / ".cache" / "blend_integrations" / "chunks"
 
 
+REMOTE_ENV = "BLEND_STORE_REMOTE"
+
+
+def default_store_remote() -> str | None:
+    """``$BLEND_STORE_REMOTE`` if set and not empty, else None (no Redis tier)."""
+    return os.environ.get(REMOTE_ENV) or None
+
+
 class _BytesOnlyDisk(diskcache.Disk):
     """diskcache serialisation that only ever stores or returns raw bytes.
 
@@ -187,7 +195,9 @@ class ChunkStore:
     database number, e.g. ``redis://cache-host:6379/0``). Every Redis call
     gives up after ``remote_timeout_s`` seconds; ``remote_size_limit_bytes``
     (None: no limit of the store's own) bounds the bytes the store keeps in
-    that database.
+    that database. ``remote=None`` is ``$BLEND_STORE_REMOTE`` if that is set
+    and not empty, else no Redis tier; ``remote=""`` is no Redis tier
+    whatever the environment says. ``store.remote`` is the URL in use, or None.
     """
 
     def __init__(
@@ -215,11 +225,21 @@ class ChunkStore:
             )
         if not isinstance(remote_timeout_s, (int, float)) or not remote_timeout_s > 0:
             raise ValueError(f"remote_timeout_s must be a positive number, got {remote_timeout_s!r}")
-        self._remote = (
-            None
-            if remote is None
-            else RedisTier(remote, size_limit_bytes=remote_size_limit_bytes, timeout_s=float(remote_timeout_s))
-        )
+        from_env = remote is None
+        if from_env:
+            remote = default_store_remote()
+        if remote == "":
+            remote = None
+        try:
+            self._remote = (
+                None
+                if remote is None
+                else RedisTier(remote, size_limit_bytes=remote_size_limit_bytes, timeout_s=float(remote_timeout_s))
+            )
+        except ValueError as e:
+            if from_env:
+                raise ValueError(f"${REMOTE_ENV}: {e}") from None
+            raise
         self.path = Path(path).expanduser() if path is not None else default_store_path()
         self.size_limit_bytes = size_limit_bytes
         self.memory_limit_bytes = memory_limit_bytes

@@ -33,6 +33,7 @@ single server (or a primary with replicas), not a cluster.
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit, urlunsplit
 
 PREFIX = "blend:"
@@ -99,7 +100,9 @@ return 0
 
 
 def redact(url: str) -> str:
-    """``url`` with its password, if any, replaced by ``***``."""
+    """``url`` with its password, if any, replaced by ``***``: the one before
+    the host and a ``password=`` query argument (redis-py takes both)."""
+    url = re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
     parts = urlsplit(url)
     if parts.password is None:
         return url
