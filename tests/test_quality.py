@@ -17,6 +17,7 @@ from blend_integrations.quality.data import (
     make_example,
     make_examples,
     normalize,
+    question_subject,
     token_f1,
 )
 
@@ -45,7 +46,8 @@ def test_every_question_has_one_answer_in_its_documents():
     for hops in (1, 2):
         for _ in range(50):
             e = make_example(rng, hops=hops)
-            subject = re.search(r"(?:founded|founder of|is|was) ([A-Z]\w+ [A-Z]\w+)", e.question).group(1)
+            subject = question_subject(e.question)
+            assert e.documents[e.evidence[0]].startswith(f"Notes on {subject}.")
             evidence = [e.documents[i] for i in e.evidence]
             if hops == 2:  # the company's document names the founder, whose document holds the answer
                 founder = re.search(rf"{subject} was founded by ([A-Z]\w+ [A-Z]\w+)", evidence[0] + evidence[-1]).group(1)
@@ -54,6 +56,35 @@ def test_every_question_has_one_answer_in_its_documents():
             # no other document states a fact about the question's subject
             others = [d for i, d in enumerate(e.documents) if i not in e.evidence]
             assert not any(f"{subject} was" in d or f"{subject} is based" in d for d in others)
+
+
+def test_question_subject():
+    assert question_subject("In which city was the founder of Harbor Press born?") == "Harbor Press"
+    assert question_subject("In which city was Ada Okafor born?") == "Ada Okafor"
+    with pytest.raises(ValueError, match="not a generated question"):
+        question_subject("Why?")
+    for e in make_examples(20, seed=5, follow_ups=3):  # follow-ups ask about entities with documents too
+        for question, _ in [(e.question, e.answer), *e.follow_ups]:
+            assert any(d.startswith(f"Notes on {question_subject(question)}.") for d in e.documents)
+
+
+def test_bind_targets_point_at_sentence_starts_and_question_subjects(tmp_path):
+    """The bind loss's targets (training only): a document token's sentence start,
+    and at each answer the question's subject."""
+    from blend_integrations.quality.train import SENTENCE_HEAD, SUBJECT_HEAD, bind_targets, encode, train_reader_tokenizer
+
+    tokenizer = train_reader_tokenizer(tmp_path, 512, 0)
+    e = make_examples(1, seed=9, follow_ups=2)[0]
+    ids, mask = encode(e, tokenizer)
+    targets = bind_targets(e, tokenizer, ids, mask)
+    period = tokenizer.encode(".", add_special_tokens=False)[0]
+    sentence = [(q, s) for h, q, s in targets if h == SENTENCE_HEAD]
+    assert sentence and all(ids[s - 1] == period and s + 2 <= q and period not in ids[s:q] for q, s in sentence)
+    subject = [(q, s) for h, q, s in targets if h == SUBJECT_HEAD]
+    assert len(subject) == 3  # the question and two follow-ups
+    for (q, s), question in zip(subject, [e.question] + [f for f, _ in e.follow_ups], strict=True):
+        assert mask[q + 1] and not mask[q]  # the position that predicts the answer's first token
+        assert tokenizer.decode(ids[s:s + 2]).strip() in question_subject(question)
 
 
 def test_metrics():

@@ -175,6 +175,23 @@ def _question(rng: random.Random, world: World, company: Company, hops: int,
             [company.name, founder.name])
 
 
+# The question templates of ``_question``, each with its subject (the company or
+# person the question names), most specific first.
+_QUESTION_SUBJECT = tuple(re.compile(t) for t in (
+    r"Who founded (.+)\?", r"In which city is (.+) based\?", r"In which city was the founder of (.+) born\?",
+    r"What was the profession of the founder of (.+)\?", r"In which city was (.+) born\?",
+))
+
+
+def question_subject(question: str) -> str:
+    """The company or person a generated question is about."""
+    for template in _QUESTION_SUBJECT:
+        match = template.fullmatch(question)
+        if match:
+            return match.group(1)
+    raise ValueError(f"not a generated question: {question!r}")
+
+
 def make_example(rng: random.Random, *, hops: int, n_docs: tuple[int, int] = (6, 10),
                  doc_tokens: tuple[int, int] = (100, 500), follow_ups: int = 0) -> Example:
     """One question with ``n_docs`` documents (shuffled); its facts and the
