@@ -28,6 +28,13 @@ class BlendConfig:
         on its own. May be empty.
     sink_tokens: the first N tokens of every reused chunk are always
         recomputed (attention-sink repair).
+    loading_controller: in blend mode, decide per request from where each
+        chunk would be read (the store's measured bandwidth per tier) and how
+        fast this engine computes: chunks whose loading would delay the first
+        token more than computing them are computed as fresh tokens, and the
+        ratio is raised above ``recompute_ratio`` (the quality floor) while
+        the extra compute still hides under the loads. Off: every stored
+        chunk is loaded, at the configured ratio.
     """
 
     recompute_ratio: float = 0.15
@@ -35,6 +42,7 @@ class BlendConfig:
     deviation: Deviation = "v"
     separator: str = "\n\n"
     sink_tokens: int = 0
+    loading_controller: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute_ratio", check_ratio(self.recompute_ratio))
@@ -52,6 +60,8 @@ class BlendConfig:
             raise ValueError(f"separator must be a string, got {type(self.separator).__name__}")
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be a non-negative integer, got {self.sink_tokens!r}")
+        if not isinstance(self.loading_controller, bool):
+            raise ValueError(f"loading_controller must be True or False, got {self.loading_controller!r}")
 
     def replace(self, **changes) -> "BlendConfig":
         return dataclasses.replace(self, **changes)

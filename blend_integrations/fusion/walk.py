@@ -61,6 +61,7 @@ class ReusedSpan:
 class WalkStats:
     reused_tokens: int  # tokens that came with reused KV
     recomputed_tokens: int  # of those, how many were recomputed after all
+    token_layers: int = 0  # tokens computed, summed over layers (the walk's work)
 
 
 def forward(
@@ -111,6 +112,7 @@ def forward(
     act = active.to(device)  # the same indices on the model's device
     h = model.embed(ids[act])
     plans: dict = {}  # attention plan per sliding window, valid while the active set holds
+    token_layers = 0
     for layer in range(model.num_layers):
         q, k, v = model.qkv(layer, h)
         if record is not None:
@@ -139,13 +141,14 @@ def forward(
             keep_dev = keep.to(device)
             q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
             plans.clear()
+        token_layers += act.numel()
         window = model.windows[layer]
         if window not in plans:
             plans[window] = _attention_plan(positions[act], start, end, T, window, model.dtype)
         attn = _attend(q, K, V, plans[window], model.scaling)
         h = model.finish(layer, h, attn)
     cache.length = end
-    return (model.logits(h[-1:])[0] if logits else None), WalkStats(num_reused, recomputed)
+    return (model.logits(h[-1:])[0] if logits else None), WalkStats(num_reused, recomputed, token_layers)
 
 
 def _select(fresh, cached, start, active, is_reused, count):

@@ -32,12 +32,14 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import diskcache
 import torch
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
 from .format import ChunkKV, CorruptEntryError, _decode, encode
+from .rate import Rate
 from .redis_tier import RedisTier, redact
 
 logger = logging.getLogger("blend_integrations.store")
@@ -48,6 +50,21 @@ _DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 # Seconds to leave Redis alone after a failure before trying it again.
 REMOTE_RETRY_S = 5.0
 _SKIPPED = object()  # a Redis call not made (backing off) or failed
+
+
+TIERS = ("memory", "disk", "remote")
+
+# Read bandwidth (bytes/s) a tier is assumed to have until reads measure it:
+# decoded tensors in this process, a local SSD (or the page cache), a
+# 1 Gbit/s network to Redis. Set your own with ChunkStore(read_bandwidth=...).
+DEFAULT_READ_BANDWIDTH = {"memory": 10e9, "disk": 1e9, "remote": 125e6}
+
+
+class Location(NamedTuple):
+    """Where the store would read a key from, found without reading it."""
+
+    tier: str | None  # "memory", "disk" or "remote"; None: not in the store
+    nbytes: int = 0  # what a read moves: the encoded entry (memory: the tensor)
 
 
 def default_store_path() -> Path:
@@ -198,6 +215,13 @@ class ChunkStore:
     that database. ``remote=None`` is ``$BLEND_STORE_REMOTE`` if that is set
     and not empty, else no Redis tier; ``remote=""`` is no Redis tier
     whatever the environment says. ``store.remote`` is the URL in use, or None.
+
+    ``read_rates`` holds each tier's read bandwidth, measured from real reads
+    (bytes over seconds, exponentially weighted); ``read_bandwidth`` sets
+    what a tier is assumed to read at until then (bytes/s per tier name,
+    defaults in ``DEFAULT_READ_BANDWIDTH``). ``locate`` says where a key is
+    and how big it is without reading it: with both, the loading controller
+    estimates load times.
     """
 
     def __init__(
@@ -209,7 +233,15 @@ class ChunkStore:
         remote: str | None = None,
         remote_size_limit_bytes: int | None = 4 * 2**30,
         remote_timeout_s: float = 1.0,
+        read_bandwidth: dict[str, float] | None = None,
     ) -> None:
+        bandwidth = dict(DEFAULT_READ_BANDWIDTH)
+        for tier, value in (read_bandwidth or {}).items():
+            if tier not in TIERS:
+                raise ValueError(f"read_bandwidth: unknown tier {tier!r}; the tiers are {', '.join(TIERS)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"read_bandwidth[{tier!r}] must be a positive number of bytes/s, got {value!r}")
+            bandwidth[tier] = float(value)
         if type(size_limit_bytes) is not int or size_limit_bytes <= 0:
             raise ValueError(f"size_limit_bytes must be a positive int, got {size_limit_bytes!r}")
         if type(memory_limit_bytes) is not int or memory_limit_bytes < 0:
@@ -247,6 +279,7 @@ class ChunkStore:
         self.remote_size_limit_bytes = remote_size_limit_bytes
         self.remote_timeout_s = remote_timeout_s
         self.stats = StoreStats()
+        self.read_rates = {tier: Rate(bandwidth[tier]) for tier in TIERS}
 
         self._lock = threading.RLock()
         self._memory: OrderedDict[str, ChunkKV] = OrderedDict()
@@ -297,6 +330,7 @@ class ChunkStore:
                 "expect must be (num_layers, num_kv_heads, num_tokens, head_dim, dtype), "
                 f"got {expect!r}"
             )
+        started = time.perf_counter()
         with self._lock:
             entry = self._memory.get(key)
             if entry is not None:
@@ -306,11 +340,13 @@ class ChunkStore:
             if reason is None:
                 with self._lock:
                     self.stats.memory_hits += 1
+                self.read_rates["memory"].add(entry.nbytes, time.perf_counter() - started)
                 return entry
             self._drop_corrupt(key, reason)
             return None
 
         data = None
+        started = time.perf_counter()
         try:
             # read=True: diskcache hands us an open file while holding its
             # lock; the (large) read then happens outside the lock.
@@ -329,12 +365,14 @@ class ChunkStore:
         if data is not None:
             entry = self._checked(key, data, expect, adopt=True, remote=False)
             if entry is not None:
+                self.read_rates["disk"].add(len(data), time.perf_counter() - started)
                 with self._lock:
                     self.stats.disk_hits += 1
                     self.stats.bytes_read += len(data)
                     self._remember(entry)
             return entry
 
+        started = time.perf_counter()
         data = None if self._remote is None else self._remote_call("read", self._remote.get, key)
         if data is None or data is _SKIPPED:
             with self._lock:
@@ -342,6 +380,7 @@ class ChunkStore:
             return None
         entry = self._checked(key, data, expect, adopt=False, remote=True)
         if entry is not None:
+            self.read_rates["remote"].add(len(data), time.perf_counter() - started)
             with self._lock:
                 self.stats.remote_hits += 1
                 self.stats.remote_bytes_read += len(data)
@@ -361,18 +400,41 @@ class ChunkStore:
         self._drop_corrupt(key, reason, remote=remote)
         return None
 
-    def __contains__(self, key: object) -> bool:
+    def locate(self, key: str) -> Location:
+        """The first tier ``get`` would find ``key`` in and the entry's size,
+        without reading it (nor counting it as a use). An entry found here
+        may still turn out damaged, or be evicted, before it is read."""
         if not isinstance(key, str):
-            return False
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
         with self._lock:
-            if key in self._memory:
-                return True
+            entry = self._memory.get(key)
+        if entry is not None:
+            return Location("memory", entry.nbytes)
         try:
-            if key in self._disk:
-                return True
+            # diskcache has no size query; this reads its schema (as _evict_to_limit
+            # does): ``size`` for values in files, the blob itself for small ones.
+            row = self._disk._sql(
+                "SELECT size + ifnull(length(value), 0) FROM Cache WHERE key = ? AND raw = 1", (key,)
+            ).fetchone()
+            if row is not None:
+                return Location("disk", int(row[0]))
         except _DISK_ERRORS:
             pass
-        return self._remote is not None and self._remote_call("lookup", self._remote.exists, key) is True
+        if self._remote is not None:
+            size = self._remote_call("lookup", self._remote.size, key)
+            if size is not _SKIPPED and size:
+                return Location("remote", int(size))
+        return Location(None)
+
+    def load_seconds(self, location: Location) -> float:
+        """Estimated seconds to read an entry at ``location`` (its tier's
+        measured bandwidth); 0 for a key not in the store."""
+        if location.tier is None:
+            return 0.0
+        return location.nbytes / self.read_rates[location.tier].value
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.locate(key).tier is not None
 
     def __len__(self) -> int:
         """Number of entries in the shared disk tier."""

@@ -169,8 +169,9 @@ class RedisTier:
     def delete(self, key: str) -> None:
         self._scripts["forget"](keys=[LRU, SIZES, TOTAL], args=[VALUE_PREFIX, key])
 
-    def exists(self, key: str) -> bool:
-        return bool(self._client.exists(VALUE_PREFIX + key))
+    def size(self, key: str) -> int:
+        """Bytes stored under ``key``; 0 if there is none."""
+        return int(self._client.strlen(VALUE_PREFIX + key))
 
     def clear(self) -> None:
         """Remove every ``blend:`` key: the indexed entries atomically (so a
