@@ -16,7 +16,7 @@ from blend_integrations.store.rate import Rate
 from test_store import make_entry
 
 QUESTION = "Question: which city is named in the documents? Answer:"
-CONTROLLED = BlendConfig(loading_controller=True)
+CONTROLLED = BlendConfig(loading_controller=True, pipelined_loading=True)
 
 
 def chosen(gen):
@@ -87,13 +87,17 @@ def test_bad_settings_are_named(tmp_path):
         ChunkStore(tmp_path, read_bandwidth={"disk": 0})
     with pytest.raises(ValueError, match="loading_controller must be True or False"):
         BlendConfig(loading_controller="yes")
+    with pytest.raises(ValueError, match="pipelined_loading must be True or False"):
+        BlendConfig(pipelined_loading=1)
 
 
 def test_vllm_engine_refuses_the_controller(tmp_path):
     from blend_integrations.engines.vllm_engine import blend_engine_args
 
-    with pytest.raises(ValueError, match="loading_controller=True is supported by the transformers engine only"):
-        blend_engine_args(store=ChunkStore(tmp_path), config=CONTROLLED, max_model_len=512, on_gpu=False)
+    for name in ("loading_controller", "pipelined_loading"):
+        with pytest.raises(ValueError, match=f"{name}=True is supported by the transformers engine only"):
+            blend_engine_args(store=ChunkStore(tmp_path), config=BlendConfig(**{name: True}), max_model_len=512,
+                              on_gpu=False)
 
 
 # -- the decision logic, on numbers worked out by hand ------------------------

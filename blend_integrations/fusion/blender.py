@@ -17,9 +17,11 @@ import torch
 
 from ..config import BlendConfig
 from ..store import ChunkKV, ChunkStore, chunk_key
+from ..store.layered import LayerReader
 from ..store.rate import Rate
 from .controller import LoadingStats, plan
 from .layers import LayerModel
+from .pipeline import LayerLoader, LoadFailed
 from .walk import KVCache, ReusedSpan, WalkStats, forward
 
 
@@ -116,9 +118,8 @@ class Blender:
         stats = PrefillStats()
         floor = self.config.recompute_ratio if recompute_ratio is None else recompute_ratio
         ratio = floor
-        reused = []
+        loaded = []  # (start, end, key, ids, ChunkKV or LayerReader) of the chunks reused
         if mode != "full":
-            sink = self.config.sink_tokens
             chunks = []  # (start, end, key, ids) of the chunks to read from the store
             for i, (start, end) in enumerate(chunk_spans):
                 ids = list(token_ids[start:end])
@@ -131,23 +132,78 @@ class Blender:
             if mode == "blend" and self.config.loading_controller and hits is None:
                 chunks, ratio = self._control(chunks, len(token_ids), floor, stats)
             for start, end, key, ids in chunks:
-                entry = self.store.get(key, expect=self._expect(len(ids)))
-                if entry is None and hits is not None:
-                    entry = self.compute_chunk(ids, key)
-                    self.store.put(entry)
-                if entry is None:
+                source = self._open(key, ids, hits)
+                if source is None:
                     stats.missed[key] = ids
-                    continue
-                stats.chunks_hit += 1
-                if end - start > sink:
-                    reused.append(ReusedSpan(start + sink, entry.kv[:, :, :, sink:]))
-            stats.chunks_missed = len(chunk_spans) - stats.chunks_hit - stats.chunks_recomputed
+                else:
+                    loaded.append((start, end, key, ids, source))
         schedule = self.config.check_schedule(ratio) if mode == "blend" else None
-        out, walk = self._forward(
-            cache, token_ids, reused=reused, schedule=schedule, deviation=self.config.deviation, logits=logits
-        )
+        first = cache.length
+        while True:
+            out, walk = self._walk(cache, token_ids, loaded, schedule=schedule, logits=logits, hits=hits)
+            if walk is not None:
+                break
+            # A chunk failed to read or verify after its bytes may have been
+            # used: it becomes a missed chunk, and the walk starts over.
+            for i in [i for i, (*_, source) in enumerate(loaded) if source is None][::-1]:
+                _, _, key, ids, _ = loaded.pop(i)
+                stats.missed[key] = ids
+            cache.length = first
+        stats.chunks_hit = len(loaded)
+        if mode != "full":
+            stats.chunks_missed = len(chunk_spans) - stats.chunks_hit - stats.chunks_recomputed
         stats.cached_tokens, stats.recomputed_tokens = walk.reused_tokens, walk.recomputed_tokens
         return out, stats
+
+    def _walk(self, cache: KVCache, token_ids, loaded: list, *, schedule, logits: bool, hits):
+        """One walk with the ``loaded`` chunks, reading the layers of those
+        still in the store meanwhile (pipelined loading). Every reader is then
+        settled: ``loaded`` holds its entry, or None if it failed, and the
+        walk's stats are None if any did (its result must not be used)."""
+        sink = self.config.sink_tokens
+        loader = LayerLoader([source for *_, source in loaded if isinstance(source, LayerReader)])
+        reused = [
+            ReusedSpan(start + sink, source.kv[:, :, :, sink:],
+                       loader.ready(source) if isinstance(source, LayerReader) else None)
+            for start, end, _, _, source in loaded
+            if end - start > sink
+        ]
+        out = walk = None
+        try:
+            with loader:
+                out, walk = self._forward(cache, token_ids, reused=reused, schedule=schedule,
+                                          deviation=self.config.deviation, logits=logits, loader=loader)
+        except LoadFailed:
+            pass  # settled below
+        except BaseException:
+            for reader in loader.readers:
+                reader.close()
+            raise
+        for i, (start, end, key, ids, source) in enumerate(loaded):
+            if isinstance(source, LayerReader):
+                entry = self.store.finish_layers(source, loader.errors.get(source))
+                if entry is None:
+                    walk = None
+                    entry = self._unreadable(key, ids, hits)
+                loaded[i] = (start, end, key, ids, entry)
+        return out, walk
+
+    def _open(self, key: str, ids: list[int], hits) -> ChunkKV | LayerReader | None:
+        """A chunk's entry from the store (or a reader of its layers, with
+        pipelined loading); None on a miss."""
+        expect = self._expect(len(ids))
+        source = (self.store.open_layers if self.config.pipelined_loading else self.store.get)(key, expect=expect)
+        return source if source is not None else self._unreadable(key, ids, hits)
+
+    def _unreadable(self, key: str, ids: list[int], hits) -> ChunkKV | None:
+        """For a chunk not read from the store: None (the walk computes it
+        fresh), or, when a scheduler counted it as a hit, its KV computed
+        standalone now, so the usage it reported stays true."""
+        if hits is None:
+            return None
+        entry = self.compute_chunk(ids, key)
+        self.store.put(entry)
+        return entry
 
     def _control(self, chunks: list, num_tokens: int, floor: float, stats: PrefillStats) -> tuple[list, float]:
         """The loading controller (see ``controller.py``): of the chunks in the
@@ -166,7 +222,7 @@ class Blender:
             [self.store.load_seconds(where) for where in located],
             num_tokens=num_tokens, num_layers=self.model.num_layers, schedule=self.config.check_schedule,
             floor=floor, throughput=self.compute_rate.value,
-            overlapped=True,  # the paper's premise: loads overlap compute (layer-wise loading comes next)
+            overlapped=self.config.pipelined_loading,
         )
         tiers = Counter(where.tier for where in located)
         stats.chunks_recomputed = p.load.count(False)
@@ -178,15 +234,19 @@ class Blender:
         )
         return [chunk for chunk, load in zip(found, p.load) if load], p.ratio
 
-    def _forward(self, cache: KVCache, token_ids: Sequence[int], **options) -> tuple[torch.Tensor | None, WalkStats]:
-        """The walk, timed: every prefill measures the compute throughput."""
+    def _forward(
+        self, cache: KVCache, token_ids: Sequence[int], *, loader: LayerLoader | None = None, **options
+    ) -> tuple[torch.Tensor | None, WalkStats]:
+        """The walk, timed: every prefill measures the compute throughput (the
+        time it waited for pipelined loads is not compute)."""
         m = self.model
         started = time.perf_counter()
         with torch.inference_mode():
             out, walk = forward(m, cache, torch.tensor(list(token_ids), device=m.device), **options)
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)  # the kernels are queued, not done
-        self.compute_rate.add(walk.token_layers, time.perf_counter() - started)
+        waited = loader.waited_s if loader is not None else 0.0
+        self.compute_rate.add(walk.token_layers, time.perf_counter() - started - waited)
         return out, walk
 
     def save_missed(self, stats: PrefillStats) -> None:

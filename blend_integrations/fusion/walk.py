@@ -18,6 +18,7 @@ Attention of active queries uses an exact causal mask by absolute position
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,14 @@ class KVCache:
 @dataclass(frozen=True)
 class ReusedSpan:
     """Reused KV for new tokens ``[start, start + n)`` (offsets into the new
-    tokens). kv: ``[num_layers, 2, num_kv_heads, n, head_dim]``, K before RoPE."""
+    tokens). kv: ``[num_layers, 2, num_kv_heads, n, head_dim]``, K before RoPE.
+
+    ready: for KV still being loaded, ``ready(layer)`` returns once ``kv[layer]``
+    holds its values (or raises if it never will); None: all there already."""
 
     start: int
     kv: torch.Tensor
+    ready: Callable[[int], None] | None = None
 
     @property
     def end(self) -> int:
@@ -124,6 +129,8 @@ def forward(
         V = cache.v[layer][:, :end]
         if reused and layer >= load_from:
             for span in reused:
+                if span.ready is not None:
+                    span.ready(layer)  # the walk needs layer l's KV only here
                 a, b = start + span.start, start + span.end
                 K[:, a:b] = span.kv[layer, 0]
                 V[:, a:b] = span.kv[layer, 1]
