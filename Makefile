@@ -24,6 +24,7 @@ test: install
 
 bench: install
 	$(PY) -m blend_integrations.bench ttft
+	$(PY) -m blend_integrations.bench store
 	$(PY) -m blend_integrations.bench vllm
 	$(PY) -m blend_integrations.bench quality
 

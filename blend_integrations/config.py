@@ -28,6 +28,16 @@ class BlendConfig:
         on its own. May be empty.
     sink_tokens: the first N tokens of every reused chunk are always
         recomputed (attention-sink repair).
+    loading_controller: in blend mode, decide per request from where each
+        chunk would be read (the store's measured bandwidth per tier) and how
+        fast this engine computes: chunks whose loading would delay the first
+        token more than computing them are computed as fresh tokens, and with
+        ``pipelined_loading`` the ratio is raised above ``recompute_ratio``
+        (the quality floor) while the extra compute still hides under the
+        loads. Off: every stored chunk is loaded, at the configured ratio.
+    pipelined_loading: read stored chunks layer by layer in a background
+        thread while the walk computes; layer l waits only for its own KV.
+        The answer is the same as without it.
     """
 
     recompute_ratio: float = 0.15
@@ -35,6 +45,8 @@ class BlendConfig:
     deviation: Deviation = "v"
     separator: str = "\n\n"
     sink_tokens: int = 0
+    loading_controller: bool = False
+    pipelined_loading: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute_ratio", check_ratio(self.recompute_ratio))
@@ -52,6 +64,9 @@ class BlendConfig:
             raise ValueError(f"separator must be a string, got {type(self.separator).__name__}")
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be a non-negative integer, got {self.sink_tokens!r}")
+        for name in ("loading_controller", "pipelined_loading"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def replace(self, **changes) -> "BlendConfig":
         return dataclasses.replace(self, **changes)

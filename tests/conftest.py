@@ -128,11 +128,11 @@ def blend_server(model_dirs, store):
     log.close()
 
 
-# -- Redis: a real server on loopback (tests/redis_server.py) -----------------
+# -- Redis: a real server on loopback (blend_integrations/bench/redis_server.py) --
 
 
 def _start_redis(workdir):
-    from redis_server import RedisServer
+    from blend_integrations.bench.redis_server import RedisServer
 
     try:
         return RedisServer(workdir).start()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 from ..config import BlendConfig, check_mode, check_ratio
+from ..fusion.controller import LoadingStats
 from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
 from ..store import ChunkStore, chunk_key
 from .decoding import check_sampling
@@ -22,8 +23,9 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the chunk store
     recomputed_tokens: int = 0  # of the cached tokens, those blending recomputed anyway
-    chunks_hit: int = 0
-    chunks_missed: int = 0
+    chunks_hit: int = 0  # chunks whose KV was loaded from the store
+    chunks_missed: int = 0  # chunks not in the store (computed, and stored after the answer)
+    chunks_recomputed: int = 0  # chunks in the store that the loading controller computed instead of loading
 
 
 @dataclass
@@ -37,12 +39,17 @@ class Generation:
     mode: str
     logprobs: list[dict[int, float]] | None = None  # per decoding step (an end token's too): top-k and the chosen token
     total_s: float = 0.0
+    loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
 
     def stats(self) -> dict:
         """What the call reused and recomputed, and how soon it answered (a flat
-        dict: the integrations put it in their responses' metadata)."""
-        return {"mode": self.mode, "finish_reason": self.finish_reason, "ttft_s": self.ttft_s,
-                **dataclasses.asdict(self.usage)}
+        dict: the integrations put it in their responses' metadata), plus
+        ``loading`` (a dict of ``LoadingStats``) when the loading controller ran."""
+        stats = {"mode": self.mode, "finish_reason": self.finish_reason, "ttft_s": self.ttft_s,
+                 **dataclasses.asdict(self.usage)}
+        if self.loading is not None:
+            stats["loading"] = dataclasses.asdict(self.loading)
+        return stats
 
 
 @dataclass(frozen=True)

@@ -179,11 +179,12 @@ class TransformersEngine(Engine):
                     recomputed_tokens=stats.recomputed_tokens,
                     chunks_hit=stats.chunks_hit,
                     chunks_missed=stats.chunks_missed,
+                    chunks_recomputed=stats.chunks_recomputed,
                 )
                 stream.generation = Generation(
                     text=text.text, token_ids=out_ids, prompt_token_ids=list(tp.token_ids), finish_reason=finish,
                     ttft_s=ttft, usage=usage, mode=req.mode, logprobs=out_logprobs,
-                    total_s=time.perf_counter() - req.started,
+                    total_s=time.perf_counter() - req.started, loading=stats.loading,
                 )
             finally:
                 # Missed chunks are computed with the standalone recipe after the

@@ -49,6 +49,12 @@ def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: 
     """The vLLM engine arguments blending needs, by vLLM's argument names: the
     embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
     dtype "auto" is float32 on CPU, bfloat16 on CUDA, as for the transformers engine."""
+    # vLLM's scheduler reports a request's usage before the worker blends, so
+    # the worker cannot decide what to load on its own yet; and pipelined loads
+    # inside vLLM's worker are not tested yet.
+    for name in ("loading_controller", "pipelined_loading"):
+        if getattr(config, name):
+            raise ValueError(f"{name}=True is supported by the transformers engine only, not by vLLM yet")
     args = {
         "dtype": dtype if dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
         "max_model_len": max_model_len,

@@ -8,6 +8,8 @@ and computes and saves missed chunks with the standalone recipe.
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -15,16 +17,22 @@ import torch
 
 from ..config import BlendConfig
 from ..store import ChunkKV, ChunkStore, chunk_key
+from ..store.layered import LayerReader
+from ..store.rate import Rate
+from .controller import LoadingStats, plan
 from .layers import LayerModel
-from .walk import KVCache, ReusedSpan, forward
+from .pipeline import LayerLoader, LoadFailed
+from .walk import KVCache, ReusedSpan, WalkStats, forward
 
 
 @dataclass
 class PrefillStats:
     cached_tokens: int = 0  # prompt tokens whose KV came from the store
     recomputed_tokens: int = 0  # of those, the ones blending recomputed
-    chunks_hit: int = 0
-    chunks_missed: int = 0
+    chunks_hit: int = 0  # chunks loaded from the store
+    chunks_missed: int = 0  # chunks not in the store: computed, and saved after
+    chunks_recomputed: int = 0  # chunks in the store the loading controller computed instead
+    loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
     missed: dict[str, list[int]] = field(default_factory=dict, repr=False)  # key -> ids, to save
 
 
@@ -62,6 +70,8 @@ class Blender:
         self.fingerprint = fingerprint
         self.bos = bos_token_id
         self.dtype_name = str(model.dtype).removeprefix("torch.")
+        # Token-layers per second of this model's walk, measured on every prefill.
+        self.compute_rate = Rate()
 
     def key(self, token_ids: Sequence[int]) -> str:
         return chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=token_ids, bos_token_id=self.bos)
@@ -76,8 +86,7 @@ class Blender:
         m = self.model
         ids = ([self.bos] if self.bos is not None else []) + list(token_ids)
         record = torch.empty((m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim), dtype=m.dtype, device=m.device)
-        with torch.inference_mode():
-            forward(m, KVCache.allocate(m, len(ids)), torch.tensor(ids, device=m.device), record=record, logits=False)
+        self._forward(KVCache.allocate(m, len(ids)), ids, record=record, logits=False)
         skip = 1 if self.bos is not None else 0
         return ChunkKV(key or self.key(token_ids), record[:, :, :, skip:].to("cpu").contiguous())
 
@@ -107,36 +116,138 @@ class Blender:
         reused even if they left the store since (recomputed standalone now),
         and the others are fresh, so the usage it reported stays true."""
         stats = PrefillStats()
-        reused = []
+        floor = self.config.recompute_ratio if recompute_ratio is None else recompute_ratio
+        ratio = floor
+        loaded = []  # (start, end, key, ids, ChunkKV or LayerReader) of the chunks reused
         if mode != "full":
-            sink = self.config.sink_tokens
+            chunks = []  # (start, end, key, ids) of the chunks to read from the store
             for i, (start, end) in enumerate(chunk_spans):
                 ids = list(token_ids[start:end])
                 key = self.key(ids)
                 if hits is not None and not hits[i]:
                     stats.missed[key] = ids
-                    continue
-                entry = self.store.get(key, expect=self._expect(len(ids)))
-                if entry is None and hits is not None:
-                    entry = self.compute_chunk(ids, key)
-                    self.store.put(entry)
-                if entry is None:
+                else:
+                    chunks.append((start, end, key, ids))
+            # With ``hits`` a scheduler has already reported the usage: no decisions left to take.
+            if mode == "blend" and self.config.loading_controller and hits is None:
+                chunks, ratio = self._control(chunks, len(token_ids), floor, stats)
+            for start, end, key, ids in chunks:
+                source = self._open(key, ids, hits)
+                if source is None:
                     stats.missed[key] = ids
-                    continue
-                stats.chunks_hit += 1
-                if end - start > sink:
-                    reused.append(ReusedSpan(start + sink, entry.kv[:, :, :, sink:]))
-            stats.chunks_missed = len(chunk_spans) - stats.chunks_hit
-        ratio = self.config.recompute_ratio if recompute_ratio is None else recompute_ratio
+                else:
+                    loaded.append((start, end, key, ids, source))
         schedule = self.config.check_schedule(ratio) if mode == "blend" else None
-        m = self.model
-        with torch.inference_mode():
-            out, walk = forward(
-                m, cache, torch.tensor(list(token_ids), device=m.device),
-                reused=reused, schedule=schedule, deviation=self.config.deviation, logits=logits,
-            )
+        first = cache.length
+        while True:
+            out, walk = self._walk(cache, token_ids, loaded, schedule=schedule, logits=logits, hits=hits)
+            if walk is not None:
+                break
+            # A chunk failed to read or verify after its bytes may have been
+            # used: it becomes a missed chunk, and the walk starts over.
+            for i in [i for i, (*_, source) in enumerate(loaded) if source is None][::-1]:
+                _, _, key, ids, _ = loaded.pop(i)
+                stats.missed[key] = ids
+            cache.length = first
+        stats.chunks_hit = len(loaded)
+        if mode != "full":
+            stats.chunks_missed = len(chunk_spans) - stats.chunks_hit - stats.chunks_recomputed
         stats.cached_tokens, stats.recomputed_tokens = walk.reused_tokens, walk.recomputed_tokens
         return out, stats
+
+    def _walk(self, cache: KVCache, token_ids, loaded: list, *, schedule, logits: bool, hits):
+        """One walk with the ``loaded`` chunks, reading the layers of those
+        still in the store meanwhile (pipelined loading). Every reader is then
+        settled: ``loaded`` holds its entry, or None if it failed, and the
+        walk's stats are None if any did (its result must not be used)."""
+        sink = self.config.sink_tokens
+        loader = LayerLoader([source for *_, source in loaded if isinstance(source, LayerReader)])
+        reused = [
+            ReusedSpan(start + sink, source.kv[:, :, :, sink:],
+                       loader.ready(source) if isinstance(source, LayerReader) else None)
+            for start, end, _, _, source in loaded
+            if end - start > sink
+        ]
+        out = walk = None
+        try:
+            with loader:
+                out, walk = self._forward(cache, token_ids, reused=reused, schedule=schedule,
+                                          deviation=self.config.deviation, logits=logits, loader=loader)
+        except LoadFailed:
+            pass  # settled below
+        except BaseException:
+            for reader in loader.readers:
+                reader.close()
+            raise
+        for i, (start, end, key, ids, source) in enumerate(loaded):
+            if isinstance(source, LayerReader):
+                entry = self.store.finish_layers(source, loader.errors.get(source))
+                if entry is None:
+                    walk = None
+                    entry = self._unreadable(key, ids, hits)
+                loaded[i] = (start, end, key, ids, entry)
+        return out, walk
+
+    def _open(self, key: str, ids: list[int], hits) -> ChunkKV | LayerReader | None:
+        """A chunk's entry from the store (or a reader of its layers, with
+        pipelined loading); None on a miss."""
+        expect = self._expect(len(ids))
+        source = (self.store.open_layers if self.config.pipelined_loading else self.store.get)(key, expect=expect)
+        return source if source is not None else self._unreadable(key, ids, hits)
+
+    def _unreadable(self, key: str, ids: list[int], hits) -> ChunkKV | None:
+        """For a chunk not read from the store: None (the walk computes it
+        fresh), or, when a scheduler counted it as a hit, its KV computed
+        standalone now, so the usage it reported stays true."""
+        if hits is None:
+            return None
+        entry = self.compute_chunk(ids, key)
+        self.store.put(entry)
+        return entry
+
+    def _control(self, chunks: list, num_tokens: int, floor: float, stats: PrefillStats) -> tuple[list, float]:
+        """The loading controller (see ``controller.py``): of the chunks in the
+        store, which to load, and the ratio. The others are computed fresh."""
+        found, located = [], []
+        for chunk in chunks:
+            where = self.store.locate(chunk[2])
+            if where.tier is None:
+                stats.missed[chunk[2]] = chunk[3]
+            else:
+                found.append(chunk)
+                located.append(where)
+        sink = self.config.sink_tokens
+        p = plan(
+            [max(0, end - start - sink) for start, end, _, _ in found],
+            [self.store.load_seconds(where) for where in located],
+            num_tokens=num_tokens, num_layers=self.model.num_layers, schedule=self.config.check_schedule,
+            floor=floor, throughput=self.compute_rate.value,
+            overlapped=self.config.pipelined_loading,
+        )
+        tiers = Counter(where.tier for where in located)
+        stats.chunks_recomputed = p.load.count(False)
+        stats.loading = LoadingStats(
+            recompute_ratio=p.ratio, ratio_floor=floor,
+            chunks_memory=tiers["memory"], chunks_disk=tiers["disk"], chunks_remote=tiers["remote"],
+            chunks_recomputed=stats.chunks_recomputed, est_load_ms=1000 * p.load_s,
+            est_compute_ms=None if p.compute_s is None else 1000 * p.compute_s,
+        )
+        return [chunk for chunk, load in zip(found, p.load) if load], p.ratio
+
+    def _forward(
+        self, cache: KVCache, token_ids: Sequence[int], *, loader: LayerLoader | None = None, **options
+    ) -> tuple[torch.Tensor | None, WalkStats]:
+        """The walk, timed: every prefill measures the compute throughput (the
+        time it waited for pipelined loads is not compute)."""
+        m = self.model
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out, walk = forward(m, cache, torch.tensor(list(token_ids), device=m.device), **options)
+        if m.device.type == "cuda":
+            torch.cuda.synchronize(m.device)  # the kernels are queued, not done
+        waited = loader.waited_s if loader is not None else 0.0
+        self.compute_rate.add(walk.token_layers, time.perf_counter() - started - waited)
+        return out, walk
 
     def save_missed(self, stats: PrefillStats) -> None:
         """Store missed chunks with the standalone recipe so the next request hits."""

@@ -18,6 +18,7 @@ Attention of active queries uses an exact causal mask by absolute position
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,14 @@ class KVCache:
 @dataclass(frozen=True)
 class ReusedSpan:
     """Reused KV for new tokens ``[start, start + n)`` (offsets into the new
-    tokens). kv: ``[num_layers, 2, num_kv_heads, n, head_dim]``, K before RoPE."""
+    tokens). kv: ``[num_layers, 2, num_kv_heads, n, head_dim]``, K before RoPE.
+
+    ready: for KV still being loaded, ``ready(layer)`` returns once ``kv[layer]``
+    holds its values (or raises if it never will); None: all there already."""
 
     start: int
     kv: torch.Tensor
+    ready: Callable[[int], None] | None = None
 
     @property
     def end(self) -> int:
@@ -61,6 +66,7 @@ class ReusedSpan:
 class WalkStats:
     reused_tokens: int  # tokens that came with reused KV
     recomputed_tokens: int  # of those, how many were recomputed after all
+    token_layers: int = 0  # tokens computed, summed over layers (the walk's work)
 
 
 def forward(
@@ -111,6 +117,7 @@ def forward(
     act = active.to(device)  # the same indices on the model's device
     h = model.embed(ids[act])
     plans: dict = {}  # attention plan per sliding window, valid while the active set holds
+    token_layers = 0
     for layer in range(model.num_layers):
         q, k, v = model.qkv(layer, h)
         if record is not None:
@@ -122,6 +129,8 @@ def forward(
         V = cache.v[layer][:, :end]
         if reused and layer >= load_from:
             for span in reused:
+                if span.ready is not None:
+                    span.ready(layer)  # the walk needs layer l's KV only here
                 a, b = start + span.start, start + span.end
                 K[:, a:b] = span.kv[layer, 0]
                 V[:, a:b] = span.kv[layer, 1]
@@ -139,13 +148,14 @@ def forward(
             keep_dev = keep.to(device)
             q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
             plans.clear()
+        token_layers += act.numel()
         window = model.windows[layer]
         if window not in plans:
             plans[window] = _attention_plan(positions[act], start, end, T, window, model.dtype)
         attn = _attend(q, K, V, plans[window], model.scaling)
         h = model.finish(layer, h, attn)
     cache.length = end
-    return (model.logits(h[-1:])[0] if logits else None), WalkStats(num_reused, recomputed)
+    return (model.logits(h[-1:])[0] if logits else None), WalkStats(num_reused, recomputed, token_layers)
 
 
 def _select(fresh, cached, start, active, is_reused, count):

@@ -1,11 +1,23 @@
 """Persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
 
-from .chunk_store import REMOTE_ENV, ChunkStore, StoreStats, default_store_path, default_store_remote
+from .chunk_store import (
+    DEFAULT_READ_BANDWIDTH,
+    REMOTE_ENV,
+    TIERS,
+    ChunkStore,
+    Location,
+    StoreStats,
+    default_store_path,
+    default_store_remote,
+)
 from .format import ChunkKV, CorruptEntryError
 from .keys import RECIPE_VERSION, chunk_key, model_fingerprint
 
 __all__ = [
     "ChunkStore",
+    "Location",
+    "TIERS",
+    "DEFAULT_READ_BANDWIDTH",
     "ChunkKV",
     "StoreStats",
     "CorruptEntryError",

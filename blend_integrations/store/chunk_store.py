@@ -32,12 +32,15 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import diskcache
 import torch
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
-from .format import ChunkKV, CorruptEntryError, _decode, encode
+from .format import ChunkKV, CorruptEntryError, _decode, encode, geometry_mismatch
+from .layered import LayerReader, ReadFailed, file_reader
+from .rate import Rate
 from .redis_tier import RedisTier, redact
 
 logger = logging.getLogger("blend_integrations.store")
@@ -48,6 +51,23 @@ _DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 # Seconds to leave Redis alone after a failure before trying it again.
 REMOTE_RETRY_S = 5.0
 _SKIPPED = object()  # a Redis call not made (backing off) or failed
+_ABSENT = object()  # not in the memory tier
+_DROPPED = object()  # found damaged and dropped (a miss)
+
+
+TIERS = ("memory", "disk", "remote")
+
+# Read bandwidth (bytes/s) a tier is assumed to have until reads measure it:
+# decoded tensors in this process, a local SSD (or the page cache), a
+# 1 Gbit/s network to Redis. Set your own with ChunkStore(read_bandwidth=...).
+DEFAULT_READ_BANDWIDTH = {"memory": 10e9, "disk": 1e9, "remote": 125e6}
+
+
+class Location(NamedTuple):
+    """Where the store would read a key from, found without reading it."""
+
+    tier: str | None  # "memory", "disk" or "remote"; None: not in the store
+    nbytes: int = 0  # what a read moves: the encoded entry (memory: the tensor)
 
 
 def default_store_path() -> Path:
@@ -198,6 +218,13 @@ class ChunkStore:
     that database. ``remote=None`` is ``$BLEND_STORE_REMOTE`` if that is set
     and not empty, else no Redis tier; ``remote=""`` is no Redis tier
     whatever the environment says. ``store.remote`` is the URL in use, or None.
+
+    ``read_rates`` holds each tier's read bandwidth, measured from real reads
+    (bytes over seconds, exponentially weighted); ``read_bandwidth`` sets
+    what a tier is assumed to read at until then (bytes/s per tier name,
+    defaults in ``DEFAULT_READ_BANDWIDTH``). ``locate`` says where a key is
+    and how big it is without reading it: with both, the loading controller
+    estimates load times.
     """
 
     def __init__(
@@ -209,7 +236,15 @@ class ChunkStore:
         remote: str | None = None,
         remote_size_limit_bytes: int | None = 4 * 2**30,
         remote_timeout_s: float = 1.0,
+        read_bandwidth: dict[str, float] | None = None,
     ) -> None:
+        bandwidth = dict(DEFAULT_READ_BANDWIDTH)
+        for tier, value in (read_bandwidth or {}).items():
+            if tier not in TIERS:
+                raise ValueError(f"read_bandwidth: unknown tier {tier!r}; the tiers are {', '.join(TIERS)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"read_bandwidth[{tier!r}] must be a positive number of bytes/s, got {value!r}")
+            bandwidth[tier] = float(value)
         if type(size_limit_bytes) is not int or size_limit_bytes <= 0:
             raise ValueError(f"size_limit_bytes must be a positive int, got {size_limit_bytes!r}")
         if type(memory_limit_bytes) is not int or memory_limit_bytes < 0:
@@ -247,6 +282,7 @@ class ChunkStore:
         self.remote_size_limit_bytes = remote_size_limit_bytes
         self.remote_timeout_s = remote_timeout_s
         self.stats = StoreStats()
+        self.read_rates = {tier: Rate(bandwidth[tier]) for tier in TIERS}
 
         self._lock = threading.RLock()
         self._memory: OrderedDict[str, ChunkKV] = OrderedDict()
@@ -297,44 +333,23 @@ class ChunkStore:
                 "expect must be (num_layers, num_kv_heads, num_tokens, head_dim, dtype), "
                 f"got {expect!r}"
             )
-        with self._lock:
-            entry = self._memory.get(key)
-            if entry is not None:
-                self._memory.move_to_end(key)
-        if entry is not None:
-            reason = _mismatch(entry, expect)
-            if reason is None:
-                with self._lock:
-                    self.stats.memory_hits += 1
-                return entry
-            self._drop_corrupt(key, reason)
-            return None
-
-        data = None
-        try:
-            # read=True: diskcache hands us an open file while holding its
-            # lock; the (large) read then happens outside the lock.
-            value = self._disk.get(key, default=None, read=True)
-            if value is not None:
-                data = _read_all(value)
-        except CorruptEntryError as e:  # refused by _BytesOnlyDisk
-            self._drop_corrupt(key, str(e))
-            return None
-        except _DISK_ERRORS as e:
-            # Possibly transient (locked db, I/O hiccup): don't delete; the
-            # caller's recompute-and-put replaces the entry if it is bad.
-            with self._lock:
-                self.stats.errors += 1
-            self._warn_once(key, f"disk tier read failed ({type(e).__name__}: {e}); treating it as a disk miss")
-        if data is not None:
-            entry = self._checked(key, data, expect, adopt=True, remote=False)
-            if entry is not None:
-                with self._lock:
-                    self.stats.disk_hits += 1
-                    self.stats.bytes_read += len(data)
-                    self._remember(entry)
+        entry = self._memory_hit(key, expect)
+        if entry is not _ABSENT:
             return entry
 
+        started = time.perf_counter()
+        value = self._disk_open(key)
+        if value is _DROPPED:
+            return None
+        if value is not None:
+            try:
+                data = _read_all(value)
+            except _DISK_ERRORS as e:
+                self._disk_failed(key, e)
+            else:
+                return self._disk_hit(key, data, expect, started)
+
+        started = time.perf_counter()
         data = None if self._remote is None else self._remote_call("read", self._remote.get, key)
         if data is None or data is _SKIPPED:
             with self._lock:
@@ -342,11 +357,64 @@ class ChunkStore:
             return None
         entry = self._checked(key, data, expect, adopt=False, remote=True)
         if entry is not None:
+            self.read_rates["remote"].add(len(data), time.perf_counter() - started)
             with self._lock:
                 self.stats.remote_hits += 1
                 self.stats.remote_bytes_read += len(data)
                 self._remember(entry)
             self._disk_put(key, data)
+        return entry
+
+    def _memory_hit(self, key: str, expect) -> ChunkKV | None | object:
+        """The memory tier's entry, None if it held a bad one (dropped), or
+        ``_ABSENT``."""
+        started = time.perf_counter()
+        with self._lock:
+            entry = self._memory.get(key)
+            if entry is not None:
+                self._memory.move_to_end(key)
+        if entry is None:
+            return _ABSENT
+        reason = _mismatch(entry, expect)
+        if reason is not None:
+            self._drop_corrupt(key, reason)
+            return None
+        with self._lock:
+            self.stats.memory_hits += 1
+        self.read_rates["memory"].add(entry.nbytes, time.perf_counter() - started)
+        return entry
+
+    def _disk_open(self, key: str):
+        """The disk tier's value of ``key``: an open file, or bytes for a small
+        entry kept in the database; None if absent or unreadable (logged);
+        ``_DROPPED`` if it was refused as damaged (counted as a miss)."""
+        try:
+            # read=True: diskcache hands us an open file while holding its
+            # lock; the (large) read then happens outside the lock.
+            return self._disk.get(key, default=None, read=True)
+        except CorruptEntryError as e:  # refused by _BytesOnlyDisk
+            self._drop_corrupt(key, str(e))
+            return _DROPPED
+        except _DISK_ERRORS as e:
+            self._disk_failed(key, e)
+            return None
+
+    def _disk_failed(self, key: str, error: BaseException) -> None:
+        # Possibly transient (locked db, I/O hiccup): don't delete; the
+        # caller's recompute-and-put replaces the entry if it is bad.
+        with self._lock:
+            self.stats.errors += 1
+        self._warn_once(key, f"disk tier read failed ({type(error).__name__}: {error}); treating it as a disk miss")
+
+    def _disk_hit(self, key: str, data, expect, started: float) -> ChunkKV | None:
+        """Decode bytes read from the disk tier; count and remember a good entry."""
+        entry = self._checked(key, data, expect, adopt=True, remote=False)
+        if entry is not None:
+            self.read_rates["disk"].add(len(data), time.perf_counter() - started)
+            with self._lock:
+                self.stats.disk_hits += 1
+                self.stats.bytes_read += len(data)
+                self._remember(entry)
         return entry
 
     def _checked(self, key: str, data, expect, *, adopt: bool, remote: bool) -> ChunkKV | None:
@@ -361,18 +429,132 @@ class ChunkStore:
         self._drop_corrupt(key, reason, remote=remote)
         return None
 
-    def __contains__(self, key: object) -> bool:
-        if not isinstance(key, str):
-            return False
+    def open_layers(
+        self, key: str, *, expect: tuple[int, int, int, int, torch.dtype] | None = None
+    ) -> ChunkKV | LayerReader | None:
+        """Start reading ``key`` layer by layer, for loading pipelined with
+        compute: a ``LayerReader`` (header read and checked) for an entry in
+        a file on disk or in Redis, the ``ChunkKV`` itself when it is at hand
+        whole (memory tier, small entries kept in the disk tier's database),
+        or None on a miss. Tiers are tried as in ``get``. Read the layers (in
+        any one thread), then hand the reader to ``finish_layers``."""
+        entry = self._memory_hit(key, expect)
+        if entry is not _ABSENT:
+            return entry
+        started = time.perf_counter()
+        value = self._disk_open(key)
+        if value is _DROPPED:
+            return None
+        if isinstance(value, bytes):
+            return self._disk_hit(key, value, expect, started)
+        if value is not None:
+            try:
+                size = os.fstat(value.fileno()).st_size
+                # The file is this entry's alone and never rewritten in place: a short read is damage.
+                return LayerReader("disk", key, expect, size, file_reader(value), value.close, short_read_is_damage=True)
+            except CorruptEntryError as e:
+                self._drop_corrupt(key, str(e))
+                return None
+            except OSError as e:
+                value.close()
+                self._disk_failed(key, e)
+        if self._remote is not None:
+            size = self._remote_call("lookup", self._remote.size, key)
+            if size is not _SKIPPED and size:
+                try:
+                    # A short read means the value was evicted or replaced meanwhile, not damage.
+                    return LayerReader("remote", key, expect, size, self._redis_reader(key), None,
+                                       short_read_is_damage=False)
+                except CorruptEntryError as e:
+                    self._drop_corrupt(key, str(e), remote=True)
+                    return None
+                except ReadFailed:
+                    pass
         with self._lock:
-            if key in self._memory:
-                return True
+            self.stats.misses += 1
+        return None
+
+    def finish_layers(self, reader: LayerReader, error: BaseException | None = None) -> ChunkKV | None:
+        """Settle a reader from ``open_layers`` once nothing reads it any more
+        (``error``: what reading it raised, if anything). Returns the entry
+        if it was read whole and verified, counted and copied to the tiers
+        above as ``get`` does; else None, after dropping a damaged entry."""
+        reader.close()
+        if error is None and not reader.verified:
+            error = ReadFailed(f"read stopped after {reader.layers_read} of {reader.num_layers} layers")
+        if isinstance(error, CorruptEntryError):
+            self._drop_corrupt(reader.key, str(error), remote=reader.tier == "remote")
+            return None
+        if error is not None:
+            with self._lock:
+                self.stats.misses += 1
+            if reader.tier == "disk":  # Redis failures were counted and logged by _remote_call
+                self._disk_failed(reader.key, error)
+            return None
+        entry = ChunkKV(reader.key, reader.kv)
+        self.read_rates[reader.tier].add(reader.nbytes, reader.seconds)
+        with self._lock:
+            if reader.tier == "disk":
+                self.stats.disk_hits += 1
+                self.stats.bytes_read += reader.nbytes
+            else:
+                self.stats.remote_hits += 1
+                self.stats.remote_bytes_read += reader.nbytes
+            self._remember(entry)
+        if reader.tier == "remote":
+            self._remote_call("touch", self._remote.touch, reader.key)
+            self._disk_put(reader.key, reader.encoded())
+        return entry
+
+    def _redis_reader(self, key: str):
+        """``read_into`` over Redis: one GETRANGE per call."""
+
+        def read_into(offset: int, view: memoryview) -> int:
+            if not len(view):
+                return 0
+            data = self._remote_call("read", self._remote.getrange, key, offset, offset + len(view) - 1)
+            if data is _SKIPPED:
+                raise ReadFailed("Redis read failed")
+            view[: len(data)] = data
+            return len(data)
+
+        return read_into
+
+    def locate(self, key: str) -> Location:
+        """The first tier ``get`` would find ``key`` in and the entry's size,
+        without reading it (nor counting it as a use). An entry found here
+        may still turn out damaged, or be evicted, before it is read."""
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
+        with self._lock:
+            entry = self._memory.get(key)
+        if entry is not None:
+            return Location("memory", entry.nbytes)
         try:
-            if key in self._disk:
-                return True
+            # diskcache has no size query; this reads its schema (as _evict_to_limit
+            # does): ``size`` for values in files, the blob itself for small ones.
+            row = self._disk._sql(
+                "SELECT size + ifnull(length(value), 0) FROM Cache WHERE key = ? AND raw = 1", (key,)
+            ).fetchone()
+            if row is not None:
+                return Location("disk", int(row[0]))
         except _DISK_ERRORS:
             pass
-        return self._remote is not None and self._remote_call("lookup", self._remote.exists, key) is True
+        if self._remote is not None:
+            size = self._remote_call("lookup", self._remote.size, key)
+            if size is not _SKIPPED and size:
+                return Location("remote", int(size))
+        return Location(None)
+
+    def load_seconds(self, location: Location) -> float:
+        """Estimated seconds to read an entry at ``location`` (its tier's
+        measured bandwidth); 0 for a key not in the store."""
+        if location.tier is None:
+            return 0.0
+        return location.nbytes / self.read_rates[location.tier].value
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.locate(key).tier is not None
 
     def __len__(self) -> int:
         """Number of entries in the shared disk tier."""
@@ -579,15 +761,7 @@ def _mismatch(
     entry: ChunkKV, expect: tuple[int, int, int, int, torch.dtype] | None
 ) -> str | None:
     """Why ``entry`` doesn't match ``expect``, or None if it does."""
-    if expect is None:
-        return None
-    got = (entry.num_layers, entry.num_kv_heads, entry.num_tokens, entry.head_dim, entry.dtype)
-    if tuple(expect) == got:
-        return None
-    return (
-        "entry does not match the expected (num_layers, num_kv_heads, num_tokens, head_dim, "
-        f"dtype): got {got}, expected {tuple(expect)}"
-    )
+    return geometry_mismatch((entry.num_layers, entry.num_kv_heads, entry.num_tokens, entry.head_dim, entry.dtype), expect)
 
 
 def _read_all(value) -> bytes | bytearray:

@@ -185,20 +185,58 @@ def decode(data: bytes | bytearray | memoryview, *, expected_key: str) -> ChunkK
     return _decode(data, expected_key=expected_key, adopt=False)
 
 
-def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: bool) -> ChunkKV:
-    """``adopt=True`` (for buffers the caller hands over, e.g. a bytearray
-    just read from a file): the tensor is a view into ``data`` instead of a
-    copy, saving a full copy of the payload. Only a bytearray is adopted;
-    anything else is copied."""
-    _require_little_endian()
-    mv = memoryview(data)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    n = len(mv)
+@dataclass
+class Layout:
+    """Where an entry's parts are, read from its first bytes (``read_layout``)."""
+
+    header: dict
+    payload_start: int
+    payload_bytes: int
+    total: int  # the whole entry: header, payload and checksum
+    key: str | None = None  # the rest is set by ``check``
+    dtype: torch.dtype | None = None
+    shape: list[int] | None = None
+
+    def check(self, expected_key: str) -> None:
+        """Check the header's key, dtype and shape (raise CorruptEntryError)."""
+        header = self.header
+        key = header.get("key")
+        if not isinstance(key, str):
+            raise CorruptEntryError(f"bad header: key={key!r}")
+        name = header.get("dtype")
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise CorruptEntryError(f"unknown dtype {name!r}")
+        shape = header.get("shape")
+        if (
+            not isinstance(shape, list)
+            or len(shape) != 5
+            or any(type(d) is not int or d < 0 for d in shape)
+            or shape[1] != 2
+        ):
+            raise CorruptEntryError(
+                f"bad shape {shape!r}; expected [num_layers, 2, num_kv_heads, num_tokens, head_dim]"
+            )
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(shape) * itemsize != self.payload_bytes:
+            raise CorruptEntryError(
+                f"shape {shape} of {name} needs {math.prod(shape) * itemsize} bytes but payload has {self.payload_bytes}"
+            )
+        if key != expected_key:
+            raise CorruptEntryError(
+                f"foreign entry: holds key {key[:16]}..., expected {expected_key[:16]}..."
+            )
+        self.key, self.dtype, self.shape = key, dtype, shape
+
+
+def read_layout(head: memoryview, n: int) -> Layout:
+    """Parse the prefix and JSON header from ``head`` (an entry's first bytes,
+    the whole header included) of an entry of ``n`` bytes in all; raise
+    CorruptEntryError if they, or ``n``, are not what the format says."""
     minimum = _PREFIX.size + _CRC.size
     if n < minimum:
         raise CorruptEntryError(f"truncated entry: {n} bytes, shorter than the {minimum}-byte minimum")
-    magic, version, header_len = _PREFIX.unpack_from(mv, 0)
+    magic, version, header_len = _PREFIX.unpack_from(head, 0)
     if magic != MAGIC:
         raise CorruptEntryError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}); not a chunk KV entry")
     if version != FORMAT_VERSION:
@@ -213,7 +251,7 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
             f"truncated entry: {n} bytes, but the header alone needs {payload_start + _CRC.size}"
         )
     try:
-        header = json.loads(bytes(mv[_PREFIX.size : payload_start]).decode("utf-8"))
+        header = json.loads(bytes(head[_PREFIX.size : payload_start]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise CorruptEntryError(f"bad JSON header: {e}") from None
     if not isinstance(header, dict):
@@ -227,42 +265,58 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
         raise CorruptEntryError(f"truncated entry: {n} bytes, expected {expected_total}")
     if n > expected_total:
         raise CorruptEntryError(f"entry has {n - expected_total} unexpected trailing bytes")
+    return Layout(header, payload_start, payload_bytes, expected_total)
 
+
+def geometry_mismatch(got: tuple, expect: tuple | None) -> str | None:
+    """Why an entry of ``got = (num_layers, num_kv_heads, num_tokens,
+    head_dim, dtype)`` doesn't match ``expect``, or None if it does (or
+    nothing is expected)."""
+    if expect is None or tuple(expect) == tuple(got):
+        return None
+    return (
+        "entry does not match the expected (num_layers, num_kv_heads, num_tokens, head_dim, "
+        f"dtype): got {tuple(got)}, expected {tuple(expect)}"
+    )
+
+
+PREFIX_BYTES = _PREFIX.size
+CRC_BYTES = _CRC.size
+
+
+def header_end(prefix: bytes) -> int:
+    """Where the header ends (the payload starts), from an entry's first
+    ``PREFIX_BYTES``: how much a reader fetches before ``read_layout``."""
+    if len(prefix) < _PREFIX.size:
+        return _PREFIX.size  # too short to say; read_layout reports it
+    return _PREFIX.size + min(_PREFIX.unpack_from(prefix, 0)[2], _MAX_HEADER_BYTES)
+
+
+def crc_of(stored: bytes) -> int:
+    """The checksum stored in an entry's last ``CRC_BYTES``."""
+    return _CRC.unpack(stored)[0]
+
+
+def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: bool) -> ChunkKV:
+    """``adopt=True`` (for buffers the caller hands over, e.g. a bytearray
+    just read from a file): the tensor is a view into ``data`` instead of a
+    copy, saving a full copy of the payload. Only a bytearray is adopted;
+    anything else is copied."""
+    _require_little_endian()
+    mv = memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    n = len(mv)
+    layout = read_layout(mv, n)
     (stored_crc,) = _CRC.unpack_from(mv, n - _CRC.size)
     actual_crc = zlib.crc32(mv[: n - _CRC.size])
     if actual_crc != stored_crc:
         raise CorruptEntryError(
             f"checksum mismatch (stored crc32 {stored_crc:08x}, computed {actual_crc:08x})"
         )
-
-    key = header.get("key")
-    if not isinstance(key, str):
-        raise CorruptEntryError(f"bad header: key={key!r}")
-    name = header.get("dtype")
-    dtype = DTYPES.get(name) if isinstance(name, str) else None
-    if dtype is None:
-        raise CorruptEntryError(f"unknown dtype {name!r}")
-    shape = header.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) != 5
-        or any(type(d) is not int or d < 0 for d in shape)
-        or shape[1] != 2
-    ):
-        raise CorruptEntryError(
-            f"bad shape {shape!r}; expected [num_layers, 2, num_kv_heads, num_tokens, head_dim]"
-        )
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    layout.check(expected_key)
+    payload_start, payload_bytes, dtype, shape = layout.payload_start, layout.payload_bytes, layout.dtype, layout.shape
     numel = math.prod(shape)
-    if numel * itemsize != payload_bytes:
-        raise CorruptEntryError(
-            f"shape {shape} of {name} needs {numel * itemsize} bytes but payload has {payload_bytes}"
-        )
-    if key != expected_key:
-        raise CorruptEntryError(
-            f"foreign entry: holds key {key[:16]}..., expected {expected_key[:16]}..."
-        )
-
     if numel == 0:
         kv = torch.empty(shape, dtype=dtype)
     elif adopt and type(data) is bytearray:
@@ -271,4 +325,4 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
     else:
         own = bytearray(mv[payload_start : payload_start + payload_bytes])
         kv = torch.frombuffer(own, dtype=dtype).view(shape)
-    return ChunkKV(key=key, kv=kv)
+    return ChunkKV(key=layout.key, kv=kv)

@@ -83,6 +83,12 @@ forget(ARGV[2])  -- gone behind our back: keep the index and the count right
 return false
 """
 
+# KEYS: LRU, CLOCK; ARGV: member (a read in parts, with GETRANGE, ends with this)
+_TOUCH = """
+redis.call('ZADD', KEYS[1], 'XX', redis.call('INCR', KEYS[2]), ARGV[1])
+return 0
+"""
+
 # KEYS: LRU, SIZES, TOTAL; ARGV: value prefix, members...
 _FORGET_ALL = _FORGET + """
 for i = 2, #ARGV do forget(ARGV[i]) end
@@ -153,7 +159,8 @@ class RedisTier:
         self._client = redis.Redis.from_url(self.url, **self._options)
         self._scripts = {
             name: self._client.register_script(text)
-            for name, text in (("put", _PUT), ("get", _GET), ("forget", _FORGET_ALL), ("clear", _CLEAR))
+            for name, text in (("put", _PUT), ("get", _GET), ("touch", _TOUCH), ("forget", _FORGET_ALL),
+                               ("clear", _CLEAR))
         }
 
     def get(self, key: str) -> bytes | None:
@@ -169,8 +176,18 @@ class RedisTier:
     def delete(self, key: str) -> None:
         self._scripts["forget"](keys=[LRU, SIZES, TOTAL], args=[VALUE_PREFIX, key])
 
-    def exists(self, key: str) -> bool:
-        return bool(self._client.exists(VALUE_PREFIX + key))
+    def getrange(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``start`` to ``end`` (inclusive) of ``key``'s value; fewer
+        (or none) if it is shorter (or gone)."""
+        return self._client.getrange(VALUE_PREFIX + key, start, end)
+
+    def touch(self, key: str) -> None:
+        """Count a use of ``key`` (its recency), as a ``get`` does."""
+        self._scripts["touch"](keys=[LRU, CLOCK], args=[key])
+
+    def size(self, key: str) -> int:
+        """Bytes stored under ``key``; 0 if there is none."""
+        return int(self._client.strlen(VALUE_PREFIX + key))
 
     def clear(self) -> None:
         """Remove every ``blend:`` key: the indexed entries atomically (so a

@@ -1,4 +1,5 @@
-"""A real redis-server on loopback for tests: start, stop, kill, restart on the same port."""
+"""A real redis-server on loopback, for the tests and the store benchmark:
+start, stop, kill, restart on the same port."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class RedisServer:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError(
-                "redis-server is not installed; the store's Redis tests need a real server "
+                "redis-server is not installed; the store's Redis tests and benchmark need a real server "
                 "(apt-get install redis-server; .ci/run installs it)"
             )
         self.workdir = Path(workdir)

@@ -1,0 +1,106 @@
+"""The loading controller (CacheBlend section 5): per request, load or compute
+each stored chunk, and pick the recompute ratio.
+
+Inputs are estimates the engine keeps up to date: each chunk's load time
+(its size over its tier's measured read bandwidth) and the engine's compute
+throughput in token-layers per second. The walk computes every token in the
+layers before the first check layer and, after each check layer, the fresh
+tokens plus that layer's share of the reused ones, so its cost is linear in
+the ratio (``token_layers``).
+
+- A chunk is computed as fresh tokens instead of loaded when that lowers the
+  estimated time to first token (or when all its tokens are sink tokens): loading it costs its load time and saves
+  the compute of its tokens after the check layer (but the recomputed share).
+  Slowest chunks per token are considered first.
+- With loads overlapping compute (pipelined loading) the estimated time is
+  ``max(load, compute)``: the ratio is then raised from the floor (the
+  configured ratio) until the compute equals the loads, since recomputing
+  more costs nothing while the walk waits for KV anyway. Without overlap the
+  time is ``load + compute`` and the ratio stays at the floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+Schedule = Callable[[float], list[tuple[int, float]]]  # ratio -> [(check layer, share)], as BlendConfig.check_schedule
+
+
+@dataclass
+class LoadingStats:
+    """What the controller chose for one prefill (``Generation.loading``)."""
+
+    recompute_ratio: float  # the ratio the walk used
+    ratio_floor: float  # the configured (or the call's) ratio: never less
+    chunks_memory: int  # stored chunks by the tier they were found in
+    chunks_disk: int
+    chunks_remote: int
+    chunks_recomputed: int  # of those, computed as fresh tokens instead of loaded
+    est_load_ms: float  # estimated time to read the loaded chunks
+    est_compute_ms: float | None  # estimated time of the walk at the chosen ratio; None: throughput not measured yet
+
+
+@dataclass(frozen=True)
+class Plan:
+    ratio: float
+    load: list[bool]  # per chunk: load it, or compute it as fresh tokens
+    load_s: float  # estimated seconds reading the loaded chunks
+    compute_s: float | None  # estimated seconds of the walk at ``ratio``
+
+
+def token_layers(num_tokens: int, reused: int, num_layers: int, schedule: list[tuple[int, float]] | None) -> float:
+    """Token-layers the walk computes for ``num_tokens`` tokens of which
+    ``reused`` come with stored KV (the cost model of docs/tuning.md)."""
+    if schedule is None:  # reuse mode: fresh tokens only
+        return num_layers * (num_tokens - reused)
+    fresh = num_tokens - reused
+    bounds = [layer for layer, _ in schedule] + [num_layers]
+    total = bounds[0] * num_tokens
+    for (layer, share), end in zip(schedule, bounds[1:]):
+        total += (end - layer) * (fresh + share * reused)
+    return total
+
+
+def plan(
+    tokens: Sequence[int],
+    load_s: Sequence[float],
+    *,
+    num_tokens: int,
+    num_layers: int,
+    schedule: Schedule,
+    floor: float,
+    throughput: float | None,
+    overlapped: bool,
+) -> Plan:
+    """Decide for chunks with ``tokens[i]`` reusable tokens and estimated
+    ``load_s[i]`` seconds to read, in a prompt of ``num_tokens`` new tokens,
+    at a walk speed of ``throughput`` token-layers/s (None: not measured yet,
+    so every chunk is loaded at the floor)."""
+    load = [t > 0 for t in tokens]  # a chunk of sink tokens only has nothing to reuse
+    if throughput is None:
+        return Plan(floor, load, sum(t for t, kept in zip(load_s, load) if kept), None)
+
+    def compute(reused: int, ratio: float) -> float:
+        return token_layers(num_tokens, reused, num_layers, schedule(ratio)) / throughput
+
+    def ttft(load_time: float, compute_time: float) -> float:
+        return max(load_time, compute_time) if overlapped else load_time + compute_time
+
+    total_load = sum(t for t, kept in zip(load_s, load) if kept)
+    reused = sum(tokens)
+    for i in sorted((i for i in range(len(tokens)) if load[i]), key=lambda i: load_s[i] / tokens[i], reverse=True):
+        without = ttft(total_load - load_s[i], compute(reused - tokens[i], floor))
+        if without < ttft(total_load, compute(reused, floor)):
+            load[i] = False
+            total_load -= load_s[i]
+            reused -= tokens[i]
+
+    total_load = sum(t for t, kept in zip(load_s, load) if kept)  # exact, not a running difference
+    ratio = floor
+    if overlapped and reused:
+        # compute(r) is linear in r: solve compute(r) = total_load.
+        at0, at1 = compute(reused, 0.0), compute(reused, 1.0)
+        if at1 > at0:
+            ratio = min(1.0, max(floor, (total_load - at0) / (at1 - at0)))
+    return Plan(ratio, load, total_load, compute(reused, ratio))

@@ -1,0 +1,38 @@
+"""The store benchmark's quick path: every tier and case runs, and the report holds together."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_store_bench_quick(tmp_path):
+    env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1")  # the small model is built under HOME
+    out = subprocess.run([sys.executable, "-m", "blend_integrations.bench", "store", "--quick", "--json",
+                          "--device", "cpu", "--out", str(tmp_path / "results")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(report["bandwidth"]) == {"memory", "disk (whole)", "disk (layers)", "redis (whole)", "redis (layers)"}
+    for row in report["bandwidth"].values():
+        assert row["mb_per_s"] > 0 and row["store_estimate_mb_per_s"] > 0 and row["chunk_mb"] > 0
+    cases = report["ttft"]
+    tiers = ("memory", "disk", "redis")
+    assert set(cases) == {"full"} | {f"blend@0.15, {t}" for t in tiers} | {f"controller, {t}" for t in tiers} | {
+        f"blend@0.15, {t}, pipelined" for t in tiers[1:]}
+    assert cases["full"]["cached_tokens"] == 0 and cases["full"]["speedup"] == 1.0
+    blends = [c for name, c in cases.items() if name.startswith("blend")]
+    assert len({(c["cached_tokens"], c["recomputed_tokens"]) for c in blends}) == 1  # same work from every tier
+    for t in tiers:
+        chose = cases[f"controller, {t}"]["controller"]
+        assert all(r >= 0.15 for r in chose["ratio"])  # never below the floor
+        assert chose["est_compute_ms"] > 0
+    written = tmp_path / "results"
+    assert json.loads((written / "store.json").read_text())["ttft"].keys() == cases.keys()
+    assert "| controller, redis |" in (written / "store.md").read_text()
+    assert "bench store" in (ROOT / "Makefile").read_text().split("bench:")[1].split("\n\n")[0]
