@@ -31,6 +31,7 @@ from ..local_models import cached_model_dir
 from ..prompt import BlendPrompt
 from ..store import ChunkStore
 from ..store.layered import LayerReader
+from . import add_model_arguments
 from .redis_server import RedisServer
 from .ttft import make_chunks
 
@@ -222,15 +223,7 @@ def render(report: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m blend_integrations.bench store", description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="auto")
+    add_model_arguments(p)
     p.add_argument("--quick", action="store_true",
                    help="a 4-layer model, 3 chunks of 64 tokens, 1 round; nothing written unless --out is given")
     p.add_argument("--json", action="store_true", help="also print the report as one JSON line at the end")

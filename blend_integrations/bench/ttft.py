@@ -26,6 +26,7 @@ from ..engines import load_engine
 from ..local_models import cached_model_dir, sample_text
 from ..prompt import BlendPrompt
 from ..store import ChunkStore
+from . import add_model_arguments
 
 
 def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -176,16 +177,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m blend_integrations.bench ttft", description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--chunks", type=int, default=6)
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    add_model_arguments(p)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="auto")
     p.add_argument("--out", default="docs/results", help="directory for ttft.md and ttft.json ('' to skip)")
     args = p.parse_args(argv)
     report = run(args)
