@@ -1,6 +1,10 @@
 """Benchmarks: ``python -m blend_integrations.bench <part>``."""
 
 import argparse
+import random
+from collections.abc import Callable
+
+from ..prompt import BlendPrompt
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,3 +19,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
+
+
+def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendPrompt]:
+    """Prompts of the timing benches: the chunks in a new order at every call,
+    between the same system text and question."""
+    rng = random.Random(seed)
+    prefix = "You are a helpful assistant. Answer from the documents."
+    suffix = "Question: which company was founded in the river city, and when? Answer:"
+
+    def prompt() -> BlendPrompt:
+        order = chunks[:]
+        rng.shuffle(order)
+        return BlendPrompt(prefix, order, suffix)
+
+    return prompt

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import shutil
 import statistics
 import tempfile
@@ -28,10 +27,9 @@ import torch
 from ..config import BlendConfig
 from ..engines import load_engine
 from ..local_models import cached_model_dir
-from ..prompt import BlendPrompt
 from ..store import ChunkStore
 from ..store.layered import LayerReader
-from . import add_model_arguments
+from . import add_model_arguments, shuffled_prompts
 from .redis_server import RedisServer
 from .ttft import make_chunks
 
@@ -127,14 +125,7 @@ def measure(args, model_dir, tiers: Tiers) -> dict:
     chunks = make_chunks(whole.tokenizer, args.chunks, args.chunk_tokens)
     whole.warm(chunks, progress=not args.quick)
     keys = [whole.chunk_key(c) for c in chunks]
-    rng = random.Random(0)
-    prefix = "You are a helpful assistant. Answer from the documents."
-    suffix = "Question: which company was founded in the river city, and when? Answer:"
-
-    def prompt():
-        order = chunks[:]
-        rng.shuffle(order)
-        return BlendPrompt(prefix, order, suffix)
+    prompt = shuffled_prompts(chunks)
 
     cases = [("full", "whole", "memory", "full")]
     for tier in tiers.names():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import tempfile
 import time
@@ -24,9 +23,8 @@ import torch
 from ..config import BlendConfig
 from ..engines import load_engine
 from ..local_models import cached_model_dir, sample_text
-from ..prompt import BlendPrompt
 from ..store import ChunkStore
-from . import add_model_arguments
+from . import add_model_arguments, shuffled_prompts
 
 
 def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -51,14 +49,7 @@ def run(args) -> dict:
     L = engine.layers.num_layers
     chunks = make_chunks(engine.tokenizer, args.chunks, args.chunk_tokens)
     engine.warm(chunks, progress=True)
-    rng = random.Random(0)
-    prefix = "You are a helpful assistant. Answer from the documents."
-    suffix = "Question: which company was founded in the river city, and when? Answer:"
-
-    def prompt():
-        order = chunks[:]
-        rng.shuffle(order)
-        return BlendPrompt(prefix, order, suffix)
+    prompt = shuffled_prompts(chunks)
 
     cases = [("full", "full", None), ("reuse", "reuse", None)] + [
         (f"blend@{r:.2f}", "blend", r) for r in args.ratios
