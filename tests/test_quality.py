@@ -35,8 +35,11 @@ def test_examples_are_deterministic_and_shaped_as_specified():
     for e in a:
         assert 6 <= len(e.documents) <= 10
         assert all(100 <= words(d) <= 560 for d in e.documents)  # the drawn length, plus the last sentence
-        assert len(e.evidence) == e.hops
+        assert len(e.evidence) == e.hops == len(e.facts)
         assert e.answer in e.documents[e.evidence[-1]]
+        for (sentence, value), doc in zip(e.facts, e.evidence, strict=True):  # each hop's fact, where it is
+            assert sentence in e.documents[doc] and value in sentence
+        assert e.facts[-1][1] == e.answer
 
 
 def test_every_question_has_one_answer_in_its_documents():
@@ -64,27 +67,53 @@ def test_question_subject():
     with pytest.raises(ValueError, match="not a generated question"):
         question_subject("Why?")
     for e in make_examples(20, seed=5, follow_ups=3):  # follow-ups ask about entities with documents too
-        for question, _ in [(e.question, e.answer), *e.follow_ups]:
+        for question, facts in [(e.question, e.facts), *((f.question, f.facts) for f in e.follow_ups)]:
             assert any(d.startswith(f"Notes on {question_subject(question)}.") for d in e.documents)
+            assert all(any(sentence in d for d in e.documents) for sentence, _ in facts)
 
 
-def test_bind_targets_point_at_sentence_starts_and_question_subjects(tmp_path):
-    """The bind loss's targets (training only): a document token's sentence start,
-    and at each answer the question's subject."""
-    from blend_integrations.quality.train import SENTENCE_HEAD, SUBJECT_HEAD, bind_targets, encode, train_reader_tokenizer
+def test_look_targets_point_at_the_circuit(tmp_path):
+    """The look losses' targets (training only): fixed distances back in the
+    first layer, the question's subject, the bridge of 2-hop questions, and the
+    answer's value in the sentence that states it."""
+    from blend_integrations.quality.data import prompt
+    from blend_integrations.quality.train import POSITION_HEADS, encode, look_targets, train_reader_tokenizer
 
     tokenizer = train_reader_tokenizer(tmp_path, 512, 0)
-    e = make_examples(1, seed=9, follow_ups=2)[0]
-    ids, mask = encode(e, tokenizer)
-    targets = bind_targets(e, tokenizer, ids, mask)
-    period = tokenizer.encode(".", add_special_tokens=False)[0]
-    sentence = [(q, s) for h, q, s in targets if h == SENTENCE_HEAD]
-    assert sentence and all(ids[s - 1] == period and s + 2 <= q and period not in ids[s:q] for q, s in sentence)
-    subject = [(q, s) for h, q, s in targets if h == SUBJECT_HEAD]
-    assert len(subject) == 3  # the question and two follow-ups
-    for (q, s), question in zip(subject, [e.question] + [f for f, _ in e.follow_ups], strict=True):
-        assert mask[q + 1] and not mask[q]  # the position that predicts the answer's first token
-        assert tokenizer.decode(ids[s:s + 2]).strip() in question_subject(question)
+    for e in make_examples(6, seed=9, follow_ups=3):
+        ids, mask = encode(e, tokenizer)
+        looks = look_targets(e, tokenizer, ids, mask)
+        for head, back in POSITION_HEADS.items():
+            look = looks[f"position{back}"]
+            assert look.layer == 0 and look.heads == (head,) and len(look.rows) >= 100
+            assert all(sources == [query - back] for query, sources in look.rows)
+        asked = [(e.question, e.answer, e.facts)] + [(f.question, f.answer, f.facts) for f in e.follow_ups]
+        answering = [p - 1 for p in range(1, len(ids)) if mask[p] and not mask[p - 1]]
+        spans = prompt(e, tokenizer).chunk_spans
+
+        def document(position):  # the text of the document a position is in
+            return next(e.documents[i] for i, (start, end) in enumerate(spans) if start <= position < end)
+
+        def tokens(words):
+            return tokenizer.encode(" " + words, add_special_tokens=False)
+
+        def ends_at(position, words):  # the tokens of ``words`` end at ``position``
+            return ids[position + 1 - len(tokens(words)):position + 1] == tokens(words)
+
+        subject_last, subject_before = looks["subject_last"].rows, looks["subject_before"].rows
+        assert [q for q, _ in subject_last] == [q for q, _ in subject_before] == answering
+        bridges = iter(looks["bridge"].rows)
+        firsts = [row for row in looks["answer"].rows if row[0] in answering]
+        assert len(firsts) == len(asked)
+        for (question, answer, facts), (_, [last]), (_, [before]), (query, [value]) in zip(
+                asked, subject_last, subject_before, firsts, strict=True):
+            assert ends_at(last, question_subject(question)) and before == last - 1
+            assert spans[-1][1] <= last < query  # in the question, not in a document
+            assert ids[value:value + len(tokens(answer))] == tokens(answer) and facts[-1][0] in document(value)
+            if len(facts) == 2:  # the founder's name, in the company's document
+                _, [bridge] = next(bridges)
+                assert ends_at(bridge, facts[0][1]) and facts[0][0] in document(bridge)
+        assert next(bridges, None) is None
 
 
 def test_metrics():

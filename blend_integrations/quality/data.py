@@ -106,6 +106,15 @@ class Person:
 
 
 @dataclass
+class FollowUp:
+    """A further question about an example's documents (training asks several per prompt)."""
+
+    question: str
+    answer: str
+    facts: list[tuple[str, str]]
+
+
+@dataclass
 class Example:
     """One question over its documents (in the order they are shown)."""
 
@@ -115,7 +124,8 @@ class Example:
     hops: int
     kind: str
     evidence: list[int] = field(default_factory=list)  # the documents the answer needs, in hop order
-    follow_ups: list[tuple[str, str]] = field(default_factory=list)  # more (question, answer) on the same documents
+    facts: list[tuple[str, str]] = field(default_factory=list)  # (sentence, what it states) per hop
+    follow_ups: list[FollowUp] = field(default_factory=list)  # more questions on the same documents
 
 
 def _company_facts(c: Company) -> list[str]:
@@ -156,23 +166,27 @@ class World:
 
 
 def _question(rng: random.Random, world: World, company: Company, hops: int,
-              founder_doc: bool = True) -> tuple[str, str, str, list[str]]:
-    """(question, answer, kind, names of the evidence documents in hop order) about
-    ``company``; questions about its founder need ``founder_doc``."""
+              founder_doc: bool = True) -> tuple[str, str, str, list[str], list[tuple[str, str]]]:
+    """(question, answer, kind, names of the evidence documents in hop order,
+    (sentence, what it states) per hop) about ``company``; questions about its
+    founder need ``founder_doc``."""
     founder = world.person(company.founder)
+    founded, based = _company_facts(company)
+    born, worked = _person_facts(founder)
     one_hop = ["founder", "based", "born"] if founder_doc else ["founder", "based"]
     kind = rng.choice(one_hop) if hops == 1 else rng.choice(["founder_born", "founder_profession"])
     if kind == "founder":
-        return f"Who founded {company.name}?", company.founder, kind, [company.name]
+        return f"Who founded {company.name}?", company.founder, kind, [company.name], [(founded, founder.name)]
     if kind == "based":
-        return f"In which city is {company.name} based?", company.city, kind, [company.name]
+        return (f"In which city is {company.name} based?", company.city, kind, [company.name],
+                [(based, company.city)])
     if kind == "born":
-        return f"In which city was {founder.name} born?", founder.city, kind, [founder.name]
+        return f"In which city was {founder.name} born?", founder.city, kind, [founder.name], [(born, founder.city)]
     if kind == "founder_born":
         return (f"In which city was the founder of {company.name} born?", founder.city, kind,
-                [company.name, founder.name])
+                [company.name, founder.name], [(founded, founder.name), (born, founder.city)])
     return (f"What was the profession of the founder of {company.name}?", founder.profession, kind,
-            [company.name, founder.name])
+            [company.name, founder.name], [(founded, founder.name), (worked, founder.profession)])
 
 
 # The question templates of ``_question``, each with its subject (the company or
@@ -205,7 +219,7 @@ def make_example(rng: random.Random, *, hops: int, n_docs: tuple[int, int] = (6,
     # documents: every company; people up to n, always the target's founder
     people = [founder] + [p for p in world.people if p is not founder][: n - n_companies - 1]
     docs = [(c.name, _company_facts(c)) for c in world.companies] + [(p.name, _person_facts(p)) for p in people]
-    question, answer, kind, evidence = _question(rng, world, target, hops)
+    question, answer, kind, evidence, facts = _question(rng, world, target, hops)
     if len(docs) > n:  # fewer documents than a world has (training's first stage): keep the evidence
         docs = [d for d in docs if d[0] in evidence] + [d for d in docs if d[0] not in evidence][: n - len(evidence)]
     extra = []
@@ -214,12 +228,12 @@ def make_example(rng: random.Random, *, hops: int, n_docs: tuple[int, int] = (6,
     for _ in range(follow_ups if companies else 0):
         company = rng.choice(companies)
         has_founder = company.founder in present  # else only the company's own facts can be asked
-        q, a, _, _ = _question(rng, world, company, rng.choice((1, 2)) if has_founder else 1, has_founder)
-        extra.append((q, a))
+        q, a, _, _, f = _question(rng, world, company, rng.choice((1, 2)) if has_founder else 1, has_founder)
+        extra.append(FollowUp(q, a, f))
     rng.shuffle(docs)
-    texts = [_document(rng, subject, facts, doc_tokens) for subject, facts in docs]
+    texts = [_document(rng, subject, sentences, doc_tokens) for subject, sentences in docs]
     subjects = [s for s, _ in docs]
-    return Example(texts, question, answer, hops, kind, [subjects.index(name) for name in evidence], extra)
+    return Example(texts, question, answer, hops, kind, [subjects.index(name) for name in evidence], facts, extra)
 
 
 def make_examples(n: int, seed: int, *, two_hop_share: float = 0.5, **kwargs) -> list[Example]:

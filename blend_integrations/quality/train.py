@@ -4,10 +4,9 @@ answers questions from its documents (blend_integrations.quality.data).
     python -m blend_integrations.quality.train OUT_DIR [--steps 800] [--seed 0]
 
 The loss is the answer tokens', plus a smaller language-model loss on the whole
-prompt, plus a look loss that points the last layer's attention at where the
-answer can be copied from and a bind loss that points two heads of the second
-layer at the subject of each sentence and of each question; each training prompt asks several questions about
-its documents, as further chat turns. Prompts are built exactly as the engines
+prompt, plus look losses that steer the attention of a few heads towards a
+circuit that answers (see ``look_targets``); each training prompt asks several
+questions about its documents, as further chat turns. Prompts are built exactly as the engines
 build them at inference (the chat template, each document tokenized alone),
 and the curriculum grows from a few short documents to the benchmark's 6-10
 documents of 100-500 tokens.
@@ -27,12 +26,21 @@ import json
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..local_models import train_tokenizer
-from .data import Example, corpus_text, make_example, make_examples, prompt, question_subject
+from .data import (
+    Example,
+    corpus_text,
+    make_example,
+    make_examples,
+    prompt,
+    question_subject,
+)
+
 EMBEDDING_STD = 0.1
 ARCH = {"num_layers": 4, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 768}
 
@@ -49,8 +57,8 @@ def encode(example: Example, tokenizer) -> tuple[list[int], list[int]]:
     template writes them: more answers to learn from for the same documents."""
     ids = prompt(example, tokenizer).token_ids
     mask = [0] * len(ids)
-    answers = [example.answer] + [a for _, a in example.follow_ups]
-    questions = [q for q, _ in example.follow_ups] + [None]
+    answers = [example.answer] + [f.answer for f in example.follow_ups]
+    questions = [f.question for f in example.follow_ups] + [None]
     for answer, next_question in zip(answers, questions, strict=True):
         # a leading space: the answer's tokens are then the very tokens it has in the documents
         reply = tokenizer.encode(" " + answer, add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -118,18 +126,17 @@ def copy_init(attention, config) -> None:
     attention.o_proj.weight.copy_(out)
 
 
-def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float, look_weight: float,
-            bind: list[tuple[int, int, int]] = (), bind_weight: float = 0.0) -> torch.Tensor:
+def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
+            looks: dict[str, Look] | None = None, weights: dict[str, float] | None = None) -> torch.Tensor:
     """Answer tokens' loss, plus ``lm_weight`` times the language-model loss,
-    plus ``look_weight`` times the look loss (see ``look_targets``), plus
-    ``bind_weight`` times the bind loss (see ``bind_targets``)."""
+    plus, for each kind of ``looks`` (see ``look_targets``), its weight times
+    minus the log of the attention its heads put on its sources."""
     x = torch.tensor([ids], device=model.device)
-    look = look_targets(ids, answer_mask, model.config.eos_token_id) if look_weight > 0 else []
-    bind = bind if bind_weight > 0 else []
-    layers = {len(model.model.layers) - 1: {}, BIND_LAYER: {}}
-    # the inputs of the layers whose attention rows the auxiliary losses read
+    looks = {name: look for name, look in (looks or {}).items() if look.rows and (weights or {}).get(name, 0) > 0}
+    inputs: dict[int, dict] = {look.layer: {} for look in looks.values()}
+    # the inputs of the layers whose attention rows the look losses read
     hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(
-        lambda _m, _a, kwargs, seen=seen: seen.update(kwargs), with_kwargs=True) for i, seen in layers.items()]
+        lambda _m, _a, kwargs, seen=seen: seen.update(kwargs), with_kwargs=True) for i, seen in inputs.items()]
     try:
         out = model(input_ids=x)
     finally:
@@ -139,84 +146,95 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float, loo
     per_token = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
     mask = torch.tensor(answer_mask[1:], dtype=torch.float32, device=model.device)
     loss = (per_token * mask).sum() / mask.sum() + lm_weight * per_token.mean()
-
-    def rows(layer: int, queries: list[int]) -> torch.Tensor:
-        seen = layers[layer]
-        return attention_rows(model.model.layers[layer].self_attn, seen["hidden_states"],
-                              seen["position_embeddings"], queries)
-
-    if look:
-        weights = rows(len(model.model.layers) - 1, [query for query, _ in look])
-        terms = [-torch.log(weights[:, i, sources].sum(-1).clamp(min=1e-9)).mean()
-                 for i, (_, sources) in enumerate(look)]
-        loss = loss + look_weight * torch.stack(terms).mean()
-    if bind:
-        weights = rows(BIND_LAYER, [query for _, query, _ in bind])
-        for head in (SENTENCE_HEAD, SUBJECT_HEAD):  # each kind weighs the same, whatever its count
-            at = [(i, source) for i, (h, _, source) in enumerate(bind) if h == head]
-            if at:
-                picked = weights[head, [i for i, _ in at], [source for _, source in at]]
-                loss = loss + bind_weight * -torch.log(picked.clamp(min=1e-9)).mean()
+    for name, look in looks.items():
+        seen = inputs[look.layer]
+        attention = attention_rows(model.model.layers[look.layer].self_attn, seen["hidden_states"],
+                                   seen["position_embeddings"], [query for query, _ in look.rows])
+        heads = attention if look.heads is None else attention[list(look.heads)]
+        terms = [-torch.log(heads[:, i, sources].sum(-1).clamp(min=1e-9)).mean()
+                 for i, (_, sources) in enumerate(look.rows)]
+        loss = loss + weights[name] * torch.stack(terms).mean()
     return loss
 
 
-def look_targets(ids: list[int], answer_mask: list[int], eos_id: int) -> list[tuple[int, list[int]]]:
-    """Where the answer is copied from: (query position, source positions)
-    pairs. At the position that predicts an answer token, every head of the
-    last layer should attend to where that token can be copied from: for an
-    answer's first token, its earlier occurrences; for the next ones, the
-    occurrences that follow the token before it (induction: "Ada" -> the
-    "Okafor" after an earlier "Ada"). Through the answer loss alone a model this
-    small stays at the prior for a long time (it answers the most frequent name,
-    whatever the documents say); the look loss, minus the log of the attention
-    mass on the sources, gives the lookup a direct signal. It shapes training
-    only: the model is a plain Llama."""
-    targets = []
-    for p in range(1, len(ids)):
-        if not answer_mask[p] or ids[p] == eos_id:
-            continue
-        if not answer_mask[p - 1]:
-            sources = [j for j in range(p - 1) if ids[j] == ids[p]]
-        else:
-            sources = [j for j in range(1, p - 1) if ids[j] == ids[p] and ids[j - 1] == ids[p - 1]]
-        if sources:
-            targets.append((p - 1, sources))
-    return targets
+@dataclass
+class Look:
+    """Where some heads of one layer should attend: (query position, source positions) rows."""
+
+    layer: int  # -1: the last
+    heads: tuple[int, ...] | None  # None: all
+    rows: list[tuple[int, list[int]]]
 
 
-# The bind loss: two heads of the second layer gather the subject of what is
-# read and of what is asked, so that the last layer's lookup can match them.
-BIND_LAYER, SENTENCE_HEAD, SUBJECT_HEAD = 1, 0, 1
-SENTENCE_ROWS = 96  # document positions per example that train SENTENCE_HEAD
+# Training steers a few heads towards a circuit that answers from long prompts.
+# Every fact names its subject, then the relation, then the value, and the
+# subject's last two tokens are always 4 and 5 tokens before the value ("Harbor
+# Works is based in Yarrow", "Ada Okafor was born in Brimford"). So: heads of
+# the first layer look a fixed distance back (1, 4, 5 tokens), which writes the
+# subject into every value token; at the position that answers, heads of the
+# second layer look at the question's subject; for 2-hop questions heads of the
+# third layer look at the bridge (the founder's name in the company's
+# document); and the last layer looks at the fact that states the answer. With
+# the last layer's look alone the reader copied a value of the right kind (a
+# city, a name) but could not tell whose it was: on the benchmark's long prompts
+# 1-hop accuracy stayed near 0.2. The losses only shape training; the model is
+# a plain Llama.
+POSITION_HEADS = {0: 1, 1: 4, 2: 5}  # first layer: head -> how many tokens back it looks
+POSITION_ROWS = 128  # positions per example that train them
+SUBJECT_LAYER, SUBJECT_HEADS = 1, (0, 1)  # look at the subject's last and second-to-last token
+BRIDGE_LAYER, BRIDGE_HEADS = 2, (0, 1)
 
 
-def bind_targets(example: Example, tokenizer, ids: list[int], answer_mask: list[int]) -> list[tuple[int, int, int]]:
-    """(head, query position, source position) triples. In a document, every
-    sentence about an entity starts with its name ("Harbor Press is based in
-    Yarrow."): at a token of a document, SENTENCE_HEAD should attend to the first
-    token of its sentence (a spread of SENTENCE_ROWS positions is used). At the
-    position that predicts an answer, SUBJECT_HEAD should attend to the first
-    token of the subject the question names. With the look loss alone the reader
-    learned to copy a candidate of the right kind (a city, a name) from short
-    prompts, but on the benchmark's long ones it could not tell which entity a
-    fact was about (1-hop accuracy stayed near 0.2)."""
-    period = tokenizer.encode(".", add_special_tokens=False)
-    sentence_rows = []
-    for start, end in prompt(example, tokenizer).chunk_spans:
-        first = None
-        for j in range(start + 1, end):
-            if [ids[j - 1]] == period:
-                first = j
-            elif first is not None and j - first >= 2:
-                sentence_rows.append((j, first))
-    stride = max(1, len(sentence_rows) // SENTENCE_ROWS)
-    targets = [(SENTENCE_HEAD, j, first) for j, first in sentence_rows[::stride]]
-    questions = [example.question] + [q for q, _ in example.follow_ups]
-    answer_starts = [p for p in range(1, len(ids)) if answer_mask[p] and not answer_mask[p - 1]]
-    for question, p in zip(questions, answer_starts, strict=True):
-        token = tokenizer.encode(" " + question_subject(question), add_special_tokens=False)[0]
-        targets.append((SUBJECT_HEAD, p - 1, max(j for j in range(p) if ids[j] == token)))
-    return targets
+def look_targets(example: Example, tokenizer, ids: list[int], answer_mask: list[int]) -> dict[str, Look]:
+    """The rows of each look loss for one encoded example (see the comment above):
+    "position", "subject", "bridge" and, in the last layer, "answer": at the
+    position that predicts an answer's first token, the value in the sentence
+    that states it; at the next ones, the occurrences that follow the token
+    before it (induction: "Ada" -> the "Okafor" after an earlier "Ada")."""
+    rows = range(max(POSITION_HEADS.values()), len(ids))
+    sampled = rows[:: max(1, len(rows) // POSITION_ROWS)]
+    looks = {f"position{back}": Look(0, (head,), [(j, [j - back]) for j in sampled])
+             for head, back in POSITION_HEADS.items()}
+    subject = [Look(SUBJECT_LAYER, (head,), []) for head in SUBJECT_HEADS]
+    bridge, copy = Look(BRIDGE_LAYER, BRIDGE_HEADS, []), Look(-1, None, [])
+    asked = [(example.question, example.answer, example.facts)]
+    asked += [(f.question, f.answer, f.facts) for f in example.follow_ups]
+    starts = [p for p in range(1, len(ids)) if answer_mask[p] and not answer_mask[p - 1]]
+    for (question, answer, facts), start in zip(asked, starts, strict=True):
+        query = start - 1
+        name = tokens_of(tokenizer, question_subject(question))
+        at = find(ids, name, before=query)[-1]
+        for look, back in zip(subject, (1, 2), strict=True):
+            look.rows.append((query, [at + len(name) - back]))
+        values = [value_positions(ids, tokenizer, sentence, value, before=query) for sentence, value in facts]
+        if len(facts) == 2:
+            bridge.rows.append((query, [values[0][-1]]))
+        n = len(tokens_of(tokenizer, answer))
+        copy.rows.append((query, [values[-1][0]]))
+        for k in range(1, n):
+            p = start + k
+            copy.rows.append((p - 1, [j for j in range(1, p - 1) if ids[j] == ids[p] and ids[j - 1] == ids[p - 1]]))
+    return {**looks, "subject_last": subject[0], "subject_before": subject[1], "bridge": bridge, "answer": copy}
+
+
+def tokens_of(tokenizer, words: str) -> list[int]:
+    """The tokens of ``words`` inside a sentence (after a space, as in the documents and questions)."""
+    return tokenizer.encode(" " + words, add_special_tokens=False)
+
+
+def find(ids: list[int], part: list[int], before: int) -> list[int]:
+    """Start positions of ``part`` in ``ids[:before]``."""
+    return [j for j in range(before - len(part) + 1) if ids[j:j + len(part)] == part]
+
+
+def value_positions(ids: list[int], tokenizer, sentence: str, value: str, before: int) -> list[int]:
+    """Positions of ``value``'s tokens where ``sentence`` states it (in a document before ``before``)."""
+    sentence_ids, value_ids = tokens_of(tokenizer, sentence), tokens_of(tokenizer, value)
+    starts = find(ids, sentence_ids, before)
+    offsets = find(sentence_ids, value_ids, len(sentence_ids))
+    if not starts or not offsets:
+        raise ValueError(f"the fact {sentence!r} is not in the prompt")
+    return [starts[0] + offsets[0] + k for k in range(len(value_ids))]
 
 
 def attention_rows(attention, hidden_states: torch.Tensor, position_embeddings, queries: list[int]) -> torch.Tensor:
@@ -277,13 +295,15 @@ tokenize chunks. The curriculum: {stages}. Each training prompt carries
 {summary["follow_ups"]} follow-up questions as further chat turns (more answers per prompt;
 inference asks one). The loss is the answers' tokens plus
 {summary["lm_weight"]} times the language-model loss on the whole prompt (the documents are
-the plain text), plus {summary["look_weight"]} times a look loss: when predicting an answer token, the heads
-of the last layer are trained to attend to where it can be copied from (the
-first token's earlier occurrences; for the next ones, the occurrences after the
-token before it), plus {summary["bind_weight"]} times a bind loss: in the second layer, one head is
-trained to attend from a document token to the first token of its sentence (facts name their
-subject first) and one from the position that answers to the subject the question names.
-These losses only shape training; the model is a plain Llama. The tokenizer is a byte-level BPE trained on the same
+the plain text), plus look losses (minus the log of the attention a head puts where it
+should look): {summary["look_weight"]} times the last layer's, whose heads should attend, when predicting
+an answer's first token, to the value in the sentence that states it, and for the next tokens
+to the occurrences after the token before it; and {summary["circuit_weight"]} times each of these: in the
+first layer three heads look 1, 4 and 5 tokens back (facts put their subject's last two
+tokens 4 and 5 tokens before the value), in the second layer two heads look from the
+answering position at the question's subject, in the third two look at the founder's name
+in the company's document for 2-hop questions. These losses only shape training; the
+model is a plain Llama. The tokenizer is a byte-level BPE trained on the same
 generator's text ({summary["vocab"]} tokens); the chat template is the one of
 `blend_integrations.local_models` (roles as special tokens, Hermes-style tools).
 
@@ -322,8 +342,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens-per-step", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--lm-weight", type=float, default=0.2)
-    parser.add_argument("--look-weight", type=float, default=1.0, help="weight of the look loss (0: off)")
-    parser.add_argument("--bind-weight", type=float, default=1.0, help="weight of the bind loss (0: off)")
+    parser.add_argument("--look-weight", type=float, default=1.0, help="weight of the last layer's look loss (0: off)")
+    parser.add_argument("--circuit-weight", type=float, default=1.0,
+                        help="weight of each look loss of the first three layers (0: off)")
     parser.add_argument("--follow-ups", type=int, default=12, help="extra questions per training prompt")
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -337,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = args.out / "checkpoint.pt"
     resume = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
     settings = {k: getattr(args, k) for k in ("steps", "tokens_per_step", "lr", "lm_weight", "look_weight",
-                                               "bind_weight", "follow_ups", "vocab", "seed")}
+                                               "circuit_weight", "follow_ups", "vocab", "seed")}
     if resume and resume["settings"] != settings:
         raise SystemExit(f"{checkpoint} was written with other settings ({resume['settings']}); "
                          "use another output directory or delete the checkpoint")
@@ -346,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     held_out = make_examples(64, seed=args.seed + 10_000)  # never trained on: other seeds
+    look_weights = {name: args.look_weight if name == "answer" else args.circuit_weight
+                    for name in look_targets(held_out[0], tokenizer, *encode(held_out[0], tokenizer))}
     rng = random.Random(args.seed + 1)
     state = {"step": 0, "stage": 0, "stage_starts": [0], "tokens": 0, "examples": 0, "minutes": 0.0, "log": []}
     if resume:  # carry on exactly where the last run stopped
@@ -368,8 +391,8 @@ def main(argv: list[str] | None = None) -> None:
         while step_tokens < args.tokens_per_step:
             ex = make_example(rng, hops=2 if rng.random() < 0.5 else 1, follow_ups=args.follow_ups, **shape)
             ids, mask = encode(ex, tokenizer)
-            bind = bind_targets(ex, tokenizer, ids, mask) if args.bind_weight > 0 else []
-            loss = loss_of(model, ids, mask, args.lm_weight, args.look_weight, bind, args.bind_weight)
+            looks = look_targets(ex, tokenizer, ids, mask)
+            loss = loss_of(model, ids, mask, args.lm_weight, looks, look_weights)
             (loss * len(ids) / args.tokens_per_step).backward()
             step_tokens += len(ids)
             losses.append(loss.item())
@@ -411,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"params": params, "steps": state["step"], "examples": state["examples"], "tokens": state["tokens"],
                "minutes": state["minutes"], "threads": args.threads, "device": args.device, "seed": args.seed,
                "arch": ARCH, "vocab": len(tokenizer), "lr": args.lr, "lm_weight": args.lm_weight,
-               "look_weight": args.look_weight, "bind_weight": args.bind_weight, "tokens_per_step": args.tokens_per_step,
+               "look_weight": args.look_weight, "circuit_weight": args.circuit_weight, "tokens_per_step": args.tokens_per_step,
                "follow_ups": args.follow_ups, "held_out_teacher_forced": final, "gate": GATE,
                "embedding_std": EMBEDDING_STD,
                "stages": [[STAGES[i]["n_docs"], STAGES[i]["doc_tokens"], start]
