@@ -91,13 +91,16 @@ def test_bad_settings_are_named(tmp_path):
         BlendConfig(pipelined_loading=1)
 
 
-def test_vllm_engine_refuses_the_controller(tmp_path):
-    from blend_integrations.engines.vllm_engine import blend_engine_args
+def test_vllm_engine_args_carry_the_controller_and_the_assumed_bandwidths(tmp_path):
+    """Both options reach the vLLM connector (tests/test_vllm_controller.py runs them), and so does
+    what the store assumes of each tier until the worker has measured it."""
+    from blend_integrations.engines.vllm_engine import blend_engine_args, connector_store_args
 
-    for name in ("loading_controller", "pipelined_loading"):
-        with pytest.raises(ValueError, match=f"{name}=True is supported by the transformers engine only"):
-            blend_engine_args(store=ChunkStore(tmp_path), config=BlendConfig(**{name: True}), max_model_len=512,
-                              on_gpu=False)
+    store = ChunkStore(tmp_path, read_bandwidth={"remote": 1000.0})
+    args = blend_engine_args(store=store, config=CONTROLLED, max_model_len=512, on_gpu=False)
+    extra = args["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["blend_config"]["loading_controller"] is extra["blend_config"]["pipelined_loading"] is True
+    assert connector_store_args(extra)["read_bandwidth"] == {**DEFAULT_READ_BANDWIDTH, "remote": 1000.0}
 
 
 # -- the decision logic, on numbers worked out by hand ------------------------

@@ -15,6 +15,7 @@ from blend_integrations.engines.vllm_engine import (
     check_vllm_version,
     connector_store_args,
 )
+from blend_integrations.store import DEFAULT_READ_BANDWIDTH
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -209,6 +210,7 @@ def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeyp
     assert connector_store_args(extra) == {
         "path": str(tmp_path), "size_limit_bytes": store.size_limit_bytes, "memory_limit_bytes": store.memory_limit_bytes,
         "remote": url, "remote_size_limit_bytes": 2**20, "remote_timeout_s": 0.5,
+        "read_bandwidth": DEFAULT_READ_BANDWIDTH,
     }
 
     # without a password the URL is in the config and nothing in the environment

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Sequence
 from ..config import BlendConfig
 from ..prompt import BlendPrompt, TextOrIds
 from .base import Engine, Generation, GenerationStream, Request, Usage
-from .vllm_engine import kv_transfer_params
+from .vllm_engine import blend_results, kv_transfer_params
 
 
 class ServerError(RuntimeError):
@@ -148,7 +148,7 @@ class ServerEngine(Engine):
         body["return_token_ids"] = True
         resp = self._request_http("POST", "/v1/completions", body)
         choice = resp["choices"][0]
-        blend = (resp.get("kv_transfer_params") or {}).get("blend") or {}
+        blend, loading = blend_results(resp.get("kv_transfer_params"))
         lp = None
         if logprobs is not None and choice.get("logprobs"):
             lp = [
@@ -159,7 +159,7 @@ class ServerEngine(Engine):
         return Generation(
             text=choice["text"], token_ids=list(choice.get("token_ids") or []), prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            ttft_s=elapsed, mode=mode, logprobs=lp, total_s=elapsed,
+            ttft_s=elapsed, mode=mode, logprobs=lp, total_s=elapsed, loading=loading,
             usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=resp["usage"]["completion_tokens"], **blend),
         )
 

@@ -16,9 +16,27 @@ separators in the prompt's tokens. The scheduler side decides
 which chunks are hits (``key in store``), so the usage it returns in
 ``RequestOutput.kv_transfer_params["blend"]`` is known when the request ends.
 
+The loading controller (``BlendConfig(loading_controller=True)``) runs on the
+scheduler side too, for the same reason: vLLM hands back a request's
+``kv_transfer_params`` (``request_finished``) before the worker's report of
+that step reaches the scheduler connector, so usage decided in the worker
+would be missing for a request that ends in its prefill step. The scheduler
+finds each chunk's tier with ``store.locate`` (the shared tiers: disk and
+Redis; it has no memory tier, so a chunk the worker holds in memory counts
+as on disk), estimates load and compute times from the read bandwidths and
+walk throughput the worker measured, which the worker sends back whenever
+they change (``build_connector_worker_meta``, vLLM's worker-to-scheduler
+channel: in-engine, so it holds for ``vllm serve`` and several workers
+alike; the estimates lag the worker by one step), and puts its plan (ratio,
+chunks to load) in the ``BlendJob``. Its decisions come back in
+``kv_transfer_params["blend_loading"]``. The worker follows the plan; a
+chunk planned to load that turns out missing or damaged is computed
+standalone and used as loaded, so the reported usage stays true.
+
 The worker gets its model from the ``blend`` model loader (``load_format=
 "blend"``, registered by this package's vLLM plugin). ``kv_connector_extra_config``
 may set ``store_path``, ``store_size_limit_bytes``, ``store_memory_limit_bytes``,
+``store_read_bandwidth`` (bytes/s per tier, assumed until the worker measures it),
 the Redis tier's ``store_remote`` (a URL, or null for none; missing:
 ``$BLEND_STORE_REMOTE``), ``store_remote_in_env`` (true: ``store_remote`` has its
 password replaced by ``***`` and the full URL is ``$BLEND_STORE_REMOTE``),
@@ -28,6 +46,7 @@ password replaced by ``***`` and the full URL is ``$BLEND_STORE_REMOTE``),
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +56,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from ..config import BlendConfig
 from ..fusion import Blender, KVCache, PrefillStats, planned_usage
+from ..fusion.controller import LoadingStats, decide
 from ..prompt import bos_id_added, spans_from_separator
 from ..store import ChunkStore, chunk_key, model_fingerprint
 from . import vllm_plugin
@@ -52,15 +73,31 @@ class BlendJob:
     req_id: str
     token_ids: list[int]  # the tokens the blend pass computes
     chunk_spans: list[tuple[int, int]]
-    hits: list[bool]  # per chunk, as the scheduler counted them
+    hits: list[bool]  # per chunk: load it (the scheduler counted it as a hit)
+    computed: list[bool]  # per chunk: in the store, but the loading controller chose to compute it
     mode: str  # "blend" or "reuse"
-    ratio: float
+    ratio: float  # the loading controller's, when it ran
     block_ids: list[int]
 
 
 @dataclass
 class BlendConnectorMetadata(KVConnectorMetadata):
     jobs: list[BlendJob] = field(default_factory=list)
+
+
+@dataclass
+class BlendWorkerMetadata(KVConnectorWorkerMetadata):
+    """The rates the worker measured, for the scheduler's loading controller:
+    read bandwidth per store tier (bytes/s) and "compute", the walk's
+    token-layers per second (None until measured)."""
+
+    rates: dict[str, float | None]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # The workers of one engine blend in lockstep: the slowest sets the pace.
+        theirs = other.rates if isinstance(other, BlendWorkerMetadata) else {}
+        return BlendWorkerMetadata({k: None if v is None or theirs.get(k) is None else min(v, theirs[k])
+                                    for k, v in self.rates.items()})
 
 
 @functools.lru_cache(maxsize=4)
@@ -87,6 +124,7 @@ class BlendConnector(KVConnectorBase_V1):
         self.fingerprint, self.bos = _model_identity(model_config.model, model_config.tokenizer)
         self.dtype_name = str(model_config.dtype).removeprefix("torch.")
         self.block_size = vllm_config.cache_config.block_size
+        self.num_layers = model_config.hf_text_config.num_hidden_layers
         self.tokenizer_name = model_config.tokenizer
         store_args = connector_store_args(extra)
         if role == KVConnectorRole.SCHEDULER:
@@ -94,9 +132,11 @@ class BlendConnector(KVConnectorBase_V1):
         self.store = ChunkStore(**store_args)
         # scheduler side
         self._to_load: dict[str, tuple[dict, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
-        self._usage: dict[str, dict[str, int]] = {}
+        self._usage: dict[str, tuple[dict[str, int], LoadingStats | None]] = {}
         # worker side
         self.blender: Blender | None = None
+        # The worker's measured rates: on the worker as last sent, on the scheduler as last received.
+        self._rates = self._measured_rates()
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_names: list[str] = []
         self._unsaved: list[PrefillStats] = []
@@ -146,21 +186,44 @@ class BlendConnector(KVConnectorBase_V1):
     def _job(self, req_id: str, block_ids: list[int]) -> BlendJob:
         params, ids = self._to_load.pop(req_id)
         spans = [(int(a), int(b)) for a, b in params["chunk_spans"]]
-        hits = [
-            chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=ids[a:b], bos_token_id=self.bos)
-            in self.store
+        located = [
+            self.store.locate(chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=ids[a:b],
+                                        bos_token_id=self.bos))
             for a, b in spans
         ]
+        hits = [where.tier is not None for where in located]
+        computed = [False] * len(spans)
         ratio = self.config.recompute_ratio if params.get("ratio") is None else float(params["ratio"])
-        self._usage[req_id] = planned_usage(
-            [b - a for a, b in spans], hits, mode=params["mode"], ratio=ratio, sink_tokens=self.config.sink_tokens
-        )
-        return BlendJob(req_id, ids, spans, hits, params["mode"], ratio, list(block_ids))
+        loading = None
+        if params["mode"] == "blend" and self.config.loading_controller:
+            found = [i for i, hit in enumerate(hits) if hit]
+            p, loading = decide(
+                [located[i].tier for i in found],
+                [max(0, spans[i][1] - spans[i][0] - self.config.sink_tokens) for i in found],
+                # load times at the worker's bandwidths: this store reads nothing, so it measures none
+                [located[i].nbytes / self._rates[located[i].tier] for i in found],
+                num_tokens=len(ids), num_layers=self.num_layers, schedule=self.config.check_schedule,
+                floor=ratio, throughput=self._rates["compute"], overlapped=self.config.pipelined_loading,
+            )
+            ratio = p.ratio
+            for i, load in zip(found, p.load):
+                hits[i], computed[i] = load, not load
+        usage = planned_usage([b - a for a, b in spans], hits, mode=params["mode"], ratio=ratio,
+                              sink_tokens=self.config.sink_tokens, chunks_recomputed=sum(computed))
+        self._usage[req_id] = usage, loading
+        return BlendJob(req_id, ids, spans, hits, computed, params["mode"], ratio, list(block_ids))
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, BlendWorkerMetadata):
+            self._rates = meta.rates
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._to_load.pop(request.request_id, None)
-        usage = self._usage.pop(request.request_id, None)
-        return False, ({"blend": usage} if usage is not None else None)
+        if request.request_id not in self._usage:
+            return False, None
+        usage, loading = self._usage.pop(request.request_id)
+        return False, {"blend": usage} | ({"blend_loading": dataclasses.asdict(loading)} if loading else {})
 
     # -- worker side ----------------------------------------------------
     def _attach(self) -> Blender:
@@ -193,7 +256,8 @@ class BlendConnector(KVConnectorBase_V1):
         n = len(job.token_ids)
         cache = KVCache.allocate(blender.model, n)
         _, stats = blender.prefill(
-            cache, job.token_ids, job.chunk_spans, mode=job.mode, recompute_ratio=job.ratio, logits=False, hits=job.hits
+            cache, job.token_ids, job.chunk_spans, mode=job.mode, recompute_ratio=job.ratio, logits=False,
+            hits=job.hits, computed=job.computed,
         )
         device = blender.model.device
         positions = torch.arange(n, device=device)
@@ -207,6 +271,18 @@ class BlendConnector(KVConnectorBase_V1):
         # Missed chunks are saved at the next step, after this step's first
         # token is out: off the time-to-first-token path.
         self._unsaved.append(stats)
+
+    def _measured_rates(self) -> dict[str, float | None]:
+        rates: dict[str, float | None] = {tier: rate.value for tier, rate in self.store.read_rates.items()}
+        rates["compute"] = self.blender.compute_rate.value if self.blender is not None else None
+        return rates
+
+    def build_connector_worker_meta(self) -> BlendWorkerMetadata | None:
+        rates = self._measured_rates()
+        if rates == self._rates:
+            return None
+        self._rates = rates
+        return BlendWorkerMetadata(rates)
 
     def save_unsaved(self) -> None:
         while self._unsaved:

@@ -18,6 +18,7 @@ import time
 from typing import Iterable, Iterator, Sequence
 
 from ..config import BlendConfig
+from ..fusion.controller import LoadingStats
 from ..models import check_supported
 from ..prompt import BlendPrompt, TextOrIds
 from ..store import REMOTE_ENV, ChunkStore, model_fingerprint
@@ -49,12 +50,6 @@ def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: 
     """The vLLM engine arguments blending needs, by vLLM's argument names: the
     embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
     dtype "auto" is float32 on CPU, bfloat16 on CUDA, as for the transformers engine."""
-    # vLLM's scheduler reports a request's usage before the worker blends, so
-    # the worker cannot decide what to load on its own yet; and pipelined loads
-    # inside vLLM's worker are not tested yet.
-    for name in ("loading_controller", "pipelined_loading"):
-        if getattr(config, name):
-            raise ValueError(f"{name}=True is supported by the transformers engine only, not by vLLM yet")
     args = {
         "dtype": dtype if dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
         "max_model_len": max_model_len,
@@ -67,6 +62,8 @@ def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: 
                 "store_path": str(store.path),
                 "store_size_limit_bytes": store.size_limit_bytes,
                 "store_memory_limit_bytes": store.memory_limit_bytes,
+                # what the loading controller assumes of each tier until the worker has measured it
+                "store_read_bandwidth": {tier: rate.initial for tier, rate in store.read_rates.items()},
                 **_remote_config(store),
                 "blend_config": {**dataclasses.asdict(config), "check_layers": list(config.check_layers)},
             },
@@ -105,10 +102,11 @@ def blend_engine_env(store: ChunkStore) -> dict[str, str]:
 
 
 def connector_store_args(extra: dict) -> dict:
-    """The ``ChunkStore`` arguments (path and limits, Redis tier) that
+    """The ``ChunkStore`` arguments (path, limits, assumed read bandwidths, Redis tier) that
     ``kv_connector_extra_config`` gives; what is missing keeps its default."""
     args = {"path": extra.get("store_path")}
-    for name in ("size_limit_bytes", "memory_limit_bytes", "remote_size_limit_bytes", "remote_timeout_s"):
+    for name in ("size_limit_bytes", "memory_limit_bytes", "remote_size_limit_bytes", "remote_timeout_s",
+                 "read_bandwidth"):
         if f"store_{name}" in extra:
             args[name] = extra[f"store_{name}"]
     if "store_remote" not in extra:
@@ -139,6 +137,15 @@ def _environ(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None]:
+    """What the blend connector returned in a finished request's
+    ``kv_transfer_params``: its usage counts (``Usage`` fields), and the
+    loading controller's decisions when it ran."""
+    params = params or {}
+    loading = params.get("blend_loading")
+    return params.get("blend") or {}, (LoadingStats(**loading) if loading else None)
 
 
 def kv_transfer_params(req: Request) -> dict | None:
@@ -344,13 +351,13 @@ class VLLMEngine(Engine):
                 if completion.text:
                     text.append(completion.text)
                     yield completion.text
-            blend = (out.kv_transfer_params or {}).get("blend") or {}
+            blend, loading = blend_results(out.kv_transfer_params)
             usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
             stream.generation = Generation(
                 text="".join(text), token_ids=ids, prompt_token_ids=list(tp.token_ids),
                 finish_reason="length" if completion.finish_reason == "length" else "stop",
                 ttft_s=ttft if ttft is not None else time.perf_counter() - t0, usage=usage, mode=mode,
-                logprobs=logprobs, total_s=time.perf_counter() - t0,
+                logprobs=logprobs, total_s=time.perf_counter() - t0, loading=loading,
             )
         finally:
             if not finished:

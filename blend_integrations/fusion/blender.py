@@ -9,7 +9,6 @@ and computes and saves missed chunks with the standalone recipe.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -19,7 +18,7 @@ from ..config import BlendConfig
 from ..store import ChunkKV, ChunkStore, chunk_key
 from ..store.layered import LayerReader
 from ..store.rate import Rate
-from .controller import LoadingStats, plan
+from .controller import LoadingStats, decide
 from .layers import LayerModel
 from .pipeline import LayerLoader, LoadFailed
 from .walk import KVCache, ReusedSpan, WalkStats, forward
@@ -37,18 +36,22 @@ class PrefillStats:
 
 
 def planned_usage(
-    chunk_lengths: Sequence[int], hits: Sequence[bool], *, mode: str, ratio: float, sink_tokens: int
+    chunk_lengths: Sequence[int], hits: Sequence[bool], *, mode: str, ratio: float, sink_tokens: int,
+    chunks_recomputed: int = 0,
 ) -> dict[str, int]:
     """The usage a prefill will report, known before it runs: what the walk
     counts when no token is forced fresh (its ``logits=False`` case). Lets a
-    scheduler report usage without waiting for the worker."""
+    scheduler report usage without waiting for the worker. ``hits``: the
+    chunks to load; of the others, ``chunks_recomputed`` are stored chunks
+    the loading controller chose to compute, the rest are misses."""
     cached = sum(max(0, n - sink_tokens) for n, hit in zip(chunk_lengths, hits) if hit) if mode != "full" else 0
     recomputed = round(ratio * cached) if mode == "blend" else 0
     return {
         "cached_tokens": cached,
         "recomputed_tokens": min(recomputed, cached),
         "chunks_hit": sum(map(bool, hits)) if mode != "full" else 0,
-        "chunks_missed": (len(hits) - sum(map(bool, hits))) if mode != "full" else 0,
+        "chunks_missed": (len(hits) - sum(map(bool, hits)) - chunks_recomputed) if mode != "full" else 0,
+        "chunks_recomputed": chunks_recomputed if mode != "full" else 0,
     }
 
 
@@ -108,13 +111,16 @@ class Blender:
         recompute_ratio: float | None = None,
         logits: bool = True,
         hits: Sequence[bool] | None = None,
+        computed: Sequence[bool] | None = None,
     ) -> tuple[torch.Tensor | None, PrefillStats]:
         """Prefill ``token_ids`` into an empty ``cache``; chunks at ``chunk_spans``
         are reused in "reuse" and "blend" modes. Call ``save_missed`` after.
 
-        hits: which chunks a scheduler already counted as hits. Those are
-        reused even if they left the store since (recomputed standalone now),
-        and the others are fresh, so the usage it reported stays true."""
+        hits: which chunks a scheduler already counted as hits (and decided
+        to load). Those are reused even if they left the store since
+        (recomputed standalone now), and the others are fresh, so the usage
+        it reported stays true. computed: of the others, those in the store
+        that its loading controller chose to compute: not saved again."""
         stats = PrefillStats()
         floor = self.config.recompute_ratio if recompute_ratio is None else recompute_ratio
         ratio = floor
@@ -125,10 +131,13 @@ class Blender:
                 ids = list(token_ids[start:end])
                 key = self.key(ids)
                 if hits is not None and not hits[i]:
-                    stats.missed[key] = ids
+                    if computed is not None and computed[i]:
+                        stats.chunks_recomputed += 1
+                    else:
+                        stats.missed[key] = ids
                 else:
                     chunks.append((start, end, key, ids))
-            # With ``hits`` a scheduler has already reported the usage: no decisions left to take.
+            # With ``hits`` a scheduler has decided (its loading controller too) and reported the usage.
             if mode == "blend" and self.config.loading_controller and hits is None:
                 chunks, ratio = self._control(chunks, len(token_ids), floor, stats)
             for start, end, key, ids in chunks:
@@ -217,21 +226,15 @@ class Blender:
                 found.append(chunk)
                 located.append(where)
         sink = self.config.sink_tokens
-        p = plan(
+        p, stats.loading = decide(
+            [where.tier for where in located],
             [max(0, end - start - sink) for start, end, _, _ in found],
             [self.store.load_seconds(where) for where in located],
             num_tokens=num_tokens, num_layers=self.model.num_layers, schedule=self.config.check_schedule,
             floor=floor, throughput=self.compute_rate.value,
             overlapped=self.config.pipelined_loading,
         )
-        tiers = Counter(where.tier for where in located)
-        stats.chunks_recomputed = p.load.count(False)
-        stats.loading = LoadingStats(
-            recompute_ratio=p.ratio, ratio_floor=floor,
-            chunks_memory=tiers["memory"], chunks_disk=tiers["disk"], chunks_remote=tiers["remote"],
-            chunks_recomputed=stats.chunks_recomputed, est_load_ms=1000 * p.load_s,
-            est_compute_ms=None if p.compute_s is None else 1000 * p.compute_s,
-        )
+        stats.chunks_recomputed = stats.loading.chunks_recomputed
         return [chunk for chunk, load in zip(found, p.load) if load], p.ratio
 
     def _forward(

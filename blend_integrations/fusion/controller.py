@@ -21,6 +21,7 @@ the ratio (``token_layers``).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -104,3 +105,19 @@ def plan(
         if at1 > at0:
             ratio = min(1.0, max(floor, (total_load - at0) / (at1 - at0)))
     return Plan(ratio, load, total_load, compute(reused, ratio))
+
+
+def decide(tiers: Sequence[str], tokens: Sequence[int], load_s: Sequence[float], *, floor: float,
+           **options) -> tuple[Plan, LoadingStats]:
+    """``plan`` for stored chunks found in ``tiers`` (see ``plan`` for the rest),
+    and its decisions as the ``LoadingStats`` a generation reports. Both
+    engines decide through here: the transformers engine's ``Blender`` and
+    the vLLM connector's scheduler side."""
+    p = plan(tokens, load_s, floor=floor, **options)
+    found = Counter(tiers)
+    return p, LoadingStats(
+        recompute_ratio=p.ratio, ratio_floor=floor,
+        chunks_memory=found["memory"], chunks_disk=found["disk"], chunks_remote=found["remote"],
+        chunks_recomputed=p.load.count(False), est_load_ms=1000 * p.load_s,
+        est_compute_ms=None if p.compute_s is None else 1000 * p.compute_s,
+    )
