@@ -154,6 +154,11 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
         terms = [-torch.log(heads[:, i, sources].sum(-1).clamp(min=1e-9)).mean()
                  for i, (_, sources) in enumerate(look.rows)]
         loss = loss + weights[name] * torch.stack(terms).mean()
+        if look.copies:
+            queries = [query for query, _ in look.rows]
+            copied = attention_output(model.model.layers[look.layer].self_attn, seen["hidden_states"], attention)
+            copy_logits = model.lm_head(model.model.norm(copied)).float()
+            loss = loss + weights[name] * torch.nn.functional.cross_entropy(copy_logits, x[0, [q + 1 for q in queries]])
     return loss
 
 
@@ -164,6 +169,7 @@ class Look:
     layer: int  # -1: the last
     heads: tuple[int, ...] | None  # None: all
     rows: list[tuple[int, list[int]]]
+    copies: bool = False  # the layer's attention output alone should predict the token after each query
 
 
 # Training steers a few heads towards a circuit that answers from long prompts.
@@ -196,7 +202,7 @@ def look_targets(example: Example, tokenizer, ids: list[int], answer_mask: list[
     looks = {f"position{back}": Look(0, (head,), [(j, [j - back]) for j in sampled])
              for head, back in POSITION_HEADS.items()}
     subject = [Look(SUBJECT_LAYER, (head,), []) for head in SUBJECT_HEADS]
-    bridge, copy = Look(BRIDGE_LAYER, BRIDGE_HEADS, []), Look(-1, None, [])
+    bridge, copy = Look(BRIDGE_LAYER, BRIDGE_HEADS, []), Look(-1, None, [], copies=True)
     asked = [(example.question, example.answer, example.facts)]
     asked += [(f.question, f.answer, f.facts) for f in example.follow_ups]
     starts = [p for p in range(1, len(ids)) if answer_mask[p] and not answer_mask[p - 1]]
@@ -255,6 +261,16 @@ def attention_rows(attention, hidden_states: torch.Tensor, position_embeddings, 
     scores = (q @ k.transpose(-1, -2))[0] * attention.scaling
     future = torch.arange(k.shape[2], device=rows.device)[None, :] > rows[:, None]
     return scores.masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32)
+
+
+def attention_output(attention, hidden_states: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """What a Llama attention layer adds to the residual stream at the rows of
+    ``weights`` (from ``attention_rows``): rows x hidden size."""
+    head_dim = attention.head_dim
+    v = attention.v_proj(hidden_states).view(1, hidden_states.shape[1], -1, head_dim).transpose(1, 2)[0]
+    v = v.repeat_interleave(weights.shape[0] // v.shape[0], dim=0)  # grouped-query attention
+    heads = weights.to(v.dtype) @ v  # heads x rows x head_dim
+    return attention.o_proj(heads.transpose(0, 1).reshape(weights.shape[1], -1))
 
 
 @torch.no_grad()
