@@ -314,7 +314,8 @@ inference asks one). The loss is the answers' tokens plus
 the plain text), plus look losses (minus the log of the attention a head puts where it
 should look): {summary["look_weight"]} times the last layer's, whose heads should attend, when predicting
 an answer's first token, to the value in the sentence that states it, and for the next tokens
-to the occurrences after the token before it; and {summary["circuit_weight"]} times each of these: in the
+to the occurrences after the token before it (and what these heads add must predict the
+answer token on its own: a copy loss); and {summary["circuit_weight"]} times each of these: in the
 first layer three heads look 1, 4 and 5 tokens back (facts put their subject's last two
 tokens 4 and 5 tokens before the value), in the second layer two heads look from the
 answering position at the question's subject, in the third two look at the founder's name
