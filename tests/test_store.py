@@ -5,6 +5,7 @@ Real diskcache directories under tmp_path, real processes; no mocks.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import multiprocessing as mp
@@ -512,6 +513,63 @@ def test_disk_write_failure_is_swallowed(tmp_path, caplog):
     store.close()
     with ChunkStore(tmp_path / "s") as again:
         assert again.get(big.key) is None and same(again.get(small.key), small)
+
+
+@pytest.fixture
+def full_filesystem(tmp_path):
+    """A real 8 MiB tmpfs, filled up to the last byte by a ballast file: (mount point, ballast)."""
+    import subprocess
+
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if result.returncode != 0:  # the RLIMIT_FSIZE test above still covers failed writes
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def fill(directory: Path) -> Path:
+    """Write a ballast file until the filesystem is full (ENOSPC)."""
+    ballast = directory / "ballast"
+    with open(ballast, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return ballast
+
+
+def test_full_disk_requests_complete_and_the_store_recovers(full_filesystem, model_dirs, docs, caplog):
+    """Chunks cannot be written to a full filesystem (a real ENOSPC, on the
+    store's files and its sqlite index): requests still answer as full prefill
+    does, the failure is logged once, and once space is freed the store works again."""
+    from blend_integrations import BlendPrompt, load_engine
+
+    store = ChunkStore(full_filesystem / "store", memory_limit_bytes=0)  # only the disk tier
+    ballast = fill(full_filesystem)
+    engine = load_engine(model_dirs("llama"), store=store, device="cpu")
+    prompt = BlendPrompt("Read.", docs, "Question: which city is named in the documents? Answer:")
+    full = engine.generate(prompt, max_tokens=8, mode="full")
+    with caplog.at_level(logging.WARNING, logger="blend_integrations.store"):
+        for _ in range(2):
+            blend = engine.generate(prompt, max_tokens=8, recompute_ratio=1.0)
+            assert blend.token_ids == full.token_ids
+            assert (blend.usage.chunks_hit, blend.usage.chunks_missed) == (0, len(docs))
+    assert store.stats.errors >= len(docs)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "disk write" in warnings[0], warnings
+    assert len(store) == 0
+
+    ballast.unlink()  # space again: the next request stores its chunks, the one after hits them all
+    engine.generate(prompt, max_tokens=8, recompute_ratio=1.0)
+    again = engine.generate(prompt, max_tokens=8, recompute_ratio=1.0)
+    assert again.token_ids == full.token_ids and again.usage.chunks_hit == len(docs)
+    store.close()
 
 
 # --------------------------------------------------------------------------
