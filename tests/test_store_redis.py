@@ -40,6 +40,14 @@ def counted_gets(stats) -> int:
     return stats.memory_hits + stats.disk_hits + stats.remote_hits + stats.misses
 
 
+def wait_for(condition, timeout: float = 10.0) -> None:
+    """Poll ``condition`` (e.g. for a background thread's work) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 # --------------------------------------------------------------------------
 # configuration
 
@@ -295,6 +303,54 @@ def test_redis_killed_mid_use_then_restarted(tmp_path, private_redis_server, cap
     (back,) = store_logs(caplog, logging.INFO)
     assert "answers again" in back.getMessage()
     store.close()
+
+
+def test_entries_put_while_redis_was_down_reach_it_when_it_answers_again(tmp_path, private_redis_server, caplog):
+    server = private_redis_server
+    store = ChunkStore(tmp_path / "a", memory_limit_bytes=0, remote=server.url(), remote_timeout_s=0.5,
+                       remote_size_limit_bytes=200_000)
+    store._remote_retry_s = 0.5  # the default back-off is 5 s
+    store._backfill_max_keys = 4  # the default bound is 4096
+    entries = [make_entry(i, nbytes=20_000) for i in range(6)]
+    huge = make_entry(9, nbytes=300_000)  # over remote_size_limit_bytes
+    server.kill()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for e in entries + [huge]:
+            store.put(e)  # on disk; the first Redis write fails, the others are skipped
+        assert store.stats.errors == 1 and store.stats.remote_bytes_written == 0
+        assert list(store._backfill_keys) == [e.key for e in entries[2:]]  # the newest 4; never huge
+        store._disk.delete(entries[2].key)  # evicted from disk before the backfill
+
+        server.start()  # same port, empty
+        server.client().config_set("maxmemory", 1)  # answers, but refuses writes (OOM error replies)
+        time.sleep(0.55)  # past the back-off
+        assert store.get("never-stored") is None  # Redis answers: the backfill starts, its first write fails
+        wait_for(lambda: store.stats.errors == 2 and store._backfill_thread is None)
+        assert list(store._backfill_keys) == [e.key for e in entries[3:]]  # entries[2] forgotten, the rest kept
+        assert store.stats.remote_backfilled == 0 and consistent(server.client()) == {}
+
+        server.client().config_set("maxmemory", 0)
+        time.sleep(0.55)  # past the back-off again
+        assert store.get("never-stored") is None  # the backfill starts again
+        wait_for(lambda: store.stats.remote_backfilled == 3)
+    assert store.stats.errors == 2
+    redis_down, too_big = (r.getMessage() for r in store_logs(caplog))  # still the one Redis warning
+    assert "write failed (ConnectionError" in redis_down and "exceeds remote_size_limit_bytes" in too_big
+    first, second = (r.getMessage() for r in store_logs(caplog, logging.INFO))
+    assert first.endswith("answers again; writing the 4 entries put meanwhile to it")
+    assert second.endswith("answers again; writing the 3 entries put meanwhile to it")
+    backfilled = entries[3:]
+    assert consistent(server.client()) == {e.key: len(encode(e)) for e in backfilled}
+    assert store.stats.remote_bytes_written == sum(len(encode(e)) for e in backfilled)
+    store.close()
+
+    with ChunkStore(tmp_path / "b", remote=server.url()) as other:  # another machine: empty disk
+        for e in backfilled:
+            assert same(other.get(e.key), e)
+        assert other.stats.remote_hits == len(backfilled)
+        for e in entries[:3] + [huge]:  # beyond the bound, evicted from disk, too big for Redis
+            assert other.get(e.key) is None
+        assert other.stats.misses == 4 and other.stats.errors == other.stats.corrupt == 0
 
 
 def test_slow_redis_costs_one_timeout(tmp_path, redis_server, redis_url):

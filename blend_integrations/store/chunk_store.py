@@ -17,7 +17,9 @@ script.
 The cache is an optimisation: any problem with it (damaged entry, full disk,
 locked database, Redis down or slow) is logged and turned into a miss, and
 the caller recomputes. After a Redis failure the store leaves Redis alone for
-``REMOTE_RETRY_S`` seconds instead of paying a timeout on every call.
+``REMOTE_RETRY_S`` seconds instead of paying a timeout on every call, and
+entries put meanwhile are written to Redis, from the disk tier, once it
+answers again (the backfill).
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ _DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 
 # Seconds to leave Redis alone after a failure before trying it again.
 REMOTE_RETRY_S = 5.0
+# The most keys remembered for the backfill (entries put while Redis was
+# down); a longer outage keeps the newest. In memory only: a restarted
+# process forgets them, which costs other machines a recompute, nothing more.
+REMOTE_BACKFILL_MAX_KEYS = 4096
 _SKIPPED = object()  # a Redis call not made (backing off) or failed
 _ABSENT = object()  # not in the memory tier
 _DROPPED = object()  # found damaged and dropped (a miss)
@@ -161,7 +167,9 @@ class StoreStats:
     damaged or foreign entry (and dropped it) and ``errors`` the failures of
     the disk tier (I/O, sqlite, lock timeouts) and of Redis (connection,
     timeout, error replies) on reads or writes. ``bytes_read`` and
-    ``bytes_written`` are the disk tier's, ``remote_bytes_*`` Redis's.
+    ``bytes_written`` are the disk tier's, ``remote_bytes_*`` Redis's
+    (backfilled entries included); ``remote_backfilled`` counts the entries
+    written to Redis by the backfill (see ``ChunkStore``).
     """
 
     memory_hits: int = 0
@@ -174,6 +182,7 @@ class StoreStats:
     bytes_written: int = 0
     remote_bytes_read: int = 0
     remote_bytes_written: int = 0
+    remote_backfilled: int = 0
     errors: int = 0
 
     @property
@@ -185,6 +194,8 @@ class StoreStats:
 # thread at fork time would stay locked forever: give every live store a fresh
 # lock, an empty memory tier and its own Redis client (sockets must not be
 # shared with the parent) in the child. (diskcache reconnects on its own.)
+# The parent's backfill thread is not in the child, and its keys are the
+# parent's to write: the child starts with none.
 _live_stores: "weakref.WeakSet[ChunkStore]" = weakref.WeakSet()
 
 
@@ -193,6 +204,9 @@ def _reset_after_fork() -> None:
         store._lock = threading.RLock()
         store._memory = OrderedDict()
         store._memory_bytes = 0
+        store._backfill_keys = OrderedDict()
+        store._backfill_thread = None
+        store._backfill_stop = False
         if store._remote is not None:
             store._remote.reset_after_fork()
 
@@ -218,6 +232,17 @@ class ChunkStore:
     that database. ``remote=None`` is ``$BLEND_STORE_REMOTE`` if that is set
     and not empty, else no Redis tier; ``remote=""`` is no Redis tier
     whatever the environment says. ``store.remote`` is the URL in use, or None.
+
+    Redis failures are misses, and after one the store leaves Redis alone for
+    ``REMOTE_RETRY_S`` seconds. A ``put`` whose Redis write failed or was
+    skipped meanwhile remembers the key (at most ``REMOTE_BACKFILL_MAX_KEYS``,
+    oldest dropped first, in this process's memory only; never an entry over
+    ``remote_size_limit_bytes``). The first successful Redis call afterwards
+    starts the backfill: a background thread writes those entries, read from
+    the disk tier, to Redis (``stats.remote_backfilled``), so other machines
+    get them too. An entry no longer on disk is skipped; if Redis fails again
+    the rest wait for the next successful call. ``close()`` stops it (the
+    rest wait for the next use).
 
     ``read_rates`` holds each tier's read bandwidth, measured from real reads
     (bytes over seconds, exponentially weighted); ``read_bandwidth`` sets
@@ -293,6 +318,10 @@ class ChunkStore:
         self._remote_down = False  # the last Redis call failed
         self._remote_retry_at = 0.0  # time.monotonic() before which Redis is skipped
         self._remote_retry_s = REMOTE_RETRY_S
+        self._backfill_keys: OrderedDict[str, None] = OrderedDict()  # an ordered set, oldest first
+        self._backfill_max_keys = REMOTE_BACKFILL_MAX_KEYS
+        self._backfill_thread: threading.Thread | None = None
+        self._backfill_stop = False  # set by close()
 
         self.path.mkdir(parents=True, exist_ok=True)
         self._disk = diskcache.Cache(
@@ -585,7 +614,10 @@ class ChunkStore:
             self._warn_once(entry.key, f"entry of {len(data)} bytes exceeds {' and '.join(too_big)}")
         self._disk_put(entry.key, data)
         if self._remote is not None and self._fits_remote(data):
-            if self._remote_call("write", self._remote.put, entry.key, data) is not _SKIPPED:
+            if self._remote_call("write", self._remote.put, entry.key, data) is _SKIPPED:
+                with self._lock:
+                    self._queue_backfill(entry.key)
+            else:
                 with self._lock:
                     self.stats.remote_bytes_written += len(data)
 
@@ -657,9 +689,16 @@ class ChunkStore:
             self._remote_call("clear", self._remote.clear)
 
     def close(self) -> None:
-        """Drop the memory tier, close this thread's database connection and
-        the Redis connections (both reconnect if the store is used again)."""
+        """Stop the backfill (after the entry it is writing), drop the memory
+        tier, close this thread's database connection and the Redis
+        connections (both reconnect if the store is used again)."""
         with self._lock:
+            self._backfill_stop = True
+            thread = self._backfill_thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            self._backfill_stop = False
             self._memory.clear()
             self._memory_bytes = 0
         self._disk.close()
@@ -710,9 +749,52 @@ class ChunkStore:
             return _SKIPPED
         with self._lock:
             back, self._remote_down = self._remote_down, False
+            backfill = len(self._backfill_keys) if self._backfill_thread is None else 0
+            if backfill:  # started under the lock, so close() never sees an unstarted thread
+                self._backfill_thread = threading.Thread(
+                    target=self._backfill, name="chunk-store-backfill", daemon=True)
+                self._backfill_thread.start()
         if back:
-            logger.info("chunk store %s: Redis %s answers again", self.path, redact(self.remote))
+            logger.info("chunk store %s: Redis %s answers again%s", self.path, redact(self.remote),
+                        f"; writing the {backfill} entries put meanwhile to it" if backfill else "")
         return result
+
+    def _queue_backfill(self, key: str, *, oldest: bool = False) -> None:
+        """Remember ``key`` for the backfill, dropping the oldest keys beyond
+        the bound. Caller holds the lock."""
+        self._backfill_keys[key] = None
+        self._backfill_keys.move_to_end(key, last=not oldest)
+        while len(self._backfill_keys) > self._backfill_max_keys:
+            self._backfill_keys.popitem(last=False)
+
+    def _backfill(self) -> None:
+        """The backfill thread: write the remembered entries from the disk
+        tier to Redis, oldest first, until none is left, Redis fails again
+        (the key in hand goes back; the next successful call starts a new
+        thread) or ``close()`` stops it. One entry at a time, so the lock is
+        never held during I/O."""
+        while True:
+            with self._lock:
+                if self._backfill_stop or not self._backfill_keys:
+                    self._backfill_thread = None
+                    return
+                key, _ = self._backfill_keys.popitem(last=False)
+            try:
+                # The bytes as stored (diskcache reads a file whole); not
+                # decoded here: every reader checks an entry before use.
+                data = self._disk.get(key, default=None)
+            except (CorruptEntryError, *_DISK_ERRORS):
+                data = None  # left for a get to find, report and drop
+            if data is None:
+                continue  # evicted from disk meanwhile (or unreadable): forgotten
+            if self._remote_call("write", self._remote.put, key, data) is _SKIPPED:
+                with self._lock:
+                    self._queue_backfill(key, oldest=True)
+                    self._backfill_thread = None
+                return
+            with self._lock:
+                self.stats.remote_backfilled += 1
+                self.stats.remote_bytes_written += len(data)
 
     def _remember(self, entry: ChunkKV) -> None:
         """Insert into the memory LRU, evicting least recently used entries.
