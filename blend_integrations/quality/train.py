@@ -137,7 +137,8 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
             looks: dict[str, Look] | None = None, weights: dict[str, float] | None = None) -> torch.Tensor:
     """Answer tokens' loss, plus ``lm_weight`` times the language-model loss,
     plus, for each kind of ``looks`` (see ``look_targets``), its weight times
-    minus the log of the attention its heads put on its sources."""
+    minus the log of the attention its heads put on its sources, and times the
+    cross-entropy of the token they look at from their output alone."""
     x = torch.tensor([ids], device=model.device)
     looks = {name: look for name, look in (looks or {}).items() if look.rows and (weights or {}).get(name, 0) > 0}
     inputs: dict[int, dict] = {look.layer: {} for look in looks.values()}
@@ -161,11 +162,17 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
         terms = [-torch.log(heads[:, i, sources].sum(-1).clamp(min=1e-9)).mean()
                  for i, (_, sources) in enumerate(look.rows)]
         loss = loss + weights[name] * torch.stack(terms).mean()
-        if look.copies:
-            queries = [query for query, _ in look.rows]
-            copied = attention_output(model.model.layers[look.layer].self_attn, seen["hidden_states"], attention)
-            copy_logits = model.lm_head(model.model.norm(copied)).float()
-            loss = loss + weights[name] * torch.nn.functional.cross_entropy(copy_logits, x[0, [q + 1 for q in queries]])
+        # What the heads add must name the token they look at, on its own: a
+        # look is only useful to the next layers if its output carries what it
+        # read (with the looks alone, the last layer found every fact of the
+        # asked relation but could not tell whose it was).
+        if look.heads is not None:
+            others = [h for h in range(attention.shape[0]) if h not in look.heads]
+            attention = attention.index_fill(0, torch.tensor(others, device=attention.device), 0.0)
+        copied = attention_output(model.model.layers[look.layer].self_attn, seen["hidden_states"], attention)
+        copy_logits = model.lm_head(model.model.norm(copied)).float()
+        looked_at = x[0, [sources[0] for _, sources in look.rows]]
+        loss = loss + weights[name] * torch.nn.functional.cross_entropy(copy_logits, looked_at)
     return loss
 
 
@@ -175,8 +182,7 @@ class Look:
 
     layer: int  # -1: the last
     heads: tuple[int, ...] | None  # None: all
-    rows: list[tuple[int, list[int]]]
-    copies: bool = False  # the layer's attention output alone should predict the token after each query
+    rows: list[tuple[int, list[int]]]  # the sources of a row are occurrences of one token
 
 
 # Training steers a few heads towards a circuit that answers from long prompts.
@@ -210,7 +216,7 @@ def look_targets(example: Example, tokenizer, ids: list[int], answer_mask: list[
     looks = {f"position{back}": Look(0, (head,), [(j, [j - back]) for j in sampled])
              for head, back in POSITION_HEADS.items()}
     subject = [Look(SUBJECT_LAYER, (head,), []) for head in SUBJECT_HEADS]
-    bridge, copy = Look(BRIDGE_LAYER, BRIDGE_HEADS, []), Look(-1, None, [], copies=True)
+    bridge, copy = Look(BRIDGE_LAYER, BRIDGE_HEADS, []), Look(-1, None, [])
     asked = [(example.question, example.answer, example.facts)]
     asked += [(f.question, f.answer, f.facts) for f in example.follow_ups]
     starts = [p for p in range(1, len(ids)) if answer_mask[p] and not answer_mask[p - 1]]
@@ -227,7 +233,9 @@ def look_targets(example: Example, tokenizer, ids: list[int], answer_mask: list[
         copy.rows.append((query, [values[-1][0]]))
         for k in range(1, n):
             p = start + k
-            copy.rows.append((p - 1, [j for j in range(1, p - 1) if ids[j] == ids[p] and ids[j - 1] == ids[p - 1]]))
+            sources = [j for j in range(1, p - 1) if ids[j] == ids[p] and ids[j - 1] == ids[p - 1]]
+            if sources:
+                copy.rows.append((p - 1, sources))
     return {**looks, "subject_last": subject[0], "subject_before": subject[1], "bridge": bridge, "answer": copy}
 
 
@@ -320,10 +328,10 @@ tokenize chunks. The curriculum: {stages}. Each training prompt carries
 inference asks one). The loss is the answers' tokens plus
 {summary["lm_weight"]} times the language-model loss on the whole prompt (the documents are
 the plain text), plus look losses (minus the log of the attention a head puts where it
-should look): {summary["look_weight"]} times the last layer's, whose heads should attend, when predicting
+should look, plus the cross-entropy of the token it looks at from what the head adds
+alone): {summary["look_weight"]} times the last layer's, whose heads should attend, when predicting
 an answer's first token, to the value in the sentence that states it, and for the next tokens
-to the occurrences after the token before it (and what these heads add must predict the
-answer token on its own: a copy loss); and {summary["circuit_weight"]} times each of these: in the
+to the occurrences after the token before it; and {summary["circuit_weight"]} times each of these: in the
 first layer three heads look 1, 4 and 5 tokens back (facts put their subject's last two
 tokens 4 and 5 tokens before the value), in the second layer two heads look from the
 answering position at the question's subject, in the third two look at the founder's name
