@@ -400,8 +400,6 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     held_out = make_examples(64, seed=args.seed + 10_000)  # never trained on: other seeds
-    look_weights = {name: args.look_weight if name == "answer" else args.circuit_weight
-                    for name in look_targets(held_out[0], tokenizer, *encode(held_out[0], tokenizer))}
     rng = random.Random(args.seed + 1)
     state = {"step": 0, "stage": 0, "stage_starts": [0], "tokens": 0, "examples": 0, "minutes": 0.0, "log": []}
     if resume:  # carry on exactly where the last run stopped
@@ -425,7 +423,8 @@ def main(argv: list[str] | None = None) -> None:
             ex = make_example(rng, hops=2 if rng.random() < 0.5 else 1, follow_ups=args.follow_ups, **shape)
             ids, mask = encode(ex, tokenizer)
             looks = look_targets(ex, tokenizer, ids, mask)
-            loss = loss_of(model, ids, mask, args.lm_weight, looks, look_weights)
+            weights = {name: args.look_weight if name == "answer" else args.circuit_weight for name in looks}
+            loss = loss_of(model, ids, mask, args.lm_weight, looks, weights)
             (loss * len(ids) / args.tokens_per_step).backward()
             step_tokens += len(ids)
             losses.append(loss.item())
