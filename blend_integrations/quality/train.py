@@ -409,9 +409,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_rng_state(resume["torch_rng"])
         state = resume["state"]
         print(f"resuming at step {state['step']}", flush=True)
-    started = time.time() - 60 * state["minutes"]
     model.train()
     while state["step"] < args.steps:
+        step_started = time.perf_counter()  # minutes add up step times: gaps between resumed runs don't count
         step = state["step"]
         lr = learning_rate(args.lr, step, args.steps)
         for group in optimizer.param_groups:
@@ -433,9 +433,8 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         step = state["step"] = step + 1
         state["tokens"] += step_tokens
-        state["minutes"] = round((time.time() - started) / 60, 1)
         if step % 25 == 0:
-            entry = {"step": step, "minutes": state["minutes"], "lr": round(lr, 6),
+            entry = {"step": step, "minutes": round(state["minutes"], 1), "lr": round(lr, 6),
                      "loss": round(sum(losses) / len(losses), 4), "stage": state["stage"], "tokens": state["tokens"]}
             if step % 100 == 0:
                 in_stage = make_examples(64, seed=args.seed + 20_000 + step, **shape)
@@ -450,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
                     entry["next_stage"] = state["stage"]
             state["log"].append(entry)
             print(json.dumps(entry), flush=True)
+        state["minutes"] += (time.perf_counter() - step_started) / 60
         if step % 100 == 0 or step == args.stop_after:
             model.save_pretrained(str(args.out), safe_serialization=True)  # weights to look at
             torch.save({"settings": settings, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     model.save_pretrained(str(args.out), safe_serialization=True)
     checkpoint.unlink(missing_ok=True)
     summary = {"params": params, "steps": state["step"], "examples": state["examples"], "tokens": state["tokens"],
-               "minutes": state["minutes"], "threads": args.threads, "device": args.device, "seed": args.seed,
+               "minutes": round(state["minutes"], 1), "threads": args.threads, "device": args.device, "seed": args.seed,
                "arch": ARCH, "vocab": len(tokenizer), "lr": args.lr, "lm_weight": args.lm_weight,
                "look_weight": args.look_weight, "circuit_weight": args.circuit_weight, "tokens_per_step": args.tokens_per_step,
                "follow_ups": args.follow_ups, "held_out_teacher_forced": final, "gate": GATE,
