@@ -173,3 +173,32 @@ def test_quality_bench_quick(short_runs):
     # a prefix cache holds exactly what full prefill computes
     assert table["prefix"]["kl"] < 1e-4 and table["prefix"]["f1_1hop"] == table["full"]["f1_1hop"]
     assert "quality" in (ROOT / "Makefile").read_text().split("bench:")[1].split("\n\n")[0]
+
+
+def test_diagnose_reports_the_circuit(short_runs, tmp_path):
+    """The reader's diagnosis (quality.diagnose) on a barely trained run: every
+    look's mass, where the last layer looks, the blocks' write norms."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from blend_integrations.quality.diagnose import SHAPES, inspect_example
+
+    tokenizer = AutoTokenizer.from_pretrained(short_runs[0])
+    model = AutoModelForCausalLM.from_pretrained(short_runs[0]).eval()
+    example = make_examples(1, seed=3, two_hop_share=1.0, **SHAPES["short"])[0]  # 2-hop: every look has rows
+    found = inspect_example(model, tokenizer, example, top=3)
+    assert set(found["masses"]) == {"position1", "position4", "position5", "subject_last", "subject_before",
+                                    "bridge", "answer"}
+    assert all(0.0 <= m <= 1.0 + 1e-6 for m in found["masses"].values()) and 0.0 <= found["on_fact"] <= 1.0 + 1e-6
+    assert len(found["attended"]) == 3 and sum(w for w, _, _ in found["attended"]) <= 1.0 + 1e-6
+    layers = model.config.num_hidden_layers
+    assert set(found["write_norms"]["value"]) == {f"{b}{i}" for b in ("attn", "mlp") for i in range(layers)}
+
+    out = subprocess.run([sys.executable, "-m", "blend_integrations.quality.diagnose", str(short_runs[0]),
+                          "--shape", "short", "--examples", "2"], check=False, cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mean attention mass on each look's sources (2 short examples)" in out.stdout
+    assert "at the value position: attn0" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "blend_integrations.quality.diagnose", str(tmp_path)],
+                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "holds no model (config.json is missing)" in bad.stderr

@@ -133,6 +133,19 @@ def copy_init(attention, config) -> None:
     attention.o_proj.weight.copy_(out)
 
 
+def forward_capturing(model, x: torch.Tensor, layers: set[int]):
+    """Run ``model`` on ``x``: (its output, {layer: the keyword inputs of that
+    layer's attention}), for computing attention rows (``attention_rows``)."""
+    inputs: dict[int, dict] = {layer: {} for layer in layers}
+    hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(
+        lambda _m, _a, kwargs, seen=seen: seen.update(kwargs), with_kwargs=True) for i, seen in inputs.items()]
+    try:
+        return model(input_ids=x), inputs
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
             looks: dict[str, Look] | None = None, weights: dict[str, float] | None = None) -> torch.Tensor:
     """Answer tokens' loss, plus ``lm_weight`` times the language-model loss,
@@ -141,15 +154,7 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
     cross-entropy of the token they look at from their output alone."""
     x = torch.tensor([ids], device=model.device)
     looks = {name: look for name, look in (looks or {}).items() if look.rows and (weights or {}).get(name, 0) > 0}
-    inputs: dict[int, dict] = {look.layer: {} for look in looks.values()}
-    # the inputs of the layers whose attention rows the look losses read
-    hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(
-        lambda _m, _a, kwargs, seen=seen: seen.update(kwargs), with_kwargs=True) for i, seen in inputs.items()]
-    try:
-        out = model(input_ids=x)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    out, inputs = forward_capturing(model, x, {look.layer for look in looks.values()})
     logits = out.logits[0, :-1].float()
     per_token = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
     mask = torch.tensor(answer_mask[1:], dtype=torch.float32, device=model.device)
