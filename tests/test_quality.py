@@ -77,7 +77,13 @@ def test_look_targets_point_at_the_circuit(tmp_path):
     first layer, the question's subject, the bridge of 2-hop questions, and the
     answer's value in the sentence that states it."""
     from blend_integrations.quality.data import prompt
-    from blend_integrations.quality.train import POSITION_HEADS, encode, look_targets, train_reader_tokenizer
+    from blend_integrations.quality.train import (
+        POSITION_HEADS,
+        encode,
+        look_targets,
+        subject_rows,
+        train_reader_tokenizer,
+    )
 
     tokenizer = train_reader_tokenizer(tmp_path, 512, 0)
     for e in make_examples(6, seed=9, follow_ups=3):
@@ -115,6 +121,14 @@ def test_look_targets_point_at_the_circuit(tmp_path):
                 founder = tokens(facts[0][1])
                 assert ids[bridge:bridge + len(founder)] == founder and facts[0][0] in document(bridge)
         assert next(bridges, None) is None
+        # the subject probe: for each 1-hop question, the answering position and the fact's value name its subject
+        subjects = iter(subject_rows(e, tokenizer, ids, mask))
+        for (question, answer, facts), (query, [value]) in zip(asked, firsts, strict=True):
+            if len(facts) == 1:
+                name = tokens(question_subject(question))
+                assert next(subjects) == (query, name[0], name[-1]) and next(subjects) == (value, name[0], name[-1])
+                assert ids[value - 3 - len(name):value - 3] == name  # "<subject> is based in <value>"
+        assert next(subjects, None) is None
 
 
 def test_metrics():

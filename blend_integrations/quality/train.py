@@ -5,7 +5,9 @@ answers questions from its documents (blend_integrations.quality.data).
 
 The loss is the answer tokens', plus a smaller language-model loss on the whole
 prompt, plus look losses that steer the attention of a few heads towards a
-circuit that answers (see ``look_targets``); each training prompt asks several
+circuit that answers (see ``look_targets``) and a probe loss that keeps the
+question's subject readable where the last layer matches it with a fact
+(``subject_probe_loss``); each training prompt asks several
 questions about its documents, as further chat turns. Prompts are built exactly as the engines
 build them at inference (the chat template, each document tokenized alone),
 and the curriculum grows from a few short documents to the benchmark's 6-10
@@ -147,20 +149,26 @@ def forward_capturing(model, x: torch.Tensor, layers: set[int]):
 
 
 def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
-            looks: dict[str, Look] | None = None, weights: dict[str, float] | None = None) -> torch.Tensor:
+            looks: dict[str, Look] | None = None, weights: dict[str, float] | None = None,
+            probe: torch.nn.Linear | None = None, subjects: list[tuple[int, int, int]] | None = None,
+            subject_weight: float = 0.0) -> torch.Tensor:
     """Answer tokens' loss, plus ``lm_weight`` times the language-model loss,
     plus, for each kind of ``looks`` (see ``look_targets``), its weight times
     minus the log of the attention its heads put on its sources, and times the
     cross-entropy of the token they look at from their output alone."""
     x = torch.tensor([ids], device=model.device)
     looks = {name: look for name, look in (looks or {}).items() if look.rows and (weights or {}).get(name, 0) > 0}
-    out, inputs = forward_capturing(model, x, {look.layer for look in looks.values()})
+    probing = probe is not None and subject_weight > 0 and bool(subjects)
+    last = len(model.model.layers) - 1
+    out, inputs = forward_capturing(model, x, {look.layer % (last + 1) for look in looks.values()} | ({last} if probing else set()))
     logits = out.logits[0, :-1].float()
     per_token = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
     mask = torch.tensor(answer_mask[1:], dtype=torch.float32, device=model.device)
     loss = (per_token * mask).sum() / mask.sum() + lm_weight * per_token.mean()
+    if probing:
+        loss = loss + subject_weight * subject_probe_loss(model, probe, inputs[last], subjects)
     for name, look in looks.items():
-        seen = inputs[look.layer]
+        seen = inputs[look.layer % (last + 1)]
         attention = attention_rows(model.model.layers[look.layer].self_attn, seen["hidden_states"],
                                    seen["position_embeddings"], [query for query, _ in look.rows])
         heads = attention if look.heads is None else attention[list(look.heads)]
@@ -179,6 +187,21 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
         looked_at = x[0, [sources[0] for _, sources in look.rows]]
         loss = loss + weights[name] * torch.nn.functional.cross_entropy(copy_logits, looked_at)
     return loss
+
+
+def subject_probe_loss(model, probe: torch.nn.Linear, last_inputs: dict, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Cross-entropy of the subject's first and last token, read by ``probe``
+    (one code for queries and keys) and the tied unembedding from the last
+    layer's normalized input at ``rows`` (``subject_rows``). Copies that
+    attention heads make are small next to what the MLPs write (norm 2-3
+    against 200-300 at a fact's value): without this the subject was not
+    linearly readable where the last layer needs it, and it matched a fact's
+    relation but not whose fact it was."""
+    hidden = last_inputs["hidden_states"][0, [p for p, _, _ in rows]]
+    first, last = probe(hidden).chunk(2, dim=-1)
+    logits = model.lm_head(torch.cat([first, last])).float()
+    targets = torch.tensor([f for _, f, _ in rows] + [t for _, _, t in rows], device=hidden.device)
+    return torch.nn.functional.cross_entropy(logits, targets)
 
 
 @dataclass
@@ -242,6 +265,24 @@ def look_targets(example: Example, tokenizer, ids: list[int], answer_mask: list[
             if sources:
                 copy.rows.append((p - 1, sources))
     return {**looks, "subject_last": subject[0], "subject_before": subject[1], "bridge": bridge, "answer": copy}
+
+
+def subject_rows(example: Example, tokenizer, ids: list[int], answer_mask: list[int]) -> list[tuple[int, int, int]]:
+    """(position, subject's first token, subject's last token) where the last
+    layer matches a 1-hop question with its fact: the answering position (the
+    question's subject) and the value in the fact sentence (the subject 5 and 4
+    tokens before it). ``subject_probe_loss`` makes both name the subject in
+    one code, so the last layer's queries and keys can match on it."""
+    asked = [(example.question, example.facts)] + [(f.question, f.facts) for f in example.follow_ups]
+    starts = [p for p in range(1, len(ids)) if answer_mask[p] and not answer_mask[p - 1]]
+    rows = []
+    for (question, facts), start in zip(asked, starts, strict=True):
+        if len(facts) != 1:  # 2-hop: the last hop's subject is the bridge, which the question does not name
+            continue
+        name = tokens_of(tokenizer, question_subject(question))
+        value = value_positions(ids, tokenizer, *facts[0], before=start - 1)[0]
+        rows += [(start - 1, name[0], name[-1]), (value, name[0], name[-1])]
+    return rows
 
 
 def tokens_of(tokenizer, words: str) -> list[int]:
@@ -340,8 +381,12 @@ to the occurrences after the token before it; and {summary["circuit_weight"]} ti
 first layer three heads look 1, 4 and 5 tokens back (facts put their subject's last two
 tokens 4 and 5 tokens before the value), in the second layer two heads look from the
 answering position at the question's subject, in the third two look at the founder's name
-in the company's document for 2-hop questions. These losses only shape training; the
-model is a plain Llama. The tokenizer is a byte-level BPE trained on the same
+in the company's document for 2-hop questions. Plus {summary["subject_weight"]} times a subject
+probe loss: for 1-hop questions, the last layer's input at the answering position and at the
+value in the fact sentence must both name the subject (its first and last token), read by one
+linear probe and the tied unembedding, so that the last layer can match a fact to the question's
+subject (without it, it matched the relation only). These losses only shape training (the probe
+is thrown away); the model is a plain Llama. The tokenizer is a byte-level BPE trained on the same
 generator's text ({summary["vocab"]} tokens); the chat template is the one of
 `blend_integrations.local_models` (roles as special tokens, Hermes-style tools).
 
@@ -383,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--look-weight", type=float, default=1.0, help="weight of the last layer's look loss (0: off)")
     parser.add_argument("--circuit-weight", type=float, default=1.0,
                         help="weight of each look loss of the first three layers (0: off)")
+    parser.add_argument("--subject-weight", type=float, default=1.0,
+                        help="weight of the subject probe loss at the last layer's input (0: off)")
     parser.add_argument("--follow-ups", type=int, default=12, help="extra questions per training prompt")
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -396,19 +443,23 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = args.out / "checkpoint.pt"
     resume = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
     settings = {k: getattr(args, k) for k in ("steps", "tokens_per_step", "lr", "lm_weight", "look_weight",
-                                               "circuit_weight", "follow_ups", "vocab", "seed")}
+                                               "circuit_weight", "subject_weight", "follow_ups", "vocab", "seed")}
     if resume and resume["settings"] != settings:
         raise SystemExit(f"{checkpoint} was written with other settings ({resume['settings']}); "
                          "use another output directory or delete the checkpoint")
     tokenizer = train_reader_tokenizer(args.out, args.vocab, args.seed)
     model = build_model(tokenizer, args.seed).to(args.device)
     params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    # training only, not part of the model (see subject_probe_loss)
+    probe = torch.nn.Linear(ARCH["hidden_size"], 2 * ARCH["hidden_size"], bias=False).to(args.device)
+    optimizer = torch.optim.AdamW([*model.parameters(), *probe.parameters()], lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.01)
     held_out = make_examples(64, seed=args.seed + 10_000)  # never trained on: other seeds
     rng = random.Random(args.seed + 1)
     state = {"step": 0, "stage": 0, "stage_starts": [0], "tokens": 0, "examples": 0, "minutes": 0.0, "log": []}
     if resume:  # carry on exactly where the last run stopped
         model.load_state_dict(resume["model"])
+        probe.load_state_dict(resume["probe"])
         optimizer.load_state_dict(resume["optimizer"])
         rng.setstate(resume["rng"])
         torch.set_rng_state(resume["torch_rng"])
@@ -429,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
             ids, mask = encode(ex, tokenizer)
             looks = look_targets(ex, tokenizer, ids, mask)
             weights = {name: args.look_weight if name == "answer" else args.circuit_weight for name in looks}
-            loss = loss_of(model, ids, mask, args.lm_weight, looks, weights)
+            loss = loss_of(model, ids, mask, args.lm_weight, looks, weights,
+                           probe, subject_rows(ex, tokenizer, ids, mask), args.subject_weight)
             (loss * len(ids) / args.tokens_per_step).backward()
             step_tokens += len(ids)
             losses.append(loss.item())
@@ -457,8 +509,8 @@ def main(argv: list[str] | None = None) -> None:
         state["minutes"] += (time.perf_counter() - step_started) / 60
         if step % 100 == 0 or step == args.stop_after:
             model.save_pretrained(str(args.out), safe_serialization=True)  # weights to look at
-            torch.save({"settings": settings, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "state": state},
+            torch.save({"settings": settings, "model": model.state_dict(), "probe": probe.state_dict(),
+                        "optimizer": optimizer.state_dict(), "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "state": state},
                        checkpoint.with_suffix(".tmp"))
             checkpoint.with_suffix(".tmp").replace(checkpoint)  # a run killed mid-save keeps the last one
         if step == args.stop_after:
@@ -471,7 +523,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"params": params, "steps": state["step"], "examples": state["examples"], "tokens": state["tokens"],
                "minutes": round(state["minutes"], 1), "threads": args.threads, "device": args.device, "seed": args.seed,
                "arch": ARCH, "vocab": len(tokenizer), "lr": args.lr, "lm_weight": args.lm_weight,
-               "look_weight": args.look_weight, "circuit_weight": args.circuit_weight, "tokens_per_step": args.tokens_per_step,
+               "look_weight": args.look_weight, "circuit_weight": args.circuit_weight,
+               "subject_weight": args.subject_weight, "tokens_per_step": args.tokens_per_step,
                "follow_ups": args.follow_ups, "held_out_teacher_forced": final, "gate": GATE,
                "embedding_std": EMBEDDING_STD,
                "stages": [[STAGES[i]["n_docs"], STAGES[i]["doc_tokens"], start]
