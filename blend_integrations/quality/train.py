@@ -155,12 +155,14 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
     """Answer tokens' loss, plus ``lm_weight`` times the language-model loss,
     plus, for each kind of ``looks`` (see ``look_targets``), its weight times
     minus the log of the attention its heads put on its sources, and times the
-    cross-entropy of the token they look at from their output alone."""
+    cross-entropy of the token they look at from their output alone, plus
+    ``subject_weight`` times ``subject_probe_loss`` at ``subjects``."""
     x = torch.tensor([ids], device=model.device)
     looks = {name: look for name, look in (looks or {}).items() if look.rows and (weights or {}).get(name, 0) > 0}
     probing = probe is not None and subject_weight > 0 and bool(subjects)
-    last = len(model.model.layers) - 1
-    out, inputs = forward_capturing(model, x, {look.layer % (last + 1) for look in looks.values()} | ({last} if probing else set()))
+    last = len(model.model.layers) - 1  # looks name it -1; one capture serves them and the probe
+    layers = {look.layer % (last + 1) for look in looks.values()} | ({last} if probing else set())
+    out, inputs = forward_capturing(model, x, layers)
     logits = out.logits[0, :-1].float()
     per_token = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
     mask = torch.tensor(answer_mask[1:], dtype=torch.float32, device=model.device)
@@ -189,7 +191,8 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
     return loss
 
 
-def subject_probe_loss(model, probe: torch.nn.Linear, last_inputs: dict, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+def subject_probe_loss(model, probe: torch.nn.Linear, last_inputs: dict,
+                       rows: list[tuple[int, int, int]]) -> torch.Tensor:
     """Cross-entropy of the subject's first and last token, read by ``probe``
     (one code for queries and keys) and the tied unembedding from the last
     layer's normalized input at ``rows`` (``subject_rows``). Copies that
@@ -510,7 +513,8 @@ def main(argv: list[str] | None = None) -> None:
         if step % 100 == 0 or step == args.stop_after:
             model.save_pretrained(str(args.out), safe_serialization=True)  # weights to look at
             torch.save({"settings": settings, "model": model.state_dict(), "probe": probe.state_dict(),
-                        "optimizer": optimizer.state_dict(), "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "state": state},
+                        "optimizer": optimizer.state_dict(), "rng": rng.getstate(),
+                        "torch_rng": torch.get_rng_state(), "state": state},
                        checkpoint.with_suffix(".tmp"))
             checkpoint.with_suffix(".tmp").replace(checkpoint)  # a run killed mid-save keeps the last one
         if step == args.stop_after:
