@@ -7,9 +7,9 @@ for full prefill against blend.
 
     python examples/langchain_rag.py [--model PATH_OR_HUB_ID] [--backend transformers|vllm] [--store DIR]
 
-Without --model a 16-layer Llama-style model with random weights is built
-locally: its answer text is noise, its timings are real. The documents in
-examples/data come from blend_integrations.quality.data (seed 13).
+Without --model it runs the bundled reader model (blend_integrations.quality:
+3.6 M parameters, trained in this repository to answer from its documents).
+The documents in examples/data come from blend_integrations.quality.data (seed 13).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from local_embeddings import LangChainMiniLM  # siblings: this folder is on sys.
 from shared import parse_args, print_comparison
 
 from blend_integrations.langchain import BlendCacheWarmer, ChatBlend, create_blend_rag_chain
-from blend_integrations.local_models import cached_model_dir
+from blend_integrations.quality import reader_model_dir
 
 DATA = Path(__file__).parent / "data"
 
@@ -37,7 +37,7 @@ def main() -> None:
 
     # documents here are short: the splitter keeps each one whole
     chunks = RecursiveCharacterTextSplitter(chunk_size=3000, chunk_overlap=0).split_documents(load_documents(DATA))
-    chat = ChatBlend(model=args.model or str(cached_model_dir()), backend=args.backend, store_path=args.store,
+    chat = ChatBlend(model=args.model or str(reader_model_dir()), backend=args.backend, store_path=args.store,
                      max_tokens=args.max_tokens)
     # Ingestion: the chunk KV of every piece is computed once and stored.
     chunks = BlendCacheWarmer(chat).transform_documents(chunks)
@@ -52,7 +52,7 @@ def main() -> None:
     print_comparison(
         question=question, expected=expected, retrieved=[d.metadata["source"] for d in blend["documents"]],
         answer_blend=blend["answer"].content, answer_full=full["answer"].content,
-        stats=blend["answer"].response_metadata, random_model=args.model is None,
+        stats=blend["answer"].response_metadata,
         ttft_pairs=[(f["answer"].response_metadata["ttft_s"], b["answer"].response_metadata["ttft_s"])
                     for f, b in rounds[1:]],
     )

@@ -2,15 +2,18 @@
 
     python examples/quickstart.py [--model PATH_OR_HUB_ID] [--store DIR]
 
-Without --model a small random-weight model is built locally (no hub): the
-text it writes is noise, the numbers are real.
+Without --model it runs the bundled reader model (blend_integrations.quality),
+trained in this repository to answer questions from the documents in its prompt.
+The documents and the question are generated (blend_integrations.quality.data).
 """
 
 import argparse
+import random
 import tempfile
 
-from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
-from blend_integrations.local_models import build_model, sample_text
+from blend_integrations import BlendConfig, ChunkStore, load_engine, rag_prompt
+from blend_integrations.quality import reader_model_dir
+from blend_integrations.quality.data import make_example
 
 
 def main() -> None:
@@ -18,19 +21,21 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--store", help="chunk store directory (default: a temporary one)")
     args = parser.parse_args()
-    model = args.model or build_model(tempfile.mkdtemp(prefix="blend-model-"), num_layers=4)
 
     store = ChunkStore(args.store or tempfile.mkdtemp(prefix="blend-store-"))
-    engine = load_engine(model, store=store, config=BlendConfig(recompute_ratio=0.15))
+    engine = load_engine(args.model or str(reader_model_dir()), store=store, config=BlendConfig())
 
-    documents = [" ".join(sample_text(8, seed=i)) for i in range(5)]
-    print("computed at warm-up:", engine.warm(documents), "chunks")
+    example = make_example(random.Random(7), hops=1, n_docs=(5, 5))  # five documents, one question
+    print("computed at warm-up:", engine.warm(example.documents), "chunks")
 
-    prompt = BlendPrompt("Answer from the documents.", documents[::-1], "Question: what was built? Answer:")
+    # the documents in another order than at warm-up: their KV is moved, and a few tokens recomputed
+    prompt = rag_prompt(example.documents[::-1], example.question, engine.tokenizer, engine.config.separator)
     full = engine.generate(prompt, max_tokens=16, mode="full")
     blend = engine.generate(prompt, max_tokens=16)
     exact = engine.generate(prompt, max_tokens=16, recompute_ratio=1.0)
+    print(f"question: {example.question} (expected: {example.answer})")
     print("blend:", repr(blend.text), blend.usage)
+    print("full: ", repr(full.text))
     print("ratio 1.0 reproduces full prefill:", exact.token_ids == full.token_ids)
     print(f"TTFT full {full.ttft_s * 1000:.1f} ms, blend {blend.ttft_s * 1000:.1f} ms")
 

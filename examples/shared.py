@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from blend_integrations.quality.data import exact_match
+
 
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
@@ -17,7 +19,7 @@ def parse_args(description: str) -> argparse.Namespace:
 
 
 def print_comparison(*, question: str, expected: str, retrieved: list[str], answer_blend: str, answer_full: str,
-                     stats: dict, ttft_pairs: list[tuple[float, float]], random_model: bool) -> None:
+                     stats: dict, ttft_pairs: list[tuple[float, float]]) -> None:
     """``stats``: the blend call's statistics (``Generation.stats()`` keys);
     ``ttft_pairs``: (full, blend) seconds per measured round."""
     ttft_full = statistics.median(f for f, _ in ttft_pairs)
@@ -30,4 +32,5 @@ def print_comparison(*, question: str, expected: str, retrieved: list[str], answ
           f"({stats['chunks_hit']}/{stats['chunks_hit'] + stats['chunks_missed']} chunks), "
           f"recomputed {stats['recomputed_tokens']}")
     print(f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)")
-    print(f"expected answer: {expected!r}" + (" (the random default model cannot know it)" if random_model else ""))
+    right = {name: exact_match(answer, expected) == 1.0 for name, answer in (("blend", answer_blend), ("full", answer_full))}
+    print(f"expected answer: {expected!r}; blend right: {right['blend']}, full right: {right['full']}")

@@ -10,11 +10,11 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_agent_notebook_runs(model_dirs, tmp_path, monkeypatch):
+def test_agent_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # the bundled reader is not trained yet (issue 6): the small random model for now
-    monkeypatch.setenv("BLEND_AGENT_MODEL", model_dirs("llama"))
+    monkeypatch.delenv("BLEND_AGENT_MODEL", raising=False)  # the notebook's default: the bundled reader
+    monkeypatch.delenv("BLEND_AGENT_INSTRUCT", raising=False)
     notebook = nbformat.read(ROOT / "examples" / "agent.ipynb", as_version=4)
     NotebookClient(notebook, timeout=900, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT / "examples")}}).execute()
@@ -23,9 +23,14 @@ def test_agent_notebook_runs(model_dirs, tmp_path, monkeypatch):
     assert "1. Who founded Harbor Press?" in text
     for step in (1, 2, 3):
         assert f"step {step}: " in text
-    assert "chunks hit 0, missed 4" in text.split("step 2:")[0]  # step 1 starts from an empty cache
+    assert "chunks hit 0, missed 6" in text.split("step 2:")[0]  # step 1 starts from an empty cache
     later = text.split("step 2:")[1]
     assert "chunks hit 0," not in later  # later steps read what earlier steps stored
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the plot
     table = next(o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {}))
     assert table.startswith("| step | chunks_hit |") and "x sooner than full prefill" in table
+    # the reader answers from the documents in examples/data, blended and in full
+    for step, expected in ((1, "Ada Okafor"), (2, "Brimford"), (3, "Yarrow")):
+        answers = text.split(f"step {step}: ")[1].split("answer (blend): ")[1].split("\n")[0]
+        assert answers.count(repr(expected)) == 2, answers
+    assert "founded by Ada Okafor, who was born in Brimford; Harbor Press is based in Yarrow." in text
