@@ -18,7 +18,7 @@ PAGES = sorted(p for p in DOCS.rglob("*.md") if "results" not in p.relative_to(D
 
 def test_docs_build_without_warnings(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").exists()
 
@@ -33,5 +33,38 @@ def test_code_samples_run(page, model_dirs, tmp_path):
     env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1", BLEND_STORE_PATH=str(tmp_path / "store"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "docs_runner.py"), str(page), model_dirs("llama")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
+
+
+# Raised and caught inside the package (a failed read turns into a miss), never seen by a caller.
+INTERNAL = {"LoadFailed", "ReadFailed"}
+
+
+def raised_messages():
+    """(file:line, the message's fixed parts) of every raise with a literal message in the package."""
+    import ast
+
+    for path in sorted((ROOT / "blend_integrations").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
+                continue
+            name = getattr(node.exc.func, "id", getattr(node.exc.func, "attr", ""))
+            message = node.exc.args[0]
+            if name in INTERNAL:
+                continue
+            if isinstance(message, ast.Constant) and isinstance(message.value, str):
+                parts = [message.value]
+            elif isinstance(message, ast.JoinedStr):
+                parts = "".join(v.value if isinstance(v, ast.Constant) else "\0" for v in message.values).split("\0")
+            else:
+                continue  # a message built elsewhere (e.g. CorruptEntryError(reason)): its parts are raises too
+            yield f"{path.relative_to(ROOT)}:{node.lineno}", [p.strip() for p in parts if len(p.strip()) >= 8]
+
+
+def test_troubleshooting_names_every_error():
+    page = (DOCS / "troubleshooting.md").read_text()
+    messages = list(raised_messages())
+    assert len(messages) > 100
+    missing = [(where, part) for where, parts in messages for part in parts if part not in page]
+    assert not missing, missing

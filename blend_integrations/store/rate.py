@@ -12,11 +12,10 @@ class Rate:
     operation weighs more than a small one whose fixed costs dominate. Until
     the first measurement the rate is ``initial`` (None: unknown); the first
     measurement replaces it, each later one moves the means by ``weight``.
+Callers check ``initial`` (ChunkStore's ``read_bandwidth``).
     """
 
     def __init__(self, initial: float | None = None, *, weight: float = 0.25) -> None:
-        if initial is not None and not initial > 0:
-            raise ValueError(f"an initial rate must be a positive number, got {initial!r}")
         self.initial = initial
         self.weight = weight
         self.samples = 0
