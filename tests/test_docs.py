@@ -68,3 +68,28 @@ def test_troubleshooting_names_every_error():
     assert len(messages) > 100
     missing = [(where, part) for where, parts in messages for part in parts if part not in page]
     assert not missing, missing
+
+
+def test_configuration_names_every_option():
+    """Every BlendConfig field with its default, and every option of the loaders,
+    the store and the framework models, is on the configuration page."""
+    import dataclasses
+    import inspect
+    import json
+
+    from langchain_core.language_models import BaseChatModel, BaseLLM
+    from llama_index.core.llms import CustomLLM
+
+    from blend_integrations import BlendConfig, ChunkStore, load_engine
+    from blend_integrations.langchain import BlendLLM, ChatBlend
+    from blend_integrations.llama_index import BlendLLM as LlamaIndexBlendLLM
+
+    page = (DOCS / "configuration.md").read_text()
+    for field in dataclasses.fields(BlendConfig):
+        default = json.dumps(field.default) if isinstance(field.default, str) else repr(field.default)
+        assert f"| `{field.name}` | `{default}` |" in page, field.name
+    names = [n for fn in (load_engine, ChunkStore.__init__) for n in inspect.signature(fn).parameters if n != "self"]
+    for model, base in ((ChatBlend, BaseChatModel), (BlendLLM, BaseLLM), (LlamaIndexBlendLLM, CustomLLM)):
+        names += sorted(set(model.model_fields) - set(base.model_fields))
+    assert len(names) > 30
+    assert not [n for n in names if f"`{n}`" not in page]
