@@ -15,6 +15,10 @@ MODES: tuple[str, ...] = ("blend", "full", "reuse")
 class BlendConfig:
     """How a prompt made of cached chunks is fused.
 
+    The defaults of recompute_ratio, check_layers, deviation and sink_tokens
+    are set from the answer-quality benchmark (docs/results/quality.md, and
+    ``recommended_defaults`` in bench/quality.py, which says how).
+
     recompute_ratio: share of the reused (loaded) chunk tokens whose KV is
         recomputed, picked by largest deviation at the check layer. 1.0
         recomputes everything (equals full prefill), 0.0 is plain reuse.
