@@ -82,13 +82,14 @@ class BlendConfig:
         return [(layer, r + (1.0 - r) * (n - 1 - i) / n) for i, layer in enumerate(self.check_layers)]
 
 
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+def check_mode(mode: str, *, name: str = "mode") -> str:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"{name} must be one of {', '.join(MODES)}; got {mode!r:.60}")
     return mode
 
 
-def check_ratio(recompute_ratio: float) -> float:
+def check_ratio(recompute_ratio: float, *, name: str = "recompute_ratio") -> float:
+    """A finite number in [0, 1] (NaN and infinities fail the range check)."""
     if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)) or not 0.0 <= recompute_ratio <= 1.0:
-        raise ValueError(f"recompute_ratio must be a number in [0, 1], got {recompute_ratio!r}")
+        raise ValueError(f"{name} must be a number in [0, 1], got {recompute_ratio!r:.60}")
     return float(recompute_ratio)

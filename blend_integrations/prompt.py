@@ -18,10 +18,12 @@ class PromptError(ValueError):
     """A prompt that cannot be run: empty chunk list, empty chunk, too long."""
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_ids(x: Any) -> bool:
-    return not isinstance(x, str) and isinstance(x, Sequence) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x
-    )
+    return not isinstance(x, str) and isinstance(x, Sequence) and all(_is_int(t) for t in x)
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,52 @@ class BlendPrompt:
         return cls(pieces[0], pieces[1:-1], pieces[-1])
 
 
+def check_chunk_spans(spans: Any, num_tokens: int, *, name: str = "chunk_spans",
+                      limit_name: str | None = None) -> list[tuple[int, int]]:
+    """``spans`` as a list of ``(start, end)`` if they are chunk spans of a
+    sequence of ``num_tokens`` tokens: pairs of integers, ``0 <= start < end``,
+    sorted and not overlapping, the last end ``<= num_tokens``. Otherwise a
+    ``PromptError`` naming the span (``name[i]``) and the rule it breaks.
+    ``limit_name``: what ``num_tokens`` is, for the message."""
+    if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence):
+        raise PromptError(f"{name} must be a list of [start, end] pairs, got {type(spans).__name__}")
+    checked: list[tuple[int, int]] = []
+    for i, span in enumerate(spans):
+        where = f"{name}[{i}]"
+        if isinstance(span, (str, bytes)) or not isinstance(span, Sequence) or len(span) != 2:
+            raise PromptError(f"{where} must be a [start, end] pair of integers, got {span!r:.60}")
+        start, end = span
+        if not _is_int(start) or not _is_int(end):
+            raise PromptError(f"{where} must hold integers (not floats, bools or strings), got {span!r:.60}")
+        if start < 0:
+            raise PromptError(f"{where} starts at {start}: a span cannot start before token 0")
+        if end <= start:
+            raise PromptError(f"{where} is [{start}, {end}]: a span's end must be after its start (end is exclusive)")
+        if checked and start < checked[-1][1]:
+            raise PromptError(
+                f"{where} starts at {start}, before the end {checked[-1][1]} of the span before it: "
+                "spans must be sorted and must not overlap"
+            )
+        if end > num_tokens:
+            raise PromptError(f"{where} ends at {end}, past {limit_name or f'the prompt end ({num_tokens} tokens)'}")
+        checked.append((start, end))
+    return checked
+
+
 @dataclass(frozen=True)
 class TokenizedPrompt:
-    """The final token sequence and where each chunk lies in it."""
+    """The final token sequence and where each chunk lies in it; the spans are
+    checked (``check_chunk_spans``), so a prompt built by hand is too."""
 
     token_ids: list[int]
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) per chunk
+
+    def __post_init__(self) -> None:
+        if not _is_ids(self.token_ids):
+            raise PromptError(f"TokenizedPrompt.token_ids must be a list of integer token ids, got {self.token_ids!r:.60}")
+        object.__setattr__(self, "token_ids", list(self.token_ids))
+        object.__setattr__(self, "chunk_spans",
+                           check_chunk_spans(self.chunk_spans, len(self.token_ids), name="TokenizedPrompt.chunk_spans"))
 
     def chunk_ids(self, i: int) -> list[int]:
         start, end = self.chunk_spans[i]

@@ -1,6 +1,7 @@
 """Serve a model with blending: ``vllm serve`` with the blend connector.
 
-    python -m blend_integrations.serve MODEL [--store DIR] [--store-remote URL] [--print] [any vllm serve option ...]
+    python -m blend_integrations.serve MODEL [--store DIR] [--store-remote URL] [--api-key KEY] [--print]
+                                       [any vllm serve option ...]
 
 It runs vLLM's OpenAI-compatible server (what ``vllm serve MODEL`` runs) with the options blending needs (printed with
 ``--print``, to run by hand or put in a deployment):
@@ -9,7 +10,14 @@ It runs vLLM's OpenAI-compatible server (what ``vllm serve MODEL`` runs) with th
 - ``--kv-transfer-config``: the ``BlendConnector`` and its store;
 - ``--no-enable-prefix-caching``: blended KV must never enter vLLM's prefix cache;
 - ``--max-num-batched-tokens`` >= ``--max-model-len``: a blended prompt is prefilled in one step;
-- on machines without CUDA: ``--enforce-eager --block-size 32`` (the CPU backend).
+- on machines without CUDA: ``--enforce-eager --block-size 32`` (the CPU backend);
+- ``--middleware blend_integrations.serve.CheckBlendParams``: a request whose
+  ``kv_transfer_params.blend`` breaks a rule (see ``engines/blend_params.py``)
+  gets HTTP 400 naming the field, and never reaches the engine.
+
+``--api-key KEY`` (or ``$VLLM_API_KEY``) makes every ``/v1`` request need
+``Authorization: Bearer KEY``; the key reaches vLLM in ``$VLLM_API_KEY``, not
+on its command line, which other users of the machine can read.
 
 A Redis URL with a password (``--store-remote`` or ``$BLEND_STORE_REMOTE``)
 reaches vLLM in ``$BLEND_STORE_REMOTE`` only: its command line and config, which
@@ -24,10 +32,15 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from .config import BlendConfig
+from .engines.blend_params import BlendParamsError, parse_blend_params
 from .engines.vllm_engine import blend_engine_args, blend_engine_env
 from .store import ChunkStore
+
+MIDDLEWARE = "blend_integrations.serve.CheckBlendParams"
+MAX_PARAMS_DEPTH = 16  # how deeply kv_transfer_params may nest: it is serialized into the engine core
 
 
 def serve_command(model: str, *, store: ChunkStore, max_model_len: int = 4096, config: BlendConfig | None = None,
@@ -49,7 +62,117 @@ def serve_command(model: str, *, store: ChunkStore, max_model_len: int = 4096, c
             cmd.append(flag if value else "--no-" + flag[2:])
         else:
             cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    return cmd + list(extra)
+    return cmd + ["--middleware", MIDDLEWARE] + list(extra)
+
+
+def _depth(value: Any) -> int:
+    """How deeply a JSON value nests (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+    return deepest
+
+
+def _prompt_lengths(prompt: Any) -> list[int] | None:
+    """The token counts of a completion request's prompt(s) given as token
+    ids; None when the server tokenizes them (text, chat messages)."""
+    def ids(x):
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if ids(prompt):
+        return [len(prompt)]
+    if isinstance(prompt, list) and prompt and all(ids(p) for p in prompt):
+        return [len(p) for p in prompt]
+    return None
+
+
+def blend_params_problem(body: bytes) -> tuple[str, str | None] | None:
+    """(message, field) when a request body's ``kv_transfer_params.blend``
+    breaks a rule, else None. Bodies that are not JSON objects or carry no
+    blend parameters are left to vLLM, which answers them itself. Where the
+    server tokenizes the prompt (text, chat), the rules that need its length
+    are checked by the connector, which computes such a request in full and
+    says why in the response."""
+    if b"kv_transfer_params" not in body:
+        return None
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        return "the request body nests too deeply to read", None
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("kv_transfer_params"), dict):
+        return None
+    params = data["kv_transfer_params"]
+    if _depth(params) > MAX_PARAMS_DEPTH:
+        return f"kv_transfer_params nests more than {MAX_PARAMS_DEPTH} levels deep", "kv_transfer_params"
+    if "blend" not in params:
+        return None
+    try:
+        for length in _prompt_lengths(data.get("prompt")) or [None]:
+            parse_blend_params(params["blend"], length)
+    except BlendParamsError as exc:
+        return str(exc), exc.param
+    return None
+
+
+class CheckBlendParams:
+    """ASGI middleware for vLLM's API server (``--middleware``): a POST whose
+    ``kv_transfer_params.blend`` breaks a rule gets HTTP 400 with vLLM's error
+    body (``{"error": {"message", "type", "param", "code"}}``) and never
+    reaches the engine. Requests that fail the server's ``--api-key`` check
+    pass through untouched, so vLLM answers them 401 first."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self._auth = None
+        key = os.environ.get("VLLM_API_KEY")
+        if key:
+            from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX, AuthenticationMiddleware
+
+            self._auth, self._guarded = AuthenticationMiddleware(app, tokens=[key]), GUARDED_PREFIX
+
+    def _unauthorized(self, scope) -> bool:
+        if self._auth is None:
+            return False
+        from starlette.datastructures import Headers
+
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        return path.startswith(self._guarded) and not self._auth.verify_token(Headers(scope=scope))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or self._unauthorized(scope):
+            await self.app(scope, receive, send)
+            return
+        parts, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            parts.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(parts)
+        problem = blend_params_problem(body)
+        if problem is not None:
+            from starlette.responses import JSONResponse
+
+            message, param = problem
+            error = {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+            await JSONResponse({"error": error}, status_code=400)(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recompute-ratio", type=float, default=BlendConfig().recompute_ratio)
     parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU backend: GiB of RAM for the KV cache")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $VLLM_API_KEY, else none)")
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, extra = parser.parse_known_args(argv)
     with ChunkStore(args.store, remote=args.store_remote) as store:
@@ -69,6 +194,10 @@ def main(argv: list[str] | None = None) -> None:
                             config=BlendConfig(recompute_ratio=args.recompute_ratio), dtype=args.dtype, extra=extra)
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib)),
                **blend_engine_env(store)}
+    if args.api_key is not None:
+        if not args.api_key:
+            parser.error("--api-key must not be empty")
+        env["VLLM_API_KEY"] = args.api_key  # vLLM reads it there; a command line is visible to every user
     if args.print:
         import shlex
 

@@ -86,46 +86,28 @@ def vllm_engine(model_dirs, store, redis_server):
                                       keys=["*"], categories=["+@all"])
     remote = f"redis://blend:{VLLM_REDIS_PASSWORD}@127.0.0.1:{redis_server.port}/0"
     # A small KV cache (96 blocks of 32 tokens) so that concurrent requests get preempted for real.
+    # Its worker extension can also inject faults into the blend pass (tests/blend_faults.py).
     engine = load_engine(model_dirs("llama"), backend="vllm", store=ChunkStore(store.path, remote=remote),
-                         max_model_len=2048, kv_cache_gib=1, num_gpu_blocks_override=96, disable_log_stats=False)
+                         max_model_len=2048, kv_cache_gib=1, num_gpu_blocks_override=96, disable_log_stats=False,
+                         worker_extension_cls="blend_faults.FaultInjection")
     yield engine
     engine.close()
 
 
+BLEND_SERVER_KEY = "blend-test-key"
+
+
 @pytest.fixture(scope="session")
 def blend_server(model_dirs, store):
-    """A real blend server process (vLLM's OpenAI server with the connector) on loopback."""
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+    """A real blend server process (vLLM's OpenAI server with the connector) on loopback,
+    behind an API key (``blend_server.api_key``), as a shared server would run."""
+    from blend_integrations.bench.blend_server import BlendServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "blend_integrations.serve", model_dirs("llama"), "--store", str(store.path),
-           "--max-model-len", "2048", "--kv-cache-gib", "1", "--host", "127.0.0.1", "--port", str(port)]
-    log = open(store.path.parent / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while True:
-        try:
-            urllib.request.urlopen(url + "/v1/models", timeout=5).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError(f"the blend server did not start; see {log.name}")
-            time.sleep(2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    server = BlendServer(model_dirs("llama"), store=store.path, log=store.path.parent / "server.log",
+                         args=["--max-model-len", "2048", "--kv-cache-gib", "1", "--api-key", BLEND_SERVER_KEY])
+    server.api_key = BLEND_SERVER_KEY
+    with server:
+        yield server
 
 
 # -- Redis: a real server on loopback (blend_integrations/bench/redis_server.py) --

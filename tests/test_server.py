@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+
 import pytest
 
-from blend_integrations import BlendPrompt, load_engine
+from blend_integrations import BlendPrompt, PromptError, load_engine
 from blend_integrations.engines.server_engine import ServerError
+from blend_integrations.prompt import TokenizedPrompt
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
 
 @pytest.fixture(scope="module")
 def client(blend_server):
-    return load_engine(blend_server, backend="server")
+    return load_engine(blend_server.url, backend="server", api_key=blend_server.api_key)
 
 
 def test_server_returns_the_same_tokens_as_the_embedded_engine(client, vllm_engine, docs):
@@ -51,9 +56,6 @@ def test_server_errors_are_clear(client):
 
 def test_text_only_caller_with_the_separator_fallback(client, docs):
     """A plain HTTP client with nothing but text: the server finds the chunks between separators."""
-    import json
-    import urllib.request
-
     text = "\n\n".join(["You answer questions."] + docs + [QUESTION])
 
     def complete(blend):
@@ -61,7 +63,8 @@ def test_text_only_caller_with_the_separator_fallback(client, docs):
         if blend:
             body["kv_transfer_params"] = {"blend": {"mode": "blend", "ratio": 1.0, "separator": "\n\n"}}
         req = urllib.request.Request(client.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {client._api_key}"})
         return json.loads(urllib.request.urlopen(req, timeout=300).read())
 
     full = complete(False)
@@ -73,13 +76,66 @@ def test_text_only_caller_with_the_separator_fallback(client, docs):
 
 
 def test_integrations_reach_the_server_by_url(blend_server, docs):
-    """ChatBlend and the LlamaIndex BlendLLM built from the server's URL: the server keeps the store."""
+    """ChatBlend and the LlamaIndex BlendLLM built from the server's URL and key
+    (LangChain's base_url and api_key): the server keeps the store."""
     from blend_integrations.langchain import ChatBlend
     from blend_integrations.llama_index import BlendLLM
 
-    chat = ChatBlend(model=blend_server, backend="server", max_tokens=4)
-    llm = BlendLLM(blend_server, backend="server", max_tokens=4)
+    chat = ChatBlend(base_url=blend_server.url, api_key=blend_server.api_key, max_tokens=4)
+    llm = BlendLLM(base_url=blend_server.url, api_key=blend_server.api_key, max_tokens=4)
+    assert chat.engine.backend == llm.engine.backend == "server"
+    assert blend_server.api_key not in repr(chat) + repr(llm) + json.dumps(llm.to_dict())
     chat.engine.warm(docs)
     stats = llm.complete_chunks(docs[::-1], QUESTION).additional_kwargs["blend"]
     assert (stats["chunks_hit"], stats["chunks_missed"]) == (len(docs), 0)
     assert chat.invoke("Say something.").response_metadata["chunks_hit"] == 0
+
+
+def test_the_server_runs_behind_its_api_key(blend_server, docs):
+    """Without the key every /v1 request is refused with 401, a malformed blend body
+    included (authentication comes first); clients that lack the key are told so."""
+    def post(body: dict, key: str | None) -> tuple[int, str]:
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        req = urllib.request.Request(blend_server.url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    malformed = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1,
+                 "kv_transfer_params": {"blend": {"mode": "blend", "chunk_spans": [[2, 1]]}}}
+    assert post(malformed, None)[0] == post(malformed, "wrong-key")[0] == 401
+    status, text = post(malformed, blend_server.api_key)
+    assert status == 400 and json.loads(text)["error"]["param"] == "kv_transfer_params.blend.chunk_spans"
+    with urllib.request.urlopen(blend_server.url + "/health", timeout=30) as r:  # outside /v1: open
+        assert r.status == 200
+    with pytest.raises(ServerError, match=r"HTTP 401 \(unauthorized\): pass api_key= \(or set \$BLEND_API_KEY\)"):
+        load_engine(blend_server.url, backend="server")
+    with pytest.raises(ServerError, match="the api_key given is not one of the server's keys"):
+        load_engine(blend_server.url, backend="server", api_key="wrong-key")
+
+
+def test_the_client_checks_spans_before_sending(client):
+    ids = client.tokenize(BlendPrompt("Read.", ["one two three"], QUESTION)).token_ids
+    with pytest.raises(PromptError, match="the prompt ends with chunk 0"):
+        client.generate(TokenizedPrompt(ids, [(2, len(ids))]), max_tokens=1)
+
+
+def test_fuzzing_never_takes_the_server_down(blend_server, capsys):
+    """At least 200 malformed bodies from the generator (wrong types, missing fields,
+    NaN and infinities, bad spans, huge span lists, deep nesting, non-ASCII
+    separators, num_tokens at and past the end, one-token prompts, batches, chat),
+    sent four at a time and interleaved with good requests."""
+    from blend_integrations.bench import fuzz
+
+    report = fuzz.run(blend_server.url, cases=240, seed=1, api_key=blend_server.api_key)
+    with capsys.disabled():
+        print("\n" + fuzz.render(report))
+    assert report["malformed"] >= 200 and report["good"] >= 50
+    assert not report["violations"], report["violations"]
+    assert report["totals"]["rejected"] + report["totals"]["fallback"] == report["malformed"]
+    assert report["totals"]["fallback"] > 0 and len(report["outcomes"]) == len(fuzz.GENERATORS)
+    assert report["good_same_tokens"] == report["good"] and report["good_after_same_tokens"] == report["good_requests"]
+    assert report["ratio_one_equals_full"] and report["healthy_after"] and blend_server.healthy()
+    assert fuzz.passed(report)

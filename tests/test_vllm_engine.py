@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 
 import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, PromptError, UnsupportedModelError, load_engine
+from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.engines.vllm_engine import (
     blend_engine_args,
     blend_engine_env,
@@ -246,3 +248,103 @@ def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, ca
     assert "BLEND_STORE_REMOTE" not in out.split(" -m ")[0] and '"store_remote": "redis://cache-host:6379/1"' in out
     serve.main(["some/model", "--store", str(tmp_path), "--store-remote", "", "--print"])
     assert '"store_remote": null' in capsys.readouterr().out
+
+
+# -- no request can take the engine down -----------------------------------------
+
+
+def raw_request(engine, token_ids: list[int], kv_transfer_params, max_tokens: int = 6):
+    """A request straight into the embedded engine's vLLM with the given
+    ``kv_transfer_params``, past the package's own checks (as any other caller
+    of vLLM could send it): (generated token ids, the connector's answer)."""
+    import queue
+    import uuid
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY,
+                            extra_args={"kv_transfer_params": kv_transfer_params})
+    rid = f"raw-{uuid.uuid4().hex[:8]}"
+    outputs: queue.Queue = queue.Queue()
+    engine._requests[rid] = outputs
+    with engine._lock:
+        engine.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=token_ids), params)
+    engine._wake.set()
+    out = outputs.get(timeout=300)
+    while not out.finished:
+        out = outputs.get(timeout=300)
+    return list(out.outputs[0].token_ids), out.kv_transfer_params
+
+
+def test_bad_params_that_reach_the_connector_are_computed_in_full(vllm_engine, docs):
+    """Defence in depth: parameters that break a rule and reach the scheduler
+    (no HTTP edge in between) never raise there: the request is computed in
+    full, says why, and the engine goes on."""
+    vllm_engine.warm(docs)
+    tp = vllm_engine.tokenize(BlendPrompt("Read.", docs, QUESTION))
+    n, spans = len(tp), [list(s) for s in tp.chunk_spans]
+    full = vllm_engine.generate(tp, max_tokens=6, mode="full").token_ids
+    bad = [
+        ({"mode": "blend", "chunk_spans": "abc", "num_tokens": 5}, "chunk_spans must be a list"),
+        ({"mode": "blend", "chunk_spans": [["a", "b"]], "num_tokens": 5}, r"chunk_spans\[0\] must hold integers"),
+        ({"mode": "blend", "chunk_spans": [[9, 4]], "num_tokens": 10}, r"chunk_spans\[0\] is \[9, 4\]"),
+        ({"mode": "blend", "chunk_spans": [[-3, 4]], "num_tokens": 10}, "starts at -3"),
+        ({"mode": "blend", "chunk_spans": [[2, n + 50]]}, f"ends at {n + 50}, past {n - 1}"),
+        ({"mode": "blend", "chunk_spans": [[10, 10]], "num_tokens": 12}, r"is \[10, 10\]"),
+        ({"mode": "blend", "chunk_spans": spans, "num_tokens": n}, f"num_tokens is {n} but the prompt has {n} tokens"),
+        ({"mode": "blend", "chunk_spans": spans, "ratio": "high"}, "ratio must be a number in"),
+        ({"mode": "blend", "chunk_spans": spans, "num_tokens": str(spans[-1][1])}, "num_tokens must be a positive integer"),
+        ({"mode": "blend", "chunk_spans": [spans[1], spans[0]]}, "must be sorted and must not overlap"),
+        ({"mode": "blend", "chunk_spans": spans, "num_tokens": spans[-1][1] - 1}, "past num_tokens"),
+        ({"mode": "blend", "chunk_spans": spans, "ratio": 5}, "got 5"),
+        ({"mode": "blend", "separator": "\u2603"}, "no chunk between two separators"),
+        ("blend", "must be an object"),
+    ]
+    for params, why in bad:
+        tokens, answer = raw_request(vllm_engine, tp.token_ids, {"blend": params})
+        assert tokens == full, params
+        assert answer["blend"]["chunks_hit"] == 0 and re.search(why, answer["blend_fallback"]), (params, answer)
+    good = vllm_engine.generate(tp, max_tokens=6, recompute_ratio=1.0)
+    assert good.token_ids == full and good.usage.chunks_hit == len(docs) and good.fallback is None
+
+
+def test_explicit_spans_follow_the_rules_on_the_embedded_engine(vllm_engine, docs):
+    tp = vllm_engine.tokenize(BlendPrompt("Read.", docs[:2], QUESTION))
+    ids = tp.token_ids
+    with pytest.raises(PromptError, match=r"TokenizedPrompt\.chunk_spans\[1\] starts at 3, before the end 5"):
+        vllm_engine.generate(TokenizedPrompt(ids, [(1, 5), (3, 8)]), max_tokens=2)
+    with pytest.raises(PromptError, match=r"TokenizedPrompt\.chunk_spans\[0\] ends at \d+, past the prompt end"):
+        vllm_engine.generate(TokenizedPrompt(ids, [(1, len(ids) + 1)]), max_tokens=2)
+    # the vLLM engine computes the prompt's last token itself: a chunk cannot end the prompt
+    with pytest.raises(PromptError, match="the prompt ends with chunk 0: vLLM computes the prompt's last token itself"):
+        vllm_engine.generate(TokenizedPrompt(ids, [(2, len(ids))]), max_tokens=2)
+    assert vllm_engine.generate(TokenizedPrompt(ids, [(2, len(ids) - 1)]), max_tokens=2).usage.chunks_missed == 1
+
+
+def test_a_failing_blend_pass_costs_one_request_not_the_engine(vllm_engine, docs):
+    """With several requests in flight, the blend pass of one fails for real in the
+    worker (it leaves wrong KV in the request's blocks, then runs out of memory).
+    vLLM recomputes that request in full; the others are blended as usual; the
+    failure is logged once, with the request id; the engine goes on serving."""
+    vllm_engine.warm(docs)
+    poison = vllm_engine.tokenizer.encode(docs[3], add_special_tokens=False)
+    prompts = [BlendPrompt("Read.", [docs[i % 3], docs[(i + 1) % 3]], QUESTION) for i in range(5)]
+    prompts.insert(2, BlendPrompt("Read.", [docs[0], docs[3], docs[1]], QUESTION))
+    full = [vllm_engine.generate(p, max_tokens=8, mode="full").token_ids for p in prompts]
+    vllm_engine.llm.collective_rpc("blend_fail_on", args=(poison,))
+    try:
+        gens = vllm_engine.generate_many(prompts, max_tokens=8, recompute_ratio=1.0)
+        log = vllm_engine.llm.collective_rpc("blend_fault_log")[0]
+    finally:
+        vllm_engine.llm.collective_rpc("blend_fail_on", args=(None,))
+    assert [g.token_ids for g in gens] == full  # at r=1, blended or recomputed, all equal full prefill
+    failed = gens.pop(2)
+    assert all(g.fallback is None and (g.usage.chunks_hit, g.usage.chunks_missed) == (2, 0) for g in gens)
+    assert failed.fallback == ("the blend pass failed: OutOfMemoryError: injected fault: out of memory in the blend pass")
+    assert (failed.usage.cached_tokens, failed.usage.chunks_hit) == (0, 0)
+    assert failed.stats()["fallback"] == failed.fallback
+    assert len(log) == 1 and log[0].startswith("ERROR request ") and "OutOfMemoryError" in log[0], log
+    again = vllm_engine.generate(prompts[2], max_tokens=8, recompute_ratio=1.0)
+    assert again.fallback is None and again.usage.chunks_hit == 3 and again.token_ids == full[2]

@@ -1,10 +1,11 @@
-"""``python -m blend_integrations.bench [ttft|store|vllm|quality] [options]``; no part runs them all."""
+"""``python -m blend_integrations.bench [ttft|store|vllm|quality|fuzz] [options]``; no part runs them all."""
 
 import sys
 
-from . import quality, store, ttft, vllm_bench
+from . import fuzz, quality, store, ttft, vllm_bench
 
-PARTS = {"ttft": ttft.main, "store": store.main, "vllm": vllm_bench.main, "quality": quality.main}
+PARTS = {"ttft": ttft.main, "store": store.main, "vllm": vllm_bench.main, "quality": quality.main,
+         "fuzz": fuzz.main}
 
 
 def main() -> None:  # vLLM starts processes: keep the entry under the __main__ guard below

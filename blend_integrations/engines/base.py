@@ -40,15 +40,21 @@ class Generation:
     logprobs: list[dict[int, float]] | None = None  # per decoding step (an end token's too): top-k and the chosen token
     total_s: float = 0.0
     loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
+    # Why the prompt was computed in full although blending was asked for (the
+    # vLLM engine: its blend pass failed and vLLM recomputed it), else None.
+    fallback: str | None = None
 
     def stats(self) -> dict:
         """What the call reused and recomputed, and how soon it answered (a flat
         dict: the integrations put it in their responses' metadata), plus
-        ``loading`` (a dict of ``LoadingStats``) when the loading controller ran."""
+        ``loading`` (a dict of ``LoadingStats``) when the loading controller
+        ran and ``fallback`` when the prompt was computed in full instead of blended."""
         stats = {"mode": self.mode, "finish_reason": self.finish_reason, "ttft_s": self.ttft_s,
                  **dataclasses.asdict(self.usage)}
         if self.loading is not None:
             stats["loading"] = dataclasses.asdict(self.loading)
+        if self.fallback is not None:
+            stats["fallback"] = self.fallback
         return stats
 
 

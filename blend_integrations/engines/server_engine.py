@@ -11,6 +11,7 @@ stream, so its usage has token counts without the blend counts.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -19,11 +20,19 @@ from typing import Iterable, Iterator, Sequence
 from ..config import BlendConfig
 from ..prompt import BlendPrompt, TextOrIds
 from .base import Engine, Generation, GenerationStream, Request, Usage
-from .vllm_engine import blend_results, kv_transfer_params
+from .blend_params import blend_results, kv_transfer_params
+
+
+API_KEY_ENV = "BLEND_API_KEY"
 
 
 class ServerError(RuntimeError):
-    """The server answered with an error, or could not be reached."""
+    """The server answered with an error, or could not be reached. ``status``:
+    the HTTP status, or None if there was no answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ServerEngine(Engine):
@@ -36,14 +45,20 @@ class ServerEngine(Engine):
         tokenizer: str | None = None,
         config: BlendConfig | None = None,
         timeout_s: float = 600.0,
+        api_key: str | None = None,
     ) -> None:
         """base_url: e.g. ``http://127.0.0.1:8000``. tokenizer: a path or hub id
         (default: the model the server reports, which works on its machine).
-        config: only ``separator`` matters here; the server has its own ratio."""
+        config: only ``separator`` matters here; the server has its own ratio.
+        api_key: the key of a server started with ``--api-key`` (default:
+        ``$BLEND_API_KEY``), sent as ``Authorization: Bearer``."""
         from transformers import AutoTokenizer
 
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"the server's base_url must be an http:// or https:// URL, got {base_url!r:.80}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         card = self._request_http("GET", "/v1/models")["data"][0]
         self.model_name = card["id"]
         self.context_length = int(card["max_model_len"])
@@ -63,12 +78,19 @@ class ServerEngine(Engine):
 
     def _request_http(self, method: str, path: str, body: dict | None = None, stream: bool = False):
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             resp = urllib.request.urlopen(req, timeout=self.timeout_s)
         except urllib.error.HTTPError as exc:
-            raise ServerError(f"{method} {path} failed with HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}") from exc
+            detail = exc.read().decode(errors="replace")[:500]
+            if exc.code == 401:
+                hint = ("pass api_key= (or set $BLEND_API_KEY) with the server's key" if not self._api_key
+                        else "the api_key given is not one of the server's keys")
+                raise ServerError(f"{method} {path} failed with HTTP 401 (unauthorized): {hint}", 401) from exc
+            raise ServerError(f"{method} {path} failed with HTTP {exc.code}: {detail}", exc.code) from exc
         except urllib.error.URLError as exc:
             raise ServerError(f"cannot reach the blend server at {self.base_url}: {exc.reason}") from exc
         if stream:
@@ -148,7 +170,7 @@ class ServerEngine(Engine):
         body["return_token_ids"] = True
         resp = self._request_http("POST", "/v1/completions", body)
         choice = resp["choices"][0]
-        blend, loading = blend_results(resp.get("kv_transfer_params"))
+        blend, loading, fallback = blend_results(resp.get("kv_transfer_params"))
         lp = None
         if logprobs is not None and choice.get("logprobs"):
             lp = [
@@ -159,7 +181,7 @@ class ServerEngine(Engine):
         return Generation(
             text=choice["text"], token_ids=list(choice.get("token_ids") or []), prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            ttft_s=elapsed, mode=mode, logprobs=lp, total_s=elapsed, loading=loading,
+            ttft_s=elapsed, mode=mode, logprobs=lp, total_s=elapsed, loading=loading, fallback=fallback,
             usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=resp["usage"]["completion_tokens"], **blend),
         )
 

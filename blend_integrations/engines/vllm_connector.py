@@ -16,6 +16,18 @@ separators in the prompt's tokens. The scheduler side decides
 which chunks are hits (``key in store``), so the usage it returns in
 ``RequestOutput.kv_transfer_params["blend"]`` is known when the request ends.
 
+No request can take the engine down (vLLM treats any exception on the
+scheduler side as fatal). The scheduler side checks every request's
+parameters by the rules of ``blend_params`` and never raises on them: a
+request that breaks one is computed in full, and its ``kv_transfer_params``
+say why (``"blend_fallback"``). On the worker, a blend pass that fails (an
+unreadable entry that slipped past the store's checks, a shape mismatch, out
+of memory) is logged once and its blocks are reported as failed to load
+(``get_block_ids_with_load_errors``); with ``kv_load_failure_policy=
+"recompute"`` vLLM computes that request in full, and the other requests of
+the batch go on as usual. The worker tells the scheduler (worker metadata),
+so that request's usage says it was not blended.
+
 The loading controller (``BlendConfig(loading_controller=True)``) runs on the
 scheduler side too, for the same reason: vLLM hands back a request's
 ``kv_transfer_params`` (``request_finished``) before the worker's report of
@@ -48,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,10 +75,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..config import BlendConfig
 from ..fusion import Blender, KVCache, PrefillStats, planned_usage
 from ..fusion.controller import LoadingStats, decide
-from ..prompt import bos_id_added, spans_from_separator
+from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, chunk_key, model_fingerprint
 from . import vllm_plugin
+from .blend_params import BlendParams, blend_params_of, not_blended
 from .vllm_engine import connector_store_args
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,6 +94,7 @@ class BlendJob:
     mode: str  # "blend" or "reuse"
     ratio: float  # the loading controller's, when it ran
     block_ids: list[int]
+    error: str | None = None  # the scheduler could not plan it: the worker fails it without a blend pass
 
 
 @dataclass
@@ -87,17 +104,20 @@ class BlendConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class BlendWorkerMetadata(KVConnectorWorkerMetadata):
-    """The rates the worker measured, for the scheduler's loading controller:
-    read bandwidth per store tier (bytes/s) and "compute", the walk's
-    token-layers per second (None until measured)."""
+    """What the worker tells the scheduler: the rates it measured, for the
+    loading controller (read bandwidth per store tier in bytes/s, and
+    "compute", the walk's token-layers per second; None until measured), and
+    the requests whose blend pass failed this step, with the cause."""
 
     rates: dict[str, float | None]
+    failed: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # The workers of one engine blend in lockstep: the slowest sets the pace.
         theirs = other.rates if isinstance(other, BlendWorkerMetadata) else {}
+        failed = other.failed if isinstance(other, BlendWorkerMetadata) else {}
         return BlendWorkerMetadata({k: None if v is None or theirs.get(k) is None else min(v, theirs[k])
-                                    for k, v in self.rates.items()})
+                                    for k, v in self.rates.items()}, {**failed, **self.failed})
 
 
 @functools.lru_cache(maxsize=4)
@@ -131,8 +151,9 @@ class BlendConnector(KVConnectorBase_V1):
             store_args["memory_limit_bytes"] = 0  # the scheduler only asks which keys exist
         self.store = ChunkStore(**store_args)
         # scheduler side
-        self._to_load: dict[str, tuple[dict, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
+        self._to_load: dict[str, tuple[BlendParams, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
         self._usage: dict[str, tuple[dict[str, int], LoadingStats | None]] = {}
+        self._fallbacks: dict[str, str] = {}  # req_id -> why it is computed in full, until it finishes
         # worker side
         self.blender: Blender | None = None
         # The worker's measured rates: on the worker as last sent, on the scheduler as last received.
@@ -140,36 +161,58 @@ class BlendConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_names: list[str] = []
         self._unsaved: list[PrefillStats] = []
+        self._failed: dict[str, str] = {}  # req_id -> cause, of blend passes that failed, until reported
+        self._invalid_blocks: set[int] = set()  # their blocks, until reported
 
     # -- scheduler side -------------------------------------------------
-    def blend_params(self, request) -> dict | None:
-        """The request's blend parameters with chunk spans and ``num_tokens``;
-        None if it is not blended. Spans come from the caller, or for
-        text-only callers from a ``separator`` found in the prompt's tokens."""
-        params = (getattr(request, "kv_transfer_params", None) or {}).get("blend")
-        if not isinstance(params, dict) or params.get("mode") not in ("blend", "reuse"):
+    # vLLM treats an exception here as fatal for the engine: nothing below raises on request data.
+    def blend_params(self, request) -> BlendParams | None:
+        """The request's checked blend parameters with chunk spans; None if it
+        is not blended. Spans come from the caller, or for text-only callers
+        from a ``separator`` found in the prompt's tokens. A request whose
+        parameters break a rule is not blended: logged once, and its response
+        says why."""
+        rid = request.request_id
+        if rid in self._fallbacks:
             return None
-        if params.get("chunk_spans") is None and isinstance(params.get("separator"), str):
-            sep = _tokenizer(self.tokenizer_name).encode(params["separator"], add_special_tokens=False)
-            spans = spans_from_separator(request.prompt_token_ids, sep)
-            if not spans:
+        prompt_len = len(request.prompt_token_ids or ())
+        try:
+            params = blend_params_of(getattr(request, "kv_transfer_params", None), prompt_len)
+            if params is None or params.mode == "full":
                 return None
-            params = {**params, "chunk_spans": spans, "num_tokens": spans[-1][1]}
-        if not params.get("chunk_spans") or not params.get("num_tokens"):
+            if params.separator is not None:
+                sep = _tokenizer(self.tokenizer_name).encode(params.separator, add_special_tokens=False)
+                spans = spans_from_separator(request.prompt_token_ids, sep)
+                if not spans:
+                    raise PromptError(
+                        f"the prompt has no chunk between two separators {params.separator!r:.40} "
+                        "(kv_transfer_params.blend.separator)")
+                params = params.with_spans(spans, prompt_len)
+            return params
+        except Exception as exc:  # noqa: BLE001 - a rule broken, or a bug: either way, compute in full
+            why = str(exc) if isinstance(exc, PromptError) else f"reading the blend parameters failed: {exc!r}"
+            self._fall_back(rid, why)
             return None
-        return params
+
+    def _fall_back(self, req_id: str, why: str, *, logged: bool = False) -> None:
+        """Compute the request in full; its response says why. ``logged``: the worker logged it."""
+        if req_id not in self._fallbacks and not logged:
+            logger.warning("request %s is computed in full, not blended: %s", req_id, why)
+        self._fallbacks[req_id] = why
+        self._usage.pop(req_id, None)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = self.blend_params(request)
         if params is None or num_computed_tokens:
             return 0, False
         # load_kv_async=False: the blend pass runs synchronously before the forward.
-        return int(params["num_tokens"]), False
+        return params.num_tokens, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
             params = self.blend_params(request)
-            self._to_load[request.request_id] = (params, list(request.prompt_token_ids[: int(params["num_tokens"])]))
+            if params is not None:
+                self._to_load[request.request_id] = (params, list(request.prompt_token_ids[: params.num_tokens]))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = BlendConnectorMetadata()
@@ -185,7 +228,15 @@ class BlendConnector(KVConnectorBase_V1):
 
     def _job(self, req_id: str, block_ids: list[int]) -> BlendJob:
         params, ids = self._to_load.pop(req_id)
-        spans = [(int(a), int(b)) for a, b in params["chunk_spans"]]
+        try:
+            return self._plan(req_id, params, ids, block_ids)
+        except Exception as exc:  # noqa: BLE001 - e.g. the store failed: the worker fails the job, vLLM recomputes
+            why = f"planning the blend pass failed: {exc!r}"
+            self._fall_back(req_id, why)
+            return BlendJob(req_id, ids, [], [], [], params.mode, 0.0, list(block_ids), error=why)
+
+    def _plan(self, req_id: str, params: BlendParams, ids: list[int], block_ids: list[int]) -> BlendJob:
+        spans = list(params.chunk_spans)
         located = [
             self.store.locate(chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=ids[a:b],
                                         bos_token_id=self.bos))
@@ -193,9 +244,9 @@ class BlendConnector(KVConnectorBase_V1):
         ]
         hits = [where.tier is not None for where in located]
         computed = [False] * len(spans)
-        ratio = self.config.recompute_ratio if params.get("ratio") is None else float(params["ratio"])
+        ratio = self.config.recompute_ratio if params.ratio is None else params.ratio
         loading = None
-        if params["mode"] == "blend" and self.config.loading_controller:
+        if params.mode == "blend" and self.config.loading_controller:
             found = [i for i, hit in enumerate(hits) if hit]
             p, loading = decide(
                 [located[i].tier for i in found],
@@ -208,21 +259,29 @@ class BlendConnector(KVConnectorBase_V1):
             ratio = p.ratio
             for i, load in zip(found, p.load):
                 hits[i], computed[i] = load, not load
-        usage = planned_usage([b - a for a, b in spans], hits, mode=params["mode"], ratio=ratio,
+        usage = planned_usage([b - a for a, b in spans], hits, mode=params.mode, ratio=ratio,
                               sink_tokens=self.config.sink_tokens, chunks_recomputed=sum(computed))
         self._usage[req_id] = usage, loading
-        return BlendJob(req_id, ids, spans, hits, computed, params["mode"], ratio, list(block_ids))
+        return BlendJob(req_id, ids, spans, hits, computed, params.mode, ratio, list(block_ids))
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, BlendWorkerMetadata):
             self._rates = meta.rates
+            # vLLM recomputes these requests in full (their blocks failed to load).
+            for req_id, why in meta.failed.items():
+                self._fall_back(req_id, why, logged=True)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        self._to_load.pop(request.request_id, None)
-        if request.request_id not in self._usage:
+        rid = request.request_id
+        self._to_load.pop(rid, None)
+        why = self._fallbacks.pop(rid, None)
+        planned = self._usage.pop(rid, None)
+        if why is not None:
+            return False, not_blended(why)
+        if planned is None:
             return False, None
-        usage, loading = self._usage.pop(request.request_id)
+        usage, loading = planned
         return False, {"blend": usage} | ({"blend_loading": dataclasses.asdict(loading)} if loading else {})
 
     # -- worker side ----------------------------------------------------
@@ -249,7 +308,25 @@ class BlendConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, BlendConnectorMetadata):
             for job in meta.jobs:
-                self._run(job, forward_context)
+                try:
+                    if job.error is not None:
+                        raise RuntimeError(job.error)
+                    self._run(job, forward_context)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the engine
+                    self._fail(job, exc)
+
+    def _fail(self, job: BlendJob, exc: Exception) -> None:
+        """A blend pass that failed: its blocks are reported as failed to load
+        (vLLM computes the request in full), and the scheduler is told why."""
+        why = job.error or f"the blend pass failed: {type(exc).__name__}: {exc}"
+        if job.error is None:  # a job the scheduler could not plan was logged there
+            logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
+        self._failed[job.req_id] = why
+        self._invalid_blocks.update(job.block_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
 
     def _run(self, job: BlendJob, forward_context) -> None:
         blender = self._attach()
@@ -279,14 +356,22 @@ class BlendConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> BlendWorkerMetadata | None:
         rates = self._measured_rates()
-        if rates == self._rates:
+        failed, self._failed = self._failed, {}
+        if rates == self._rates and not failed:
             return None
         self._rates = rates
-        return BlendWorkerMetadata(rates)
+        return BlendWorkerMetadata(rates, failed)
 
     def save_unsaved(self) -> None:
+        """Store the chunks that missed. A chunk that cannot be saved is
+        logged and dropped: it is computed again when it next misses."""
         while self._unsaved:
-            self.blender.save_missed(self._unsaved.pop())
+            stats = self._unsaved.pop()
+            try:
+                self.blender.save_missed(stats)
+            except Exception:  # noqa: BLE001 - saving is best effort, the engine goes on
+                logger.exception("saving %d missed chunk(s) failed; they are computed again when next used",
+                                 len(stats.missed))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # the blend pass is synchronous

@@ -18,12 +18,12 @@ import time
 from typing import Iterable, Iterator, Sequence
 
 from ..config import BlendConfig
-from ..fusion.controller import LoadingStats
 from ..models import check_supported
 from ..prompt import BlendPrompt, TextOrIds
 from ..store import REMOTE_ENV, ChunkStore, model_fingerprint
 from ..store.redis_tier import redact
 from .base import Engine, Generation, GenerationStream, Request, Usage
+from .blend_params import blend_results, kv_transfer_params
 from .transformers_engine import resolve_model_dir
 
 # vLLM's connector API changes between releases; this is the tested range.
@@ -58,6 +58,9 @@ def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: 
             "kv_connector": "BlendConnector",
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
+            # A blend pass that fails (see BlendConnector.start_load_kv) reports its
+            # blocks as failed to load: vLLM then computes that request in full.
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "store_path": str(store.path),
                 "store_size_limit_bytes": store.size_limit_bytes,
@@ -137,33 +140,6 @@ def _environ(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None]:
-    """What the blend connector returned in a finished request's
-    ``kv_transfer_params``: its usage counts (``Usage`` fields), and the
-    loading controller's decisions when it ran."""
-    params = params or {}
-    loading = params.get("blend_loading")
-    return params.get("blend") or {}, (LoadingStats(**loading) if loading else None)
-
-
-def kv_transfer_params(req: Request) -> dict | None:
-    """What a request tells the blend connector (embedded or over HTTP); None
-    for a request with nothing to blend. Everything up to the end of the last
-    chunk is blended; vLLM computes the rest, at least the last token, whose
-    logits it samples from."""
-    tp = req.prompt
-    if req.mode == "full" or not tp.chunk_spans:
-        return None
-    return {
-        "blend": {
-            "mode": req.mode,
-            "ratio": req.recompute_ratio,
-            "chunk_spans": [list(s) for s in tp.chunk_spans],
-            "num_tokens": min(max(tp.chunk_spans[-1][1], 1), len(tp) - 1),
-        }
-    }
 
 
 class VLLMEngine(Engine):
@@ -351,13 +327,13 @@ class VLLMEngine(Engine):
                 if completion.text:
                     text.append(completion.text)
                     yield completion.text
-            blend, loading = blend_results(out.kv_transfer_params)
+            blend, loading, fallback = blend_results(out.kv_transfer_params)
             usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
             stream.generation = Generation(
                 text="".join(text), token_ids=ids, prompt_token_ids=list(tp.token_ids),
                 finish_reason="length" if completion.finish_reason == "length" else "stop",
                 ttft_s=ttft if ttft is not None else time.perf_counter() - t0, usage=usage, mode=mode,
-                logprobs=logprobs, total_s=time.perf_counter() - t0, loading=loading,
+                logprobs=logprobs, total_s=time.perf_counter() - t0, loading=loading, fallback=fallback,
             )
         finally:
             if not finished:

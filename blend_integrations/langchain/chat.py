@@ -17,7 +17,8 @@ from langchain_core.outputs import Generation as LCGeneration
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import BaseModel, ConfigDict, model_validator
+from langchain_core.utils import secret_from_env
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ..config import BlendConfig
 from ..engines import Engine, Generation, load_engine
@@ -96,20 +97,33 @@ class _BlendModel(BaseModel):
     seed: int | None = None
     stop: list[str] | None = None  # default stop sequences, extended by each call's
     timeout: float | None = None  # seconds; the HTTP timeout of the "server" backend
+    base_url: str | None = None  # a blend server's URL: the "server" backend, no model= needed
+    # the key of a server started with --api-key (default: $BLEND_API_KEY)
+    api_key: SecretStr | None = Field(default_factory=secret_from_env("BLEND_API_KEY", default=None))
 
     @model_validator(mode="after")
     def _load(self):
+        if self.base_url is not None:
+            if "backend" in self.model_fields_set and self.backend != "server":
+                raise ValueError(f"base_url= is a blend server's URL, for backend='server', not {self.backend!r}")
+            self.backend = "server"
         if self.engine is None:
-            if self.model is None:
-                raise ValueError("give model= (a local path, hub id or server URL) or engine= (a loaded Engine)")
+            target = self.base_url or self.model
+            if target is None:
+                raise ValueError("give model= (a local path, hub id or server URL), base_url= (a blend server's URL) "
+                                 "or engine= (a loaded Engine)")
             store = self.store
             kwargs = dict(self.engine_kwargs)
             if self.backend == "server":
                 if self.timeout is not None:
                     kwargs.setdefault("timeout_s", self.timeout)
+                if self.api_key is not None:
+                    kwargs.setdefault("api_key", self.api_key.get_secret_value())
+            elif "api_key" in self.model_fields_set:
+                raise ValueError(f"api_key= is the key of a blend server (backend='server'), not of {self.backend!r}")
             elif store is None:
                 store = ChunkStore(self.store_path)
-            self.engine = load_engine(self.model, backend=self.backend, store=store,
+            self.engine = load_engine(target, backend=self.backend, store=store,
                                       config=self.config or BlendConfig(), **kwargs)
         elif not isinstance(self.engine, Engine):
             raise ValueError(f"engine must be a blend_integrations Engine, got {type(self.engine).__name__}")

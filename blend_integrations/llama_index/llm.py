@@ -63,19 +63,33 @@ class BlendLLM(LLM):
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
+    base_url: str | None = Field(default=None, description="a blend server's URL: the server backend, no model= needed")
+    api_key: str | None = Field(default=None, exclude=True, repr=False,
+                                description="the key of a server started with --api-key (default: $BLEND_API_KEY)")
 
     _engine: Engine = PrivateAttr()
 
     def __init__(self, model: str | None = None, *, engine: Engine | None = None, store: ChunkStore | None = None,
                  config: BlendConfig | None = None, **kwargs: Any) -> None:
         super().__init__(model=model, **kwargs)
+        if self.base_url is not None:
+            if "backend" in self.model_fields_set and self.backend != "server":
+                raise ValueError(f"base_url= is a blend server's URL, for backend='server', not {self.backend!r}")
+            self.backend = "server"
         if engine is None:
-            if model is None:
-                raise ValueError("give model= (a local path, hub id or server URL) or engine= (a loaded Engine)")
-            if store is None and self.backend != "server":  # a server keeps its own store
+            target = self.base_url or model
+            if target is None:
+                raise ValueError("give model= (a local path, hub id or server URL), base_url= (a blend server's URL) "
+                                 "or engine= (a loaded Engine)")
+            kwargs = dict(self.engine_kwargs)
+            if self.backend == "server":
+                if self.api_key is not None:
+                    kwargs.setdefault("api_key", self.api_key)
+            elif self.api_key is not None:
+                raise ValueError(f"api_key= is the key of a blend server (backend='server'), not of {self.backend!r}")
+            elif store is None:  # a server keeps its own store
                 store = ChunkStore(self.store_path)
-            engine = load_engine(model, backend=self.backend, store=store, config=config or BlendConfig(),
-                                 **self.engine_kwargs)
+            engine = load_engine(target, backend=self.backend, store=store, config=config or BlendConfig(), **kwargs)
         elif not isinstance(engine, Engine):
             raise ValueError(f"engine must be a blend_integrations Engine, got {type(engine).__name__}")
         self._engine = engine

@@ -1,0 +1,181 @@
+"""What a request tells the blend connector, the rules it must follow, and what comes back.
+
+A request to the vLLM engine (embedded, or served by ``python -m
+blend_integrations.serve``) carries ``kv_transfer_params = {"blend": {...}}``:
+
+- ``mode``: "blend" or "reuse" ("full": not blended);
+- ``chunk_spans``: ``[[start, end], ...]``, where each chunk lies in the
+  prompt's tokens (end exclusive), with ``num_tokens`` (default: the last
+  end): the tokens the blend pass computes; vLLM computes the rest;
+- or, for callers that have only text, ``separator``: the chunks are the
+  pieces between separators in the prompt's tokens;
+- ``ratio``: the recompute ratio, or null for the engine's.
+
+``parse_blend_params`` holds the rules, and every reader calls it: the
+server's HTTP edge (a broken rule is an HTTP 400), the connector's scheduler
+side (the request is computed in full and its response says why), the
+embedded engine and the server client (a ``PromptError`` before sending).
+The connector answers in the finished request's ``kv_transfer_params``:
+``"blend"`` (usage counts), ``"blend_loading"`` (the loading controller's
+decisions, when it ran) and ``"blend_fallback"`` (why the prompt was computed
+in full instead of blended, when it was).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import MODES, check_mode, check_ratio
+from ..fusion.controller import LoadingStats
+from ..prompt import PromptError, check_chunk_spans
+from .base import Request
+
+FIELDS = ("mode", "ratio", "chunk_spans", "num_tokens", "separator")
+MAX_CHUNKS = 1024  # chunk spans per request: each is a store lookup on the scheduler
+MAX_SEPARATOR_CHARS = 256  # the scheduler tokenizes the separator
+
+
+class BlendParamsError(PromptError):
+    """Blend parameters that break a rule; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class BlendParams:
+    """Checked blend parameters. Either ``chunk_spans`` and ``num_tokens`` are
+    set, or ``separator`` (until the connector finds the spans)."""
+
+    mode: str
+    ratio: float | None = None
+    chunk_spans: tuple[tuple[int, int], ...] | None = None
+    num_tokens: int | None = None
+    separator: str | None = None
+
+    def with_spans(self, spans: list[tuple[int, int]], prompt_len: int) -> "BlendParams":
+        """The separator's chunks, found in the prompt's tokens, checked as if sent."""
+        return parse_blend_params({"mode": self.mode, "ratio": self.ratio, "chunk_spans": spans}, prompt_len)
+
+
+def _field(name: str) -> str:
+    return f"kv_transfer_params.blend.{name}"
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
+    """``kv_transfer_params["blend"]`` checked against the rules, or a
+    ``BlendParamsError`` that names the field and the rule it breaks.
+    ``prompt_len``: the prompt's number of tokens, where it is known (the
+    span and ``num_tokens`` rules that need it are checked then)."""
+    if not isinstance(raw, dict):
+        raise BlendParamsError(
+            f"kv_transfer_params.blend must be an object with mode and chunk_spans (or separator), "
+            f"got {type(raw).__name__}", "kv_transfer_params.blend")
+    unknown = sorted(str(k) for k in raw if k not in FIELDS)
+    if unknown:
+        raise BlendParamsError(
+            f"kv_transfer_params.blend has unknown field(s) {', '.join(repr(k[:40]) for k in unknown[:5])}; "
+            f"the fields are {', '.join(FIELDS)}", "kv_transfer_params.blend")
+    if "mode" not in raw:
+        raise BlendParamsError(f"{_field('mode')} is missing; it must be one of {', '.join(MODES)}", _field("mode"))
+    try:
+        mode = check_mode(raw["mode"], name=_field("mode"))
+    except ValueError as exc:
+        raise BlendParamsError(str(exc), _field("mode")) from None
+    try:
+        ratio = None if raw.get("ratio") is None else check_ratio(raw["ratio"], name=_field("ratio"))
+    except ValueError as exc:
+        raise BlendParamsError(str(exc), _field("ratio")) from None
+    spans, separator, num_tokens = raw.get("chunk_spans"), raw.get("separator"), raw.get("num_tokens")
+    if separator is not None:
+        if spans is not None or num_tokens is not None:
+            raise BlendParamsError(
+                f"give {_field('chunk_spans')} (with num_tokens) or {_field('separator')}, not both: "
+                "with a separator the server finds the chunks itself", _field("separator"))
+        if not isinstance(separator, str) or not separator or len(separator) > MAX_SEPARATOR_CHARS:
+            raise BlendParamsError(
+                f"{_field('separator')} must be a non-empty string of at most {MAX_SEPARATOR_CHARS} characters, "
+                f"got {separator!r:.60}", _field("separator"))
+        return BlendParams(mode, ratio, separator=separator)
+    if spans is None:
+        raise BlendParamsError(
+            f"kv_transfer_params.blend needs chunk_spans (where each chunk lies in the prompt's tokens) or "
+            "separator (the text between chunks)", _field("chunk_spans"))
+    if isinstance(spans, list) and not spans:
+        raise BlendParamsError(
+            f"{_field('chunk_spans')} is empty: send no kv_transfer_params.blend for a prompt without chunks",
+            _field("chunk_spans"))
+    if isinstance(spans, list) and len(spans) > MAX_CHUNKS:
+        raise BlendParamsError(f"{_field('chunk_spans')} has {len(spans)} spans; at most {MAX_CHUNKS} are allowed",
+                               _field("chunk_spans"))
+    if num_tokens is not None and (not _int(num_tokens) or num_tokens < 1):
+        raise BlendParamsError(f"{_field('num_tokens')} must be a positive integer, got {num_tokens!r:.60}",
+                               _field("num_tokens"))
+    if prompt_len is not None and num_tokens is not None and num_tokens >= prompt_len:
+        raise BlendParamsError(
+            f"{_field('num_tokens')} is {num_tokens} but the prompt has {prompt_len} tokens: vLLM computes at least "
+            "the prompt's last token itself, so num_tokens must be below the prompt's length", _field("num_tokens"))
+    # Spans end by num_tokens when it is given; otherwise num_tokens is their end,
+    # which must leave the prompt's last token to vLLM.
+    limit = num_tokens if num_tokens is not None else (prompt_len - 1 if prompt_len is not None else sys.maxsize)
+    try:
+        checked = check_chunk_spans(spans, limit, name=_field("chunk_spans"),
+                                    limit_name=f"num_tokens ({num_tokens})" if num_tokens is not None else
+                                    f"{limit} (the prompt has {prompt_len} tokens, and vLLM computes the last one itself)")
+    except PromptError as exc:
+        raise BlendParamsError(str(exc), _field("chunk_spans")) from None
+    return BlendParams(mode, ratio, tuple(checked), num_tokens if num_tokens is not None else checked[-1][1])
+
+
+def blend_params_of(kv_transfer_params: Any, prompt_len: int | None = None) -> BlendParams | None:
+    """The checked blend parameters of a request's ``kv_transfer_params``;
+    None when it has none (the request is not blended)."""
+    if not isinstance(kv_transfer_params, dict) or "blend" not in kv_transfer_params:
+        return None
+    return parse_blend_params(kv_transfer_params["blend"], prompt_len)
+
+
+def kv_transfer_params(req: Request) -> dict | None:
+    """What a request tells the blend connector (embedded or over HTTP),
+    checked by the same rules as on the server; None for a request with
+    nothing to blend. Everything up to the end of the last chunk is blended;
+    vLLM computes the rest, at least the last token, whose logits it samples from."""
+    tp = req.prompt
+    if req.mode == "full" or not tp.chunk_spans:
+        return None
+    if tp.chunk_spans[-1][1] >= len(tp):
+        raise PromptError(
+            f"the prompt ends with chunk {len(tp.chunk_spans) - 1}: vLLM computes the prompt's last token itself, "
+            "so at least one token must follow the last chunk (a suffix, or a non-empty separator)"
+        )
+    blend = {"mode": req.mode, "ratio": req.recompute_ratio, "chunk_spans": [list(s) for s in tp.chunk_spans],
+             "num_tokens": tp.chunk_spans[-1][1]}
+    parse_blend_params(blend, len(tp))
+    return {"blend": blend}
+
+
+def not_blended(reason: str) -> dict:
+    """The connector's answer for a request computed in full instead of blended."""
+    from ..fusion import planned_usage
+
+    return {"blend": planned_usage([], [], mode="full", ratio=0.0, sink_tokens=0), "blend_fallback": reason}
+
+
+def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str | None]:
+    """What the blend connector returned in a finished request's
+    ``kv_transfer_params``: its usage counts (``Usage`` fields), the loading
+    controller's decisions when it ran, and why the prompt was computed in
+    full instead of blended, if it was."""
+    params = params or {}
+    loading = params.get("blend_loading")
+    return (params.get("blend") or {}, LoadingStats(**loading) if loading else None,
+            params.get("blend_fallback"))
+
+

@@ -1,0 +1,58 @@
+"""Fault injection for the tests: a vLLM worker extension (``worker_extension_cls``)
+that can make the blend pass of chosen requests fail for real, inside the worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from blend_integrations.engines import vllm_connector
+from blend_integrations.engines.vllm_connector import BlendConnector, BlendWorkerExtension
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(f"{record.levelname} {record.getMessage()}")
+
+
+_records = _Records()
+
+
+class FaultInjection(BlendWorkerExtension):
+    def blend_fail_on(self, chunk_ids: list[int] | None) -> None:
+        """From now on, the blend pass of a prompt that holds ``chunk_ids`` fails
+        half-way: it writes the KV of other tokens (the prompt reversed) into
+        the request's blocks, then runs out of memory. None: no more faults."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        connector = get_kv_transfer_group()
+        connector.__dict__.pop("_run", None)
+        logger = logging.getLogger(vllm_connector.__name__)
+        logger.removeHandler(_records)
+        if chunk_ids is None:
+            return
+        _records.messages.clear()
+        logger.addHandler(_records)  # every record of the connector, the scheduler side's too
+
+        def failing(job, forward_context):
+            if not _holds(job.token_ids, list(chunk_ids)):
+                return BlendConnector._run(connector, job, forward_context)
+            BlendConnector._run(connector, dataclasses.replace(job, token_ids=job.token_ids[::-1], mode="full"),
+                                forward_context)
+            raise torch.OutOfMemoryError("injected fault: out of memory in the blend pass")
+
+        connector._run = failing
+
+    def blend_fault_log(self) -> list[str]:
+        """What the connector logged since faults were switched on."""
+        return list(_records.messages)
