@@ -250,6 +250,22 @@ def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, ca
     assert '"store_remote": null' in capsys.readouterr().out
 
 
+def test_serve_checks_requests_and_keeps_its_key_off_the_command_line(tmp_path, monkeypatch, capsys):
+    from blend_integrations import serve
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    serve.main(["some/model", "--store", str(tmp_path), "--api-key", "s3cret", "--print", "--port", "8000"])
+    words = shlex.split(capsys.readouterr().out)
+    cmd = words[words.index("-m") - 1:]
+    assert "VLLM_API_KEY=s3cret" in words[: words.index("-m") - 1] and "s3cret" not in " ".join(cmd)
+    assert cmd[cmd.index("--middleware") + 1] == "blend_integrations.serve.CheckBlendParams"
+    transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert transfer["kv_load_failure_policy"] == "recompute"  # a failed blend pass is recomputed, not fatal
+    with pytest.raises(SystemExit):
+        serve.main(["some/model", "--api-key", "", "--print"])
+    assert "--api-key must not be empty" in capsys.readouterr().err
+
+
 # -- no request can take the engine down -----------------------------------------
 
 

@@ -414,7 +414,11 @@ def main(argv=None) -> None:
         with BlendServer(model, store=work / "store", log=work / "server.log",
                          args=["--max-model-len", "2048", "--kv-cache-gib", "1"]) as server_proc:
             report = run(server_proc.url, cases=args.cases, seed=args.seed)
-        server = "a server started on a 4-layer random-weight Llama (hidden 128), vLLM CPU"
+        import os
+        import vllm
+
+        server = (f"a server it started on a 4-layer random-weight Llama (hidden 128, float32), vLLM {vllm.__version__} "
+                  f"CPU build, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')}")
     text = render(report)
     print(text)
     if args.out:
