@@ -27,6 +27,7 @@ bench: install
 	$(PY) -m blend_integrations.bench store
 	$(PY) -m blend_integrations.bench vllm
 	$(PY) -m blend_integrations.bench quality
+	$(PY) -m blend_integrations.bench fuzz
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -60,7 +60,10 @@ class _ChatBlendSettings:
 
 
 class TestChatBlendStandardUnit(_ChatBlendSettings, ChatModelUnitTests):
-    pass
+    @property
+    def init_from_env_params(self):
+        # a blend server's key comes from $BLEND_API_KEY, as other providers' keys from theirs
+        return {"BLEND_API_KEY": "from-the-environment"}, self.chat_model_params, {"api_key": "from-the-environment"}
 
 
 class TestChatBlendStandardIntegration(_ChatBlendSettings, ChatModelIntegrationTests):

@@ -1,8 +1,10 @@
 """Benchmarks: ``python -m blend_integrations.bench <part>``."""
 
 import argparse
+import json
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 from ..prompt import BlendPrompt
 
@@ -34,3 +36,16 @@ def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendProm
         return BlendPrompt(prefix, order, suffix)
 
     return prompt
+
+
+def write_results(out: str | Path, part: str, title: str, text: str, report: dict, *, command: str | None = None,
+                  extra: str = "") -> Path:
+    """A part's results under ``out``: ``{part}.json`` (the report) and
+    ``{part}.md`` (title, the command that made it, the rendered text)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{part}.json").write_text(json.dumps(report, indent=2) + "\n")
+    command = command or f"`make bench` (or `python -m blend_integrations.bench {part}`)."
+    (out / f"{part}.md").write_text(f"# {title}\n\nCommand: {command}\n\n{text}\n{extra}")
+    print(f"\nwritten: {out / (part + '.md')}, {out / (part + '.json')}")
+    return out

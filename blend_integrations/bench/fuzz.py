@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ..engines.blend_params import MAX_CHUNKS, BlendParamsError, parse_blend_params
 from ..local_models import sample_text
+from . import write_results
 
 
 @dataclass(frozen=True)
@@ -347,7 +348,7 @@ def run(url: str, *, cases: int = 240, seed: int = 0, api_key: str | None = None
         if outcome == "violation":
             violations.append({"kind": case.kind, "body": case.body[:300].decode(errors="replace"), "answer": why})
         else:
-            reasons[re.sub(r"\d+", "N", why)[:100]] += 1  # grouped: numbers differ from case to case
+            reasons[re.sub(r"(?<!token )-?\d+", "N", why)[:100]] += 1  # grouped: numbers differ from case to case
     after = [_tokens(*http.send("/v1/completions", _dumps(body))) for body in good_bodies]
     status, _ = http.send("/health")
     return {
@@ -422,13 +423,8 @@ def main(argv=None) -> None:
     text = render(report)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "fuzz.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "fuzz.md").write_text(
-            "# Server fuzzing: malformed blend parameters\n\n"
-            "Command: `python -m blend_integrations.bench fuzz` (`tests/test_fuzz_server.py` runs the same on the "
-            f"test server).\n\nServer: {server}.\n\n" + text + "\n")
-        print(f"\nwritten: {out / 'fuzz.md'}, {out / 'fuzz.json'}")
+        write_results(args.out, "fuzz", "Server fuzzing: malformed blend parameters", f"Server: {server}.\n\n{text}",
+                      report, command="`python -m blend_integrations.bench fuzz` (`test_fuzzing_never_takes_the_server_down` "
+                      "in `tests/test_server.py` runs the same on the test server, behind its API key).")
     if not passed(report):
         raise SystemExit("the server failed the fuzzing: see the violations above")

@@ -29,7 +29,7 @@ from ..engines import load_engine
 from ..local_models import cached_model_dir
 from ..store import ChunkStore
 from ..store.layered import LayerReader
-from . import add_model_arguments, shuffled_prompts
+from . import add_model_arguments, shuffled_prompts, write_results
 from .redis_server import RedisServer
 from .ttft import make_chunks
 
@@ -228,14 +228,8 @@ def main(argv=None) -> None:
     table = render(report)
     print(table)
     if out:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "store.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "store.md").write_text(
-            "# Chunk store tiers: read bandwidth, time to first token, the loading controller\n\n"
-            "Command: `make bench` (or `python -m blend_integrations.bench store`).\n\n" + table + "\n"
-        )
-        print(f"\nwritten: {out / 'store.md'}, {out / 'store.json'}")
+        write_results(out, "store", "Chunk store tiers: read bandwidth, time to first token, the loading controller",
+                      table, report)
     if args.json:
         print(json.dumps(report))
 

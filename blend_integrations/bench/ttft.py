@@ -11,7 +11,6 @@ actually used: ``1 / ((c + (L - c) * |R| / N) / L)``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -24,7 +23,7 @@ from ..config import BlendConfig
 from ..engines import load_engine
 from ..local_models import cached_model_dir, sample_text
 from ..store import ChunkStore
-from . import add_model_arguments, shuffled_prompts
+from . import add_model_arguments, shuffled_prompts, write_results
 
 
 def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -176,16 +175,9 @@ def main(argv=None) -> None:
     table = render(report)
     print(table)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "ttft.json").write_text(json.dumps(report, indent=2) + "\n")
+        out = write_results(args.out, "ttft", "Time to first token: full prefill vs reuse vs blend", table, report,
+                            extra="\n![TTFT per mode, and speedup against the computed share](ttft.png)\n")
         plot(report, out / "ttft.png")
-        (out / "ttft.md").write_text(
-            "# Time to first token: full prefill vs reuse vs blend\n\n"
-            "Command: `make bench` (or `python -m blend_integrations.bench ttft`).\n\n" + table + "\n"
-            "\n![TTFT per mode, and speedup against the computed share](ttft.png)\n"
-        )
-        print(f"\nwritten: {out / 'ttft.md'}, {out / 'ttft.json'}, {out / 'ttft.png'}")
 
 
 if __name__ == "__main__":

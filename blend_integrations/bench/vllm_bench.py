@@ -13,18 +13,17 @@ One run, one machine, the 16-layer model of the TTFT benchmark:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 from ..engines import load_engine
 from ..local_models import cached_model_dir
 from ..prompt import BlendPrompt, tokenize_prompt
 from ..store import ChunkStore
+from . import write_results
 from .ttft import make_chunks
 
 PREFIX = "You are a helpful assistant. Answer from the documents."
@@ -165,10 +164,4 @@ def main(argv=None) -> None:
     text = render(report)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "vllm.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "vllm.md").write_text(
-            "# vLLM engine: TTFT and throughput\n\nCommand: `make bench` (or `python -m blend_integrations.bench vllm`).\n\n"
-            + text + "\n")
-        print(f"\nwritten: {out / 'vllm.md'}, {out / 'vllm.json'}")
+        write_results(args.out, "vllm", "vLLM engine: TTFT and throughput", text, report)

@@ -106,7 +106,7 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
         return BlendParams(mode, ratio, separator=separator)
     if spans is None:
         raise BlendParamsError(
-            f"kv_transfer_params.blend needs chunk_spans (where each chunk lies in the prompt's tokens) or "
+            "kv_transfer_params.blend needs chunk_spans (where each chunk lies in the prompt's tokens) or "
             "separator (the text between chunks)", _field("chunk_spans"))
     if isinstance(spans, list) and not spans:
         raise BlendParamsError(

@@ -308,19 +308,19 @@ class BlendConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, BlendConnectorMetadata):
             for job in meta.jobs:
+                if job.error is not None:  # the scheduler could not plan it, and logged why
+                    self._fail(job, job.error)
+                    continue
                 try:
-                    if job.error is not None:
-                        raise RuntimeError(job.error)
                     self._run(job, forward_context)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the engine
-                    self._fail(job, exc)
+                    why = f"the blend pass failed: {type(exc).__name__}: {exc}"
+                    logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
+                    self._fail(job, why)
 
-    def _fail(self, job: BlendJob, exc: Exception) -> None:
-        """A blend pass that failed: its blocks are reported as failed to load
-        (vLLM computes the request in full), and the scheduler is told why."""
-        why = job.error or f"the blend pass failed: {type(exc).__name__}: {exc}"
-        if job.error is None:  # a job the scheduler could not plan was logged there
-            logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
+    def _fail(self, job: BlendJob, why: str) -> None:
+        """Report the job's blocks as failed to load (vLLM then computes the
+        request in full), and tell the scheduler why."""
         self._failed[job.req_id] = why
         self._invalid_blocks.update(job.block_ids)
 

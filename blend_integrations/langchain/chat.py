@@ -119,9 +119,7 @@ class _BlendModel(BaseModel):
                     kwargs.setdefault("timeout_s", self.timeout)
                 if self.api_key is not None:
                     kwargs.setdefault("api_key", self.api_key.get_secret_value())
-            elif "api_key" in self.model_fields_set:
-                raise ValueError(f"api_key= is the key of a blend server (backend='server'), not of {self.backend!r}")
-            elif store is None:
+            elif store is None:  # (api_key is for a server; in-process engines ignore it, as local LangChain models do)
                 store = ChunkStore(self.store_path)
             self.engine = load_engine(target, backend=self.backend, store=store,
                                       config=self.config or BlendConfig(), **kwargs)

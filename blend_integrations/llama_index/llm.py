@@ -85,9 +85,7 @@ class BlendLLM(LLM):
             if self.backend == "server":
                 if self.api_key is not None:
                     kwargs.setdefault("api_key", self.api_key)
-            elif self.api_key is not None:
-                raise ValueError(f"api_key= is the key of a blend server (backend='server'), not of {self.backend!r}")
-            elif store is None:  # a server keeps its own store
+            elif store is None:  # a server keeps its own store (and in-process engines ignore api_key)
                 store = ChunkStore(self.store_path)
             engine = load_engine(target, backend=self.backend, store=store, config=config or BlendConfig(), **kwargs)
         elif not isinstance(engine, Engine):
