@@ -348,7 +348,7 @@ def run(url: str, *, cases: int = 240, seed: int = 0, api_key: str | None = None
         if outcome == "violation":
             violations.append({"kind": case.kind, "body": case.body[:300].decode(errors="replace"), "answer": why})
         else:
-            reasons[re.sub(r"(?<!token )-?\d+", "N", why)[:100]] += 1  # grouped: numbers differ from case to case
+            reasons[re.sub(r"(?<!token )\d+", "N", why)[:100]] += 1  # grouped: numbers differ from case to case
     after = [_tokens(*http.send("/v1/completions", _dumps(body))) for body in good_bodies]
     status, _ = http.send("/health")
     return {
