@@ -256,8 +256,10 @@ GENERATORS = [wrong_type, missing_field, non_finite, bad_span, huge_span_list, d
 
 
 def _surely_malformed(body: bytes, path: str) -> bool:
-    """Whether the rules refuse a generated body where its prompt's length is
-    known here (token ids); text, chat and unreadable bodies count as malformed by construction."""
+    """Whether a generated body cannot be blended: the rules refuse it where
+    its prompt's length is known here (token ids); text, chat and unreadable
+    bodies, and separators that never occur in the prompt, are malformed by
+    construction. A generator's draw that is valid after all is dropped."""
     try:
         data = json.loads(body)
         blend = data["kv_transfer_params"]["blend"]
@@ -268,13 +270,9 @@ def _surely_malformed(body: bytes, path: str) -> bool:
         return True
     lengths = [len(prompt)] if prompt and isinstance(prompt[0], int) else [len(x) for x in prompt]
     try:
-        for n in lengths:
-            params = parse_blend_params(blend, n)
-            if params.separator is not None and path == "/v1/completions" and not isinstance(prompt[0], list):
-                return True  # a separator that never occurs in token ids made of text: not blended, says why
+        return any(parse_blend_params(blend, n).separator is not None for n in lengths)
     except BlendParamsError:
         return True
-    return False
 
 
 def malformed_cases(rng: random.Random, model: str, prompts: list[Prompt], n: int) -> list[Case]:
