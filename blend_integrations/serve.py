@@ -37,6 +37,8 @@ from typing import Any
 from .config import BlendConfig
 from .engines.blend_params import BlendParamsError, parse_blend_params
 from .engines.vllm_engine import blend_engine_args, blend_engine_env
+from .models.checkpoint import resolve_model_dir
+from .models.gguf import gguf_file
 from .store import ChunkStore
 
 MIDDLEWARE = "blend_integrations.serve.CheckBlendParams"
@@ -177,7 +179,7 @@ class CheckBlendParams:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m blend_integrations.serve", description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="local checkpoint directory or hub id")
+    parser.add_argument("model", help="local checkpoint directory, .gguf file, or hub id")
     parser.add_argument("--store", help="chunk store directory (default: $BLEND_STORE_PATH or the user cache)")
     parser.add_argument("--store-remote", metavar="URL",
                         help="Redis URL of the store's shared tier (default: $BLEND_STORE_REMOTE; '' for none)")
@@ -189,8 +191,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $VLLM_API_KEY, else none)")
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, extra = parser.parse_known_args(argv)
+    # A GGUF file is served from its converted checkpoint, the one every engine and the chunk keys use.
+    model = resolve_model_dir(args.model) if gguf_file(args.model) is not None else args.model
     with ChunkStore(args.store, remote=args.store_remote) as store:
-        cmd = serve_command(args.model, store=store, max_model_len=args.max_model_len,
+        cmd = serve_command(model, store=store, max_model_len=args.max_model_len,
                             config=BlendConfig(recompute_ratio=args.recompute_ratio), dtype=args.dtype, extra=extra)
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib)),
                **blend_engine_env(store)}

@@ -217,13 +217,15 @@ def test_quality_bench_quick(short_runs):
     table = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"full", "reuse", "prefix", "blend@0.05", "blend@0.10", "blend@0.15", "blend@0.30",
             "blend@0.15 k-deviation", "blend@0.15 gradual", "blend@0.15 sink4"} == set(table)
+    accuracy = {f"{m}_{h}hop" for m in ("em", "f1", "contains") for h in (1, 2)} | {"agree"}
     for metrics in table.values():
-        assert set(metrics) == {"em_1hop", "em_2hop", "f1_1hop", "f1_2hop", "kl"}
-        assert all(0.0 <= metrics[k] <= 1.0 for k in ("em_1hop", "em_2hop", "f1_1hop", "f1_2hop"))
+        assert set(metrics) == accuracy | {"kl"}
+        assert all(0.0 <= metrics[k] <= 1.0 for k in accuracy)
         assert metrics["kl"] >= -1e-6
-    assert table["full"]["kl"] == 0.0
+    assert table["full"]["kl"] == 0.0 and table["full"]["agree"] == 1.0
     # a prefix cache holds exactly what full prefill computes
     assert table["prefix"]["kl"] < 1e-4 and table["prefix"]["f1_1hop"] == table["full"]["f1_1hop"]
+    assert table["prefix"]["agree"] == 1.0
     assert "quality" in (ROOT / "Makefile").read_text().split("bench:")[1].split("\n\n")[0]
 
 

@@ -17,27 +17,13 @@ import torch
 from ..config import BlendConfig
 from ..fusion import Blender, KVCache, forward
 from ..models import HFDecoder, check_supported
+from ..models.checkpoint import resolve_model_dir
 from ..prompt import TextOrIds, bos_id_added
 from ..store import ChunkKV, ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage
 from .decoding import TextAssembler, sample, top_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model_dir(model: str | os.PathLike) -> str:
-    """A local checkpoint directory for a path or a hub id (from the local
-    hub cache, downloading if allowed): one loading path for both."""
-    if os.path.isdir(model):
-        return str(model)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(repo_id=str(model))
-    except Exception as exc:  # hub unreachable, unknown repo, offline and not cached
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local directory nor a hub id that can be resolved: {exc}"
-        ) from exc
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

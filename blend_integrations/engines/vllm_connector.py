@@ -130,7 +130,7 @@ def _tokenizer(name: str):
 @functools.lru_cache(maxsize=4)
 def _model_identity(model: str, tokenizer: str) -> tuple[str, int | None]:
     """(checkpoint fingerprint, BOS id the tokenizer adds) for a served model."""
-    from .transformers_engine import resolve_model_dir
+    from ..models.checkpoint import resolve_model_dir
 
     return model_fingerprint(resolve_model_dir(model)), bos_id_added(_tokenizer(tokenizer))
 

@@ -24,7 +24,7 @@ from ..store import REMOTE_ENV, ChunkStore, model_fingerprint
 from ..store.redis_tier import redact
 from .base import Engine, Generation, GenerationStream, Request, Usage
 from .blend_params import blend_results, kv_transfer_params
-from .transformers_engine import resolve_model_dir
+from ..models.checkpoint import resolve_model_dir
 
 # vLLM's connector API changes between releases; this is the tested range.
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33

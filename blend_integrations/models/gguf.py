@@ -1,0 +1,117 @@
+"""GGUF checkpoints (llama.cpp's format) as model inputs.
+
+A ``.gguf`` file (or a directory holding one) is dequantized once into a
+float32 safetensors checkpoint with its tokenizer and chat template, in the
+user cache under the file's SHA-256. Every engine, the server and the chunk
+keys then read that one directory, so they all see the same weights. Needs
+the ``gguf`` extra (the ``gguf`` and ``accelerate`` packages, which
+transformers' GGUF loader uses).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .hf import check_supported
+
+MAGIC = b"GGUF"
+CACHE = Path.home() / ".cache" / "blend_integrations" / "gguf"
+DONE = "blend-gguf.json"  # written last: a directory without it is an unfinished conversion
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read or converted."""
+
+
+def gguf_file(path: str | os.PathLike) -> Path | None:
+    """The GGUF file that ``path`` names: the file itself, or the one ``.gguf``
+    file of a directory without a ``config.json``; None for anything else."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise GGUFError(f"{str(path)!r} holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); "
+                            "pass the path of the one to load")
+        return found[0] if found else None
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_header(path: Path) -> None:
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != MAGIC:
+        raise GGUFError(f"{str(path)!r} is not a GGUF file: it does not start with {MAGIC!r} (got {head[:4]!r})")
+
+
+def converted_dir(path: str | os.PathLike, *, cache: str | os.PathLike | None = None) -> Path:
+    """The safetensors checkpoint of the GGUF file at ``path``, converting it
+    the first time; later calls (any process) reuse the conversion. Raises
+    ``GGUFError`` for a file that is not a readable GGUF, and
+    ``UnsupportedModelError`` for an architecture without a blend adapter,
+    before any dequantizing."""
+    source = gguf_file(path)
+    if source is None:
+        raise GGUFError(f"{str(path)!r} is not a .gguf file nor a directory holding one")
+    _check_header(source)
+    digest = _sha256(source)
+    out = Path(cache or CACHE) / digest[:32]
+    if (out / DONE).is_file():
+        return out
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        import gguf  # noqa: F401 - transformers' loader needs it; say which extra to install
+        import accelerate  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"loading a GGUF checkpoint needs the gguf extra: pip install 'blend_integrations[gguf]' "
+                          f"({exc})") from exc
+    folder, name = str(source.parent), source.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # truncated or damaged metadata, an unknown architecture
+        raise GGUFError(f"{str(source)!r} is not a readable GGUF checkpoint: {type(exc).__name__}: {exc}") from exc
+    check_supported(config)
+    import torch
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except Exception as exc:  # truncated or damaged tensor data
+            raise GGUFError(f"{str(source)!r} is not a readable GGUF checkpoint: {type(exc).__name__}: {exc}") from exc
+        # A GGUF load leaves a quantizer that refuses to save; the weights are plain float32 now.
+        model.hf_quantizer = None
+        for holder in (model.config, getattr(model.config, "text_config", None)):
+            if holder is not None and hasattr(holder, "quantization_config"):
+                delattr(holder, "quantization_config")
+        model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        (work / DONE).write_text(json.dumps({"gguf": name, "sha256": digest, "bytes": source.stat().st_size}) + "\n")
+        for f in work.iterdir():  # readable by every user of a shared cache, as the model cache is
+            f.chmod(0o644)
+        work.chmod(0o755)
+        try:
+            work.rename(out)
+        except OSError:  # another process finished first: use its conversion
+            if not (out / DONE).is_file():
+                shutil.rmtree(out, ignore_errors=True)
+                work.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
