@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -256,3 +257,31 @@ def test_diagnose_reports_the_circuit(short_runs, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "blend_integrations.quality.diagnose", str(tmp_path)],
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "holds no model (config.json is missing)" in bad.stderr
+
+
+def test_drift_measures_what_context_changes(capsys):
+    """The drift bench's measurement: a chunk computed after the prompt's own
+    prefix has the prompt's values exactly; computed alone it drifts, except at
+    layer 0, whose values see only the token itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from blend_integrations.bench import drift
+    from blend_integrations.chat import rag_prompt
+    from blend_integrations.quality import reader_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(reader_model_dir()))
+    model = AutoModelForCausalLM.from_pretrained(str(reader_model_dir()), dtype=torch.float32).eval()
+    example = make_example(random.Random(5), hops=1, n_docs=(3, 3), doc_tokens=(30, 40))
+    tp = rag_prompt(example.documents, example.question, tokenizer, "\n\n")
+    (start, end), ids = tp.chunk_spans[0], tp.token_ids
+    in_place = drift.chunk_drift(model, ids, [(start, end)], ids[:start])
+    assert max(float(d.max()) for d in in_place) < 1e-4
+    alone = drift.chunk_drift(model, ids, tp.chunk_spans, drift.recipes(tokenizer)["as stored (BOS)"])
+    assert len(alone) == model.config.num_hidden_layers and len(alone[0]) == sum(e - s for s, e in tp.chunk_spans)
+    assert float(alone[0].max()) < 1e-4  # layer 0: no context yet
+    assert float(alone[-1].mean()) > 0.01  # later layers: the documents before each chunk change its values
+
+    drift.main(["--quick", "--model", "reader"])
+    table = capsys.readouterr().out.split("| words per document |")[1]
+    assert table.count("as stored (BOS)") == 2  # the two shortest lengths

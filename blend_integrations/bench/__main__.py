@@ -1,11 +1,11 @@
-"""``python -m blend_integrations.bench [ttft|store|vllm|quality|fuzz] [options]``; no part runs them all."""
+"""``python -m blend_integrations.bench [ttft|store|vllm|quality|fuzz|drift] [options]``; no part runs them all."""
 
 import sys
 
-from . import fuzz, quality, store, ttft, vllm_bench
+from . import drift, fuzz, quality, store, ttft, vllm_bench
 
 PARTS = {"ttft": ttft.main, "store": store.main, "vllm": vllm_bench.main, "quality": quality.main,
-         "fuzz": fuzz.main}
+         "fuzz": fuzz.main, "drift": drift.main}
 
 
 def main() -> None:  # vLLM starts processes: keep the entry under the __main__ guard below
