@@ -35,7 +35,7 @@ from ..config import BlendConfig
 from ..prompt import bos_id_added
 from ..quality.data import make_examples
 from . import write_results
-from .quality import HELD_OUT_SEED, RESULTS, model_and_task, model_label
+from .quality import HELD_OUT_SEED, RESULTS, model_and_task
 
 LENGTHS = ((20, 40), (80, 120), (230, 270), (450, 550))  # words per document, as the quality bench draws them
 HEAD = 4  # a chunk's first tokens: where its own attention sink sits when nothing comes before it
@@ -86,7 +86,7 @@ def run(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    model_dir, task = model_and_task(args.model)
+    model_dir, task, label = model_and_task(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     num_layers = model.config.num_hidden_layers
@@ -116,7 +116,7 @@ def run(args) -> dict:
             row["top15_share_mid"] = round(statistics.fmean(shares), 4)
             rows.append(row)
             print(row, flush=True)
-    config = {"model": model_label(model_dir), "layers": num_layers, "layers_shown": layers,
+    config = {"model": label, "layers": num_layers, "layers_shown": layers,
               "questions_per_length": args.questions, "documents": 6, "system_prompt": task.system,
               "seed": HELD_OUT_SEED + 1, "minutes": round((time.time() - started) / 60, 1),
               "date": time.strftime("%Y-%m-%d")}

@@ -42,6 +42,7 @@ from ..prompt import TokenizedPrompt
 from ..quality import reader_model_dir
 from ..quality.data import exact_match, make_examples, normalize, token_f1
 from ..store import ChunkStore
+from . import write_results
 
 
 @dataclass(frozen=True)
@@ -118,30 +119,22 @@ def prefix_cached(hf_model, tokenizer, tp: TokenizedPrompt, max_tokens: int) -> 
     return text, torch.log_softmax(out.scores[0][0].float(), dim=-1)
 
 
-def model_and_task(model: str | None) -> tuple[Path, Task]:
-    """The checkpoint directory and the task of ``--model``."""
+def model_and_task(model: str | None) -> tuple[Path, Task, str]:
+    """The checkpoint directory, the task and the label in the results of ``--model``."""
     if model in (None, "reader"):
-        return reader_model_dir(), TASKS["reader"]
+        return reader_model_dir(), TASKS["reader"], "blend_integrations/quality/reader"
     if model == "smollm2":
-        from ..models.smollm2 import smollm2_dir
+        from ..models.smollm2 import LABEL, smollm2_dir
 
-        return smollm2_dir(), TASKS["smollm2"]
-    return Path(model), TASKS["reader"]
-
-
-def model_label(model_dir: Path) -> str:
-    if model_dir == reader_model_dir():
-        return "blend_integrations/quality/reader"
-    from ..models.smollm2 import LABEL, smollm2_dir
-
-    return LABEL if model_dir == smollm2_dir() else str(model_dir)
+        return smollm2_dir(), TASKS["smollm2"], LABEL
+    return Path(model), TASKS["reader"], str(model)
 
 
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model_dir, task = model_and_task(args.model)
+    model_dir, task, label = model_and_task(args.model)
     args.max_tokens = args.max_tokens or task.max_tokens
     store = ChunkStore(tempfile.mkdtemp(prefix="blend-quality-store-"))
     modes = {name: spec for name, spec in MODES.items() if not args.modes or name in args.modes}
@@ -192,7 +185,7 @@ def run(args) -> dict:
                        for metric in ("em", "f1", "contains") for hops in (1, 2)}
         table[name] |= {"agree": mean([r["agree"] for r in rs]), "kl": mean([r["kl"] for r in rs])}
     config = {
-        "model": model_label(model_dir), "task": task.results, "accuracy": task.accuracy,
+        "model": label, "task": task.results, "accuracy": task.accuracy,
         "doc_tokens": list(task.doc_tokens), "system_prompt": task.system,
         "layers": engine.layers.num_layers, "questions": len(examples),
         "questions_1hop": sum(e.hops == 1 for e in examples), "questions_2hop": sum(e.hops == 2 for e in examples),
@@ -380,12 +373,10 @@ def main(argv: list[str] | None = None) -> None:
     print(defaults_note(report))
     if not args.quick:
         stem = report["config"]["task"]
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+        options = f" --model {args.model}" + (f" --questions {args.questions}" if args.questions != 300 else "")
+        write_results(RESULTS, stem, "Answer quality" + ("" if stem == "quality" else f": {report['config']['model']}"),
+                      text, report, command=f"`python -m blend_integrations.bench quality{options}`.",
+                      extra=defaults_note(report) + f"\n![Accuracy and first-token KL against the recompute ratio]({stem}.png)\n")
         plot(report, RESULTS / f"{stem}.png")
-        title = "Answer quality" + ("" if stem == "quality" else f": {report['config']['model']}")
-        (RESULTS / f"{stem}.md").write_text(
-            f"# {title}\n\nCommand: `python -m blend_integrations.bench quality --model {args.model}`.\n\n" + text
-            + "\n" + defaults_note(report) + f"\n![Accuracy and first-token KL against the recompute ratio]({stem}.png)\n")
     if args.json:
         print(json.dumps(report["modes"]))

