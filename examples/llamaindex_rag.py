@@ -7,9 +7,10 @@ statistics for full prefill against blend.
 
     python examples/llamaindex_rag.py [--model PATH_OR_HUB_ID] [--backend transformers|vllm] [--store DIR]
 
-Without --model it runs the bundled reader model (blend_integrations.quality:
-3.6 M parameters, trained in this repository to answer from its documents).
-The documents in examples/data come from blend_integrations.quality.data (seed 13).
+Without --model it runs SmolLM2-135M-Instruct (Apache-2.0), taken from the
+package index and converted once (blend_integrations.models.smollm2). The eight
+short documents in examples/data are made up for these examples: companies,
+their founders, and where each was born.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from local_embeddings import LlamaIndexMiniLM  # siblings: this folder is on sys.path
-from shared import parse_args, print_comparison
+from shared import default_model, parse_args, print_comparison
 
 from blend_integrations.llama_index import BlendKVWarmup, BlendLLM, as_blend_query_engine
-from blend_integrations.quality import reader_model_dir
 
 DATA = Path(__file__).parent / "data"
 
@@ -31,7 +31,7 @@ DATA = Path(__file__).parent / "data"
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
 
-    llm = BlendLLM(args.model or str(reader_model_dir()), backend=args.backend, store_path=args.store,
+    llm = BlendLLM(args.model or default_model(), backend=args.backend, store_path=args.store,
                    max_tokens=args.max_tokens)
     embed_model = LlamaIndexMiniLM()
     # Ingestion: split, embed, and compute every node's chunk KV once.
@@ -40,7 +40,7 @@ def main() -> None:
     nodes = pipeline.run(documents=SimpleDirectoryReader(str(DATA)).load_data(), show_progress=True)
     index = VectorStoreIndex(nodes, embed_model=embed_model)
 
-    question, expected = "Who founded Harbor Press?", "Ada Okafor"
+    question, expected = "In which city was Ada Okafor born?", "Brimford"
     full_engine = as_blend_query_engine(index, BlendLLM(engine=llm.engine, max_tokens=args.max_tokens, mode="full"),
                                         similarity_top_k=4)
     blend_engine = as_blend_query_engine(index, llm, similarity_top_k=4)

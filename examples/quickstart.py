@@ -2,18 +2,20 @@
 
     python examples/quickstart.py [--model PATH_OR_HUB_ID] [--store DIR]
 
-Without --model it runs the bundled reader model (blend_integrations.quality),
-trained in this repository to answer questions from the documents in its prompt.
-The documents and the question are generated (blend_integrations.quality.data).
+Without --model it runs SmolLM2-135M-Instruct, taken from the package index and
+converted once (blend_integrations.models.smollm2), on five of the documents in
+examples/data.
 """
 
 import argparse
-import random
 import tempfile
+from pathlib import Path
+
+from shared import default_model  # a sibling: this folder is on sys.path
 
 from blend_integrations import BlendConfig, ChunkStore, load_engine, rag_prompt
-from blend_integrations.quality import reader_model_dir
-from blend_integrations.quality.data import make_example
+
+DATA = Path(__file__).parent / "data"
 
 
 def main() -> None:
@@ -23,17 +25,19 @@ def main() -> None:
     args = parser.parse_args()
 
     store = ChunkStore(args.store or tempfile.mkdtemp(prefix="blend-store-"))
-    engine = load_engine(args.model or str(reader_model_dir()), store=store, config=BlendConfig())
+    engine = load_engine(args.model or default_model(), store=store, config=BlendConfig())
 
-    example = make_example(random.Random(7), hops=1, n_docs=(5, 5))  # five documents, one question
-    print("computed at warm-up:", engine.warm(example.documents), "chunks")
+    names = ["ada_okafor", "irene_tamm", "milan_yilmaz", "karl_dahl", "kestrel_glassworks"]
+    documents = [(DATA / f"{name}.txt").read_text() for name in names]
+    question, expected = "In which city was Ada Okafor born?", "Brimford"
+    print("computed at warm-up:", engine.warm(documents), "chunks")
 
     # the documents in another order than at warm-up: their KV is moved, and a few tokens recomputed
-    prompt = rag_prompt(example.documents[::-1], example.question, engine.tokenizer, engine.config.separator)
-    full = engine.generate(prompt, max_tokens=16, mode="full")
-    blend = engine.generate(prompt, max_tokens=16)
-    exact = engine.generate(prompt, max_tokens=16, recompute_ratio=1.0)
-    print(f"question: {example.question} (expected: {example.answer})")
+    prompt = rag_prompt(documents[::-1], question, engine.tokenizer, engine.config.separator)
+    full = engine.generate(prompt, max_tokens=24, mode="full")
+    blend = engine.generate(prompt, max_tokens=24)
+    exact = engine.generate(prompt, max_tokens=24, recompute_ratio=1.0)
+    print(f"question: {question} (expected: {expected})")
     print("blend:", repr(blend.text), blend.usage)
     print("full: ", repr(full.text))
     print("ratio 1.0 reproduces full prefill:", exact.token_ids == full.token_ids)

@@ -38,6 +38,16 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct's GGUF file, converted once per machine into the
+    user cache (``make install`` did it; else this does) and shared by every test."""
+    from blend_integrations.models.smollm2 import smollm2_dir, smollm2_gguf
+
+    smollm2_dir()
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
 def store(tmp_path_factory):
     s = ChunkStore(tmp_path_factory.mktemp("store"))
     yield s

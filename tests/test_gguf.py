@@ -24,15 +24,6 @@ QUESTION = "Who founded Harbor Press?"
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf():
-    """The GGUF file (``make install`` fetched and converted it; else this does, once)."""
-    from blend_integrations.models.smollm2 import smollm2_dir, smollm2_gguf
-
-    smollm2_dir()
-    return smollm2_gguf()
-
-
-@pytest.fixture(scope="session")
 def smollm2_full(smollm2_gguf, tmp_path_factory):
     """The transformers engine on SmolLM2 and its full-prefill answer to the question."""
     engine = load_engine(str(smollm2_gguf), store=ChunkStore(tmp_path_factory.mktemp("smollm2-store")), device="cpu")
