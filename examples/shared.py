@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from blend_integrations.quality.data import normalize
+from blend_integrations.quality.data import contains
 
 
 def default_model() -> str:
@@ -14,11 +14,6 @@ def default_model() -> str:
     from blend_integrations.models.smollm2 import smollm2_dir
 
     return str(smollm2_dir())
-
-
-def is_right(answer: str, expected: str) -> bool:
-    """A chat model answers in a sentence: right when the expected answer is in it."""
-    return normalize(expected) in normalize(answer)
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -45,5 +40,5 @@ def print_comparison(*, question: str, expected: str, retrieved: list[str], answ
           f"({stats['chunks_hit']}/{stats['chunks_hit'] + stats['chunks_missed']} chunks), "
           f"recomputed {stats['recomputed_tokens']}")
     print(f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)")
-    right = {name: is_right(answer, expected) for name, answer in (("blend", answer_blend), ("full", answer_full))}
+    right = {name: contains(answer, expected) == 1.0 for name, answer in (("blend", answer_blend), ("full", answer_full))}
     print(f"expected answer: {expected!r}; blend right: {right['blend']}, full right: {right['full']}")

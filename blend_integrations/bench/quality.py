@@ -40,7 +40,7 @@ from ..config import BlendConfig
 from ..engines import load_engine
 from ..prompt import TokenizedPrompt
 from ..quality import reader_model_dir
-from ..quality.data import exact_match, make_examples, normalize, token_f1
+from ..quality.data import contains, exact_match, make_examples, normalize, token_f1
 from ..store import ChunkStore
 from . import write_results
 
@@ -165,7 +165,7 @@ def run(args) -> dict:
                 reference = logp, normalize(text)
             rows[name].append({"hops": example.hops, "em": exact_match(text, example.answer),
                                "f1": token_f1(text, example.answer),
-                               "contains": float(normalize(example.answer) in normalize(text)), "logp": logp,
+                               "contains": contains(text, example.answer), "logp": logp,
                                "text": text})
         for name in modes:  # None: full prefill was not run
             row = rows[name][-1]

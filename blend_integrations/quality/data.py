@@ -269,6 +269,11 @@ def exact_match(prediction: str, answer: str) -> float:
     return float(normalize(prediction) == normalize(answer))
 
 
+def contains(prediction: str, answer: str) -> float:
+    """1.0 when the answer appears in the reply: chat models answer in a sentence."""
+    return float(normalize(answer) in normalize(prediction))
+
+
 def token_f1(prediction: str, answer: str) -> float:
     pred, gold = normalize(prediction).split(), normalize(answer).split()
     common = sum((Counter(pred) & Counter(gold)).values())
