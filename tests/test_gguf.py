@@ -93,31 +93,6 @@ def test_smollm2_blend_at_ratio_one_equals_full_prefill(smollm2_full):
     assert exact.usage.chunks_hit == 4 and exact.token_ids == full.token_ids
 
 
-def test_smollm2_chunks_are_computed_after_the_rag_head(smollm2_full):
-    """SmolLM2's tokenizer adds no BOS, so a chunk is computed after the RAG
-    head of its chat template (recipe v2): the first chunk of a RAG prompt,
-    which stands right after that head, gets exactly its in-prompt KV."""
-    import torch
-
-    from blend_integrations.chat import chunk_lead
-
-    engine, prompt, _ = smollm2_full
-    head = prompt.token_ids[: prompt.chunk_spans[0][0]]
-    assert engine.chunk_lead == chunk_lead(engine.tokenizer) == tuple(head)
-    assert engine.tokenizer.decode(head).startswith("<|im_start|>system\n")
-    assert chunk_lead(engine.tokenizer) != ()  # without a chat template there would be nothing before a chunk
-    (start, end), ids = prompt.chunk_spans[0], prompt.token_ids
-    stored = engine.compute_chunk(ids[start:end]).kv  # [L, 2, Hkv, n, D], K before RoPE
-    with torch.no_grad():
-        out = engine.hf_model(torch.tensor([ids[:end]]), use_cache=True)
-    for layer in range(engine.layers.num_layers):
-        in_prompt = out.past_key_values.layers[layer].values[0, :, start:end]
-        assert torch.allclose(stored[layer, 1], in_prompt, atol=1e-4), layer
-    with torch.no_grad():  # the chunk with nothing in front (recipe v1) has other values
-        alone = engine.hf_model(torch.tensor([ids[start:end]]), use_cache=True)
-    assert float((alone.past_key_values.layers[-1].values[0] - stored[-1, 1]).abs().max()) > 0.1
-
-
 def test_smollm2_gguf_on_vllm_embedded_and_served(smollm2_gguf, smollm2_full, tmp_path):
     """The GGUF file through load_engine(backend="vllm") and through the server
     launcher: both serve the converted checkpoint, so their chunks are shared
