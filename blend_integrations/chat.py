@@ -8,7 +8,7 @@ import re
 import secrets
 from collections.abc import Sequence
 
-from .prompt import Part, TokenizedPrompt, bos_id_added, tokenize_parts
+from .prompt import Part, TokenizedPrompt, tokenize_parts
 
 # Marks chunk boundaries in text. Pieces between two separators are chunks;
 # the separator itself is replaced by the engine's separator tokens.
@@ -57,25 +57,6 @@ def render_chat(turns: Sequence[dict], tokenizer, separator: str, *, tools: list
     for i in range(1, len(pieces), 2):
         parts += [Part(chunks[int(pieces[i])], chunk=True), Part(pieces[i + 1])]
     return tokenize_parts([p for p in parts if p.chunk or p.content], tokenizer)
-
-
-def chunk_lead(tokenizer) -> tuple[int, ...]:
-    """The tokens a chunk is computed after when its KV is made alone, dropped
-    after (the chunk recipe, ``store/keys.py``). For a tokenizer that adds a
-    BOS: the BOS. For one that adds none but has a chat template: the head of
-    a RAG prompt in that template (the system turn with ``RAG_SYSTEM_PROMPT``
-    and the opening of the user turn), so that the chunk is computed where
-    retrieved documents stand, and its first tokens do not become the
-    attention sink that nothing else provides. On SmolLM2-135M-Instruct
-    (no BOS) this doubled how often blend answered the examples right
-    (docs/tuning.md). Otherwise: nothing."""
-    bos = bos_id_added(tokenizer)
-    if bos is not None:
-        return (bos,)
-    if not getattr(tokenizer, "chat_template", None):
-        return ()
-    head = rag_prompt(["x"], "x", tokenizer, "")
-    return tuple(head.token_ids[: head.chunk_spans[0][0]])
 
 
 def text_prompt(text: str, tokenizer) -> TokenizedPrompt | str:

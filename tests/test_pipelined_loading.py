@@ -192,7 +192,7 @@ def test_loads_overlap_the_walk(engines_pair, docs, tmp_path):
             return model.qkv(layer, hidden)
 
     blender = Blender(Watched(), store, BlendConfig(pipelined_loading=True), fingerprint=plain.fingerprint,
-                      lead=plain.blender.lead)
+                      bos_token_id=plain.blender.bos)
     tp = plain.tokenize(BlendPrompt("Read.", docs[::-1], QUESTION))
     _, stats = blender.prefill(KVCache.allocate(model, len(tp)), tp.token_ids, tp.chunk_spans, mode="blend")
     assert stats.chunks_hit == len(docs) and len(readers) == len(docs)

@@ -163,7 +163,7 @@ def test_decode_flipped_payload_byte():
 # --------------------------------------------------------------------------
 # keys
 
-BASE = dict(fingerprint="f" * 64, dtype="float32", token_ids=[1, 2, 3], lead=[1])
+BASE = dict(fingerprint="f" * 64, dtype="float32", token_ids=[1, 2, 3], bos_token_id=1)
 
 
 def test_chunk_key_stable_and_sensitive():
@@ -171,13 +171,11 @@ def test_chunk_key_stable_and_sensitive():
     assert k == chunk_key(**BASE) and len(k) == 64
     assert chunk_key(**BASE, recipe=RECIPE_VERSION) == k
     variants = [
-        dict(recipe="chunk-kv-v1"),
+        dict(recipe="chunk-kv-v2"),
         dict(fingerprint="e" * 64),
         dict(dtype="bfloat16"),
-        dict(lead=[]),
-        dict(lead=[2]),
-        dict(lead=[1, 2]),
-        dict(lead=[], token_ids=[1, 1, 2, 3]),  # the same tokens in a row, another split
+        dict(bos_token_id=None),
+        dict(bos_token_id=2),
         dict(token_ids=[1, 2]),
         dict(token_ids=[1, 2, 3, 0]),
         dict(token_ids=[3, 2, 1]),
@@ -196,7 +194,6 @@ def test_chunk_key_normalises_inputs():
     assert chunk_key(**{**BASE, "dtype": "torch.float32"}) == k
     assert chunk_key(**{**BASE, "token_ids": torch.tensor([1, 2, 3])}) == k
     assert chunk_key(**{**BASE, "token_ids": (1, 2, 3)}) == k
-    assert chunk_key(**{**BASE, "lead": (1,)}) == k
     with pytest.raises(TypeError):
         chunk_key(**{**BASE, "token_ids": [1.0, 2.0]})
     with pytest.raises(ValueError):

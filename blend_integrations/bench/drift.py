@@ -14,10 +14,9 @@ document lengths:
   the 15% most deviating chunk tokens carry (0.15 when it is spread evenly; the
   recompute set can repair only what it holds);
 
-for the standalone recipe as stored (``chat.chunk_lead`` + chunk: the BOS, or
-for a model without one the head of a RAG prompt in its chat template) and, for
-a model without a BOS, for comparison: the chunk alone (recipe version 1) and
-the chat template's first token alone in front as a fixed attention sink.
+for the standalone recipe as stored (``[BOS] + chunk`` when the tokenizer adds a
+BOS, else the chunk alone) and, for comparison, with the chat template's first
+token in front as a fixed attention sink.
 
     python -m blend_integrations.bench drift [--model reader|smollm2|DIR] [--questions 8] [--quick]
 """
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..chat import chunk_lead, rag_prompt
+from ..chat import rag_prompt
 from ..config import BlendConfig
 from ..prompt import bos_id_added
 from ..quality.data import make_examples
@@ -73,13 +72,13 @@ def chunk_drift(model, prompt_ids: list[int], spans, prefix: list[int],
 
 def recipes(tokenizer) -> dict[str, list[int]]:
     """name -> the tokens put before a chunk when it is computed alone (and dropped after)."""
-    lead = list(chunk_lead(tokenizer))
-    if bos_id_added(tokenizer) is not None:
-        return {"as stored (BOS)": lead}
-    out = {f"as stored ({len(lead)}-token chat head)" if lead else "as stored (nothing before)": lead}
-    if lead:
-        out["nothing before (recipe v1)"] = []
-        out[f"{tokenizer.convert_ids_to_tokens(lead[0])} sink alone"] = lead[:1]
+    bos = bos_id_added(tokenizer)
+    stored = [bos] if bos is not None else []
+    out = {"as stored (BOS)" if stored else "as stored (no BOS)": stored}
+    template = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True)
+    template = template["input_ids"] if hasattr(template, "keys") else template
+    if template and template[0] not in stored:
+        out[f"+ {tokenizer.convert_ids_to_tokens(template[0])} sink"] = [template[0]]
     return out
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -11,10 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
-from ..chat import chunk_lead
 from ..config import BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
-from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, tokenize_prompt
+from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
 from ..store import ChunkStore, chunk_key
 from .decoding import check_sampling
 
@@ -162,13 +160,8 @@ class Engine(ABC):
             fingerprint=self.fingerprint,
             dtype=self.dtype_name,
             token_ids=token_ids,
-            lead=self.chunk_lead,
+            bos_token_id=bos_id_added(self.tokenizer),
         )
-
-    @functools.cached_property
-    def chunk_lead(self) -> tuple[int, ...]:
-        """What this model's chunks are computed after (``chat.chunk_lead``)."""
-        return chunk_lead(self.tokenizer)
 
     def generate(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> Generation:
         """See ``stream`` for the arguments."""

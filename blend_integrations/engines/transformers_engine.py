@@ -14,12 +14,11 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from ..chat import chunk_lead
 from ..config import BlendConfig
 from ..fusion import Blender, KVCache, forward
 from ..models import HFDecoder, check_supported
 from ..models.checkpoint import resolve_model_dir
-from ..prompt import TextOrIds
+from ..prompt import TextOrIds, bos_id_added
 from ..store import ChunkKV, ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage
 from .decoding import TextAssembler, sample, top_logprobs
@@ -75,7 +74,7 @@ class TransformersEngine(Engine):
         self.context_length = int(hf_model.config.max_position_embeddings)
         self.fingerprint = model_fingerprint_override or model_fingerprint(model_dir)
         self.blender = Blender(
-            self.layers, store, self.config, fingerprint=self.fingerprint, lead=chunk_lead(self._tokenizer)
+            self.layers, store, self.config, fingerprint=self.fingerprint, bos_token_id=bos_id_added(self._tokenizer)
         )
         eos = hf_model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]

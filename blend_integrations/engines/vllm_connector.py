@@ -75,8 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..config import BlendConfig
 from ..fusion import Blender, KVCache, PrefillStats, planned_usage
 from ..fusion.controller import LoadingStats, decide
-from ..chat import chunk_lead
-from ..prompt import PromptError, spans_from_separator
+from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, chunk_key, model_fingerprint
 from . import vllm_plugin
 from .blend_params import BlendParams, blend_params_of, not_blended
@@ -129,11 +128,11 @@ def _tokenizer(name: str):
 
 
 @functools.lru_cache(maxsize=4)
-def _model_identity(model: str, tokenizer: str) -> tuple[str, tuple[int, ...]]:
-    """(checkpoint fingerprint, what its chunks are computed after) for a served model."""
+def _model_identity(model: str, tokenizer: str) -> tuple[str, int | None]:
+    """(checkpoint fingerprint, BOS id the tokenizer adds) for a served model."""
     from ..models.checkpoint import resolve_model_dir
 
-    return model_fingerprint(resolve_model_dir(model)), chunk_lead(_tokenizer(tokenizer))
+    return model_fingerprint(resolve_model_dir(model)), bos_id_added(_tokenizer(tokenizer))
 
 
 class BlendConnector(KVConnectorBase_V1):
@@ -142,7 +141,7 @@ class BlendConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = BlendConfig(**extra.get("blend_config", {}))
         model_config = vllm_config.model_config
-        self.fingerprint, self.lead = _model_identity(model_config.model, model_config.tokenizer)
+        self.fingerprint, self.bos = _model_identity(model_config.model, model_config.tokenizer)
         self.dtype_name = str(model_config.dtype).removeprefix("torch.")
         self.block_size = vllm_config.cache_config.block_size
         self.num_layers = model_config.hf_text_config.num_hidden_layers
@@ -240,7 +239,7 @@ class BlendConnector(KVConnectorBase_V1):
         spans = list(params.chunk_spans)
         located = [
             self.store.locate(chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=ids[a:b],
-                                        lead=self.lead))
+                                        bos_token_id=self.bos))
             for a, b in spans
         ]
         hits = [where.tier is not None for where in located]
@@ -297,7 +296,7 @@ class BlendConnector(KVConnectorBase_V1):
                     "(`vllm serve ... --load-format blend`); load_engine(..., backend='vllm') does this"
                 )
             decoder = VLLMDecoder(model)
-            self.blender = Blender(decoder, self.store, self.config, fingerprint=self.fingerprint, lead=self.lead)
+            self.blender = Blender(decoder, self.store, self.config, fingerprint=self.fingerprint, bos_token_id=self.bos)
             self._layer_names = decoder.attention_layer_names()
         return self.blender
 

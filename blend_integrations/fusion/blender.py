@@ -63,7 +63,7 @@ class Blender:
         config: BlendConfig,
         *,
         fingerprint: str,
-        lead: Sequence[int],
+        bos_token_id: int | None,
     ) -> None:
         if config.check_layers[-1] >= model.num_layers:
             raise ValueError(f"check_layers {config.check_layers} must be below the model's {model.num_layers} layers")
@@ -71,26 +71,27 @@ class Blender:
         self.store = store
         self.config = config
         self.fingerprint = fingerprint
-        self.lead = tuple(lead)  # what a chunk is computed after (chat.chunk_lead)
+        self.bos = bos_token_id
         self.dtype_name = str(model.dtype).removeprefix("torch.")
         # Token-layers per second of this model's walk, measured on every prefill.
         self.compute_rate = Rate()
 
     def key(self, token_ids: Sequence[int]) -> str:
-        return chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=token_ids, lead=self.lead)
+        return chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=token_ids, bos_token_id=self.bos)
 
     def _expect(self, n: int):
         m = self.model
         return (m.num_layers, m.num_kv_heads, n, m.head_dim, m.dtype)
 
     def compute_chunk(self, token_ids: Sequence[int], key: str | None = None) -> ChunkKV:
-        """The standalone recipe: ``lead + chunk`` from position 0, the lead's
-        rows dropped, K before RoPE."""
+        """The standalone recipe: ``[BOS] + chunk`` at positions 0..n, BOS row
+        dropped, K before RoPE."""
         m = self.model
-        ids = [*self.lead, *token_ids]
+        ids = ([self.bos] if self.bos is not None else []) + list(token_ids)
         record = torch.empty((m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim), dtype=m.dtype, device=m.device)
         self._forward(KVCache.allocate(m, len(ids)), ids, record=record, logits=False)
-        return ChunkKV(key or self.key(token_ids), record[:, :, :, len(self.lead):].to("cpu").contiguous())
+        skip = 1 if self.bos is not None else 0
+        return ChunkKV(key or self.key(token_ids), record[:, :, :, skip:].to("cpu").contiguous())
 
     def ensure(self, token_ids: Sequence[int]) -> bool:
         """Compute and store a chunk unless the store has it; True if computed."""

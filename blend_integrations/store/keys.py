@@ -1,8 +1,8 @@
 """Content-addressed keys for stored chunk KV caches.
 
 A key must change whenever anything that changes the stored bytes changes:
-the recipe used to compute the KV, the model weights, the dtype, the lead
-tokens the chunk is computed after and the chunk's token ids. Everything here is engine-independent so
+the recipe used to compute the KV, the model weights, the dtype, the BOS
+token and the chunk's token ids. Everything here is engine-independent so
 that HF, vLLM and any other engine sharing a store agree on keys.
 """
 
@@ -17,14 +17,13 @@ from array import array
 from pathlib import Path
 from typing import Sequence
 
-# Chunk KV recipe, version 2: the chunk is prefilled standalone as
-# ``lead + chunk`` from position 0 (``chat.chunk_lead``: the BOS, or for a
-# model without one the head of a RAG prompt in its chat template), the lead's
-# rows are dropped, and K is stored *before* RoPE so the consumer can rotate it
-# to whatever positions the chunk lands at in the final prompt. (Version 1 put
-# only the BOS in front.) Bump this string whenever any of that changes: old
-# entries then simply stop matching instead of being reused wrongly.
-RECIPE_VERSION = "chunk-kv-v2"
+# Chunk KV recipe, version 1: the chunk is prefilled standalone as
+# ``[BOS] + chunk`` at positions 0..n (BOS at 0, the chunk's tokens at 1..n),
+# the BOS row is dropped, and K is stored *before* RoPE so the consumer can
+# rotate it to whatever positions the chunk lands at in the final prompt.
+# Bump this string whenever any of that changes: old entries then simply
+# stop matching instead of being reused wrongly.
+RECIPE_VERSION = "chunk-kv-v1"
 
 # Files whose bytes are the model's weights (top level of the checkpoint dir).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -112,7 +111,7 @@ def chunk_key(
     fingerprint: str,
     dtype: str,
     token_ids: Sequence[int],
-    lead: Sequence[int],
+    bos_token_id: int | None,
     recipe: str = RECIPE_VERSION,
 ) -> str:
     """Return the store key (sha256 hex) of one chunk's KV cache.
@@ -120,7 +119,7 @@ def chunk_key(
     Hashes a length-prefixed encoding of ``recipe``, ``fingerprint`` (from
     :func:`model_fingerprint`), ``dtype`` (e.g. ``"bfloat16"``; a
     ``torch.dtype`` or ``"torch.bfloat16"`` is normalised to the same
-    string), the lead token ids and the chunk's token ids, both as
+    string), the BOS id (``"none"`` if None) and the token ids as
     little-endian int64. Any difference in these gives a different key.
     """
     if not isinstance(fingerprint, str) or not fingerprint:
@@ -130,19 +129,11 @@ def chunk_key(
     dtype_name = str(dtype).removeprefix("torch.")
     if not dtype_name:
         raise ValueError("chunk_key: dtype must be a non-empty str such as 'float32'")
-    lead_ids, ids = _int64s(lead), _int64s(token_ids)
+    if bos_token_id is None:
+        bos = "none"
+    else:
+        bos = str(operator.index(bos_token_id))
 
-    h = hashlib.sha256()
-    _field(h, _KEY_DOMAIN)
-    _field(h, recipe.encode("utf-8"))
-    _field(h, fingerprint.encode("utf-8"))
-    _field(h, dtype_name.encode("utf-8"))
-    _field(h, lead_ids)
-    _field(h, ids)
-    return h.hexdigest()
-
-
-def _int64s(token_ids: Sequence[int]) -> bytes:
     try:
         # operator.index rejects floats (int() would silently truncate them)
         # and accepts Python, numpy and 0-d torch integers.
@@ -151,4 +142,12 @@ def _int64s(token_ids: Sequence[int]) -> bytes:
         raise ValueError(f"chunk_key: token id out of int64 range: {e}") from None
     if sys.byteorder != "little":
         ids.byteswap()
-    return ids.tobytes()
+
+    h = hashlib.sha256()
+    _field(h, _KEY_DOMAIN)
+    _field(h, recipe.encode("utf-8"))
+    _field(h, fingerprint.encode("utf-8"))
+    _field(h, dtype_name.encode("utf-8"))
+    _field(h, bos.encode("utf-8"))
+    _field(h, ids.tobytes())
+    return h.hexdigest()
