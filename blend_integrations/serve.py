@@ -12,7 +12,7 @@ It runs vLLM's OpenAI-compatible server (what ``vllm serve MODEL`` runs) with th
 - ``--max-num-batched-tokens`` >= ``--max-model-len``: a blended prompt is prefilled in one step;
 - on machines without CUDA: ``--enforce-eager --block-size 32`` (the CPU backend);
 - ``--middleware blend_integrations.serve.CheckBlendParams``: a request whose
-  ``kv_transfer_params.blend`` breaks a rule (see ``engines/blend_params.py``)
+  ``kv_transfer_params.blend`` breaks a rule (see ``engines/vllm_contract.py``)
   gets HTTP 400 naming the field, and never reaches the engine.
 
 ``--api-key KEY`` (or ``$VLLM_API_KEY``) makes every ``/v1`` request need
@@ -35,9 +35,8 @@ import sys
 from typing import Any
 
 from .config import BlendConfig
-from .engines.blend_params import BlendParamsError, parse_blend_params
-from .engines.vllm_engine import blend_engine_args, blend_engine_env
-from .models.checkpoint import resolve_model_dir
+from .engines.vllm_contract import BlendParamsError, blend_engine_args, blend_engine_env, parse_blend_params
+from .models.loading import resolve_model_dir
 from .models.gguf import gguf_file
 from .store import ChunkStore
 

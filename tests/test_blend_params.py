@@ -9,7 +9,7 @@ import math
 import pytest
 
 from blend_integrations import PromptError
-from blend_integrations.engines.blend_params import (
+from blend_integrations.engines.vllm_contract import (
     MAX_CHUNKS,
     BlendParams,
     BlendParamsError,

@@ -10,7 +10,7 @@ import pytest
 
 from blend_integrations import ChunkStore, UnsupportedModelError, load_engine
 from blend_integrations.chat import rag_prompt
-from blend_integrations.models.checkpoint import resolve_model_dir
+from blend_integrations.models.loading import resolve_model_dir
 from blend_integrations.models.gguf import DONE, GGUFError, converted_dir
 from blend_integrations.prompt import bos_id_added
 

@@ -94,7 +94,7 @@ def test_bad_settings_are_named(tmp_path):
 def test_vllm_engine_args_carry_the_controller_and_the_assumed_bandwidths(tmp_path):
     """Both options reach the vLLM connector (tests/test_vllm_controller.py runs them), and so does
     what the store assumes of each tier until the worker has measured it."""
-    from blend_integrations.engines.vllm_engine import blend_engine_args, connector_store_args
+    from blend_integrations.engines.vllm_contract import blend_engine_args, connector_store_args
 
     store = ChunkStore(tmp_path, read_bandwidth={"remote": 1000.0})
     args = blend_engine_args(store=store, config=CONTROLLED, max_model_len=512, on_gpu=False)

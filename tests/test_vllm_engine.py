@@ -11,7 +11,7 @@ import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, PromptError, UnsupportedModelError, load_engine
 from blend_integrations.prompt import TokenizedPrompt
-from blend_integrations.engines.vllm_engine import (
+from blend_integrations.engines.vllm_contract import (
     blend_engine_args,
     blend_engine_env,
     check_vllm_version,

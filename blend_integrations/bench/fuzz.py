@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engines.blend_params import MAX_CHUNKS, BlendParamsError, parse_blend_params
+from ..engines.vllm_contract import MAX_CHUNKS, BlendParamsError, parse_blend_params
 from ..local_models import sample_text
 from . import write_results
 

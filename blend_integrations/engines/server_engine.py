@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Sequence
 from ..config import BlendConfig
 from ..prompt import BlendPrompt, TextOrIds
 from .base import Engine, Generation, GenerationStream, Request, Usage
-from .blend_params import blend_results, kv_transfer_params
+from .vllm_contract import blend_results, kv_transfer_params
 
 
 API_KEY_ENV = "BLEND_API_KEY"

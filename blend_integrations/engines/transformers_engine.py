@@ -17,31 +17,11 @@ import torch
 from ..config import BlendConfig
 from ..fusion import Blender, KVCache, forward
 from ..models import HFDecoder, check_supported
-from ..models.checkpoint import resolve_model_dir
+from ..models.loading import dtype_name, resolve_device, resolve_dtype, resolve_model_dir
 from ..prompt import TextOrIds, bos_id_added
 from ..store import ChunkKV, ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage
 from .decoding import TextAssembler, sample, top_logprobs
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
 
 
 class TransformersEngine(Engine):
@@ -66,7 +46,7 @@ class TransformersEngine(Engine):
         store = store if store is not None else ChunkStore()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.dtype_name = dtype_name(self.dtype)
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
         self.hf_model = hf_model

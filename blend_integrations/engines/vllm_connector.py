@@ -18,7 +18,7 @@ which chunks are hits (``key in store``), so the usage it returns in
 
 No request can take the engine down (vLLM treats any exception on the
 scheduler side as fatal). The scheduler side checks every request's
-parameters by the rules of ``blend_params`` and never raises on them: a
+parameters by the rules of ``vllm_contract`` and never raises on them: a
 request that breaks one is computed in full, and its ``kv_transfer_params``
 say why (``"blend_fallback"``). On the worker, a blend pass that fails (an
 unreadable entry that slipped past the store's checks, a shape mismatch, out
@@ -78,8 +78,7 @@ from ..fusion.controller import LoadingStats, decide
 from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, chunk_key, model_fingerprint
 from . import vllm_plugin
-from .blend_params import BlendParams, blend_params_of, not_blended
-from .vllm_engine import connector_store_args
+from .vllm_contract import BlendParams, blend_params_of, connector_store_args, not_blended
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ def _tokenizer(name: str):
 @functools.lru_cache(maxsize=4)
 def _model_identity(model: str, tokenizer: str) -> tuple[str, int | None]:
     """(checkpoint fingerprint, BOS id the tokenizer adds) for a served model."""
-    from ..models.checkpoint import resolve_model_dir
+    from ..models.loading import resolve_model_dir
 
     return model_fingerprint(resolve_model_dir(model)), bos_id_added(_tokenizer(tokenizer))
 

