@@ -1,4 +1,4 @@
-"""Settings of the blend algorithm."""
+"""Plan and walk layers: the settings of the blend algorithm."""
 
 from __future__ import annotations
 

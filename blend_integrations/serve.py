@@ -1,4 +1,4 @@
-"""Serve a model with blending: ``vllm serve`` with the blend connector.
+"""Engines layer: serve a model with blending, ``vllm serve`` with the blend connector.
 
     python -m blend_integrations.serve MODEL [--store DIR] [--store-remote URL] [--api-key KEY] [--print]
                                        [any vllm serve option ...]

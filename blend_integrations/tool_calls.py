@@ -1,4 +1,4 @@
-"""Tool calls in generated text, in the formats chat templates teach models.
+"""Prompt layer: tool calls in generated text, in the formats chat templates teach models.
 
 - ``hermes`` (Qwen2.5/Qwen3, Hermes and many others):
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, possibly after some text;

@@ -192,9 +192,10 @@ def test_loads_overlap_the_walk(engines_pair, docs, tmp_path):
             return model.qkv(layer, hidden)
 
     blender = Blender(Watched(), store, BlendConfig(pipelined_loading=True), fingerprint=plain.fingerprint,
-                      bos_token_id=plain.blender.bos)
+                      bos_token_id=plain.blender.keys.bos_token_id)
     tp = plain.tokenize(BlendPrompt("Read.", docs[::-1], QUESTION))
-    _, stats = blender.prefill(KVCache.allocate(model, len(tp)), tp.token_ids, tp.chunk_spans, mode="blend")
+    plan = blender.plan(tp.token_ids, tp.chunk_spans, mode="blend")
+    _, stats = blender.prefill(KVCache.allocate(model, len(tp)), tp.token_ids, plan)
     assert stats.chunks_hit == len(docs) and len(readers) == len(docs)
     assert all(isinstance(r, LayerReader) and r.verified for r in readers)
     assert held == [True] * len(docs)  # each reader waited for layer 0 to compute, and it did

@@ -1,4 +1,4 @@
-"""Engines: the transformers reference engine and the embedded vLLM engine."""
+"""Engines layer: the transformers reference engine and the embedded vLLM engine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine API every backend implements, and what a generation returns."""
+"""Engines layer: the engine API every backend implements, and what a generation returns."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import Iterable, Iterator, Sequence
 
 from ..config import BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
+from ..fusion.plan import ChunkKeys
 from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
-from ..store import ChunkStore, chunk_key
+from ..store import ChunkStore
 from .decoding import check_sampling
 
 
@@ -156,12 +157,7 @@ class Engine(ABC):
         return tp
 
     def chunk_key(self, token_ids: Sequence[int]) -> str:
-        return chunk_key(
-            fingerprint=self.fingerprint,
-            dtype=self.dtype_name,
-            token_ids=token_ids,
-            bos_token_id=bos_id_added(self.tokenizer),
-        )
+        return ChunkKeys(self.fingerprint, self.dtype_name, bos_id_added(self.tokenizer))(token_ids)
 
     def generate(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> Generation:
         """See ``stream`` for the arguments."""

@@ -1,4 +1,4 @@
-"""Token sampling and incremental text for engines that decode themselves."""
+"""Engines layer: token sampling and incremental text for engines that decode themselves."""
 
 from __future__ import annotations
 

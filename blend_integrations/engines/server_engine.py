@@ -1,4 +1,4 @@
-"""A client engine for a blend-enabled vLLM server (``python -m blend_integrations.serve``).
+"""Engines layer: a client engine for a blend-enabled vLLM server (``python -m blend_integrations.serve``).
 
 Prompts are tokenized here, chunk by chunk, and sent as token ids with their
 chunk spans in ``kv_transfer_params``, so the server never re-tokenizes

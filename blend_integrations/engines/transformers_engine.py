@@ -1,4 +1,4 @@
-"""The reference engine: a Hugging Face model driven by the fusion walk.
+"""Engines layer: the reference engine, a Hugging Face model driven by the fusion walk.
 
 Runs anywhere torch runs (CPU or CUDA, fp32 or bf16). Prefill and decode go
 through ``fusion.forward`` with the model's own modules; ``mode="full"`` is the
@@ -105,9 +105,8 @@ class TransformersEngine(Engine):
             n_prompt = len(tp)
             max_tokens = min(req.max_tokens, self.context_length - n_prompt)
             cache = KVCache.allocate(self.layers, n_prompt + max_tokens)
-            logits, stats = self.blender.prefill(
-                cache, tp.token_ids, tp.chunk_spans, mode=req.mode, recompute_ratio=req.recompute_ratio
-            )
+            plan = self.blender.plan(tp.token_ids, tp.chunk_spans, mode=req.mode, recompute_ratio=req.recompute_ratio)
+            logits, stats = self.blender.prefill(cache, tp.token_ids, plan)
             text = TextAssembler(self._tokenizer, req.stop)
             out_ids: list[int] = []
             out_logprobs: list[dict[int, float]] | None = [] if req.logprobs is not None else None

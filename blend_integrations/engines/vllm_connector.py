@@ -1,4 +1,4 @@
-"""The blend KV connector for vLLM, loaded by vLLM through ``kv_connector_module_path``.
+"""Engines layer: the blend KV connector for vLLM, loaded by vLLM through ``kv_connector_module_path``.
 
 vLLM's scheduler can only be told that a *prefix* of a prompt is already
 computed. So the blend pass runs inside the worker, in ``start_load_kv``
@@ -73,10 +73,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..config import BlendConfig
-from ..fusion import Blender, KVCache, PrefillStats, planned_usage
-from ..fusion.controller import LoadingStats, decide
+from ..fusion import Blender, ChunkKeys, KVCache, PrefillPlan, PrefillStats, make_plan
+from ..fusion.plan import measured_rates
 from ..prompt import PromptError, bos_id_added, spans_from_separator
-from ..store import ChunkStore, chunk_key, model_fingerprint
+from ..store import ChunkStore, model_fingerprint
 from . import vllm_plugin
 from .vllm_contract import BlendParams, blend_params_of, connector_store_args, not_blended
 
@@ -87,11 +87,7 @@ logger = logging.getLogger(__name__)
 class BlendJob:
     req_id: str
     token_ids: list[int]  # the tokens the blend pass computes
-    chunk_spans: list[tuple[int, int]]
-    hits: list[bool]  # per chunk: load it (the scheduler counted it as a hit)
-    computed: list[bool]  # per chunk: in the store, but the loading controller chose to compute it
-    mode: str  # "blend" or "reuse"
-    ratio: float  # the loading controller's, when it ran
+    plan: PrefillPlan | None  # promised: the scheduler reported its usage
     block_ids: list[int]
     error: str | None = None  # the scheduler could not plan it: the worker fails it without a blend pass
 
@@ -140,8 +136,8 @@ class BlendConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.config = BlendConfig(**extra.get("blend_config", {}))
         model_config = vllm_config.model_config
-        self.fingerprint, self.bos = _model_identity(model_config.model, model_config.tokenizer)
-        self.dtype_name = str(model_config.dtype).removeprefix("torch.")
+        fingerprint, bos = _model_identity(model_config.model, model_config.tokenizer)
+        self.keys = ChunkKeys(fingerprint, model_config.dtype, bos)
         self.block_size = vllm_config.cache_config.block_size
         self.num_layers = model_config.hf_text_config.num_hidden_layers
         self.tokenizer_name = model_config.tokenizer
@@ -151,7 +147,7 @@ class BlendConnector(KVConnectorBase_V1):
         self.store = ChunkStore(**store_args)
         # scheduler side
         self._to_load: dict[str, tuple[BlendParams, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
-        self._usage: dict[str, tuple[dict[str, int], LoadingStats | None]] = {}
+        self._planned: dict[str, PrefillPlan] = {}  # req_id -> its plan, whose usage it reports
         self._fallbacks: dict[str, str] = {}  # req_id -> why it is computed in full, until it finishes
         # worker side
         self.blender: Blender | None = None
@@ -198,7 +194,7 @@ class BlendConnector(KVConnectorBase_V1):
         if req_id not in self._fallbacks and not logged:
             logger.warning("request %s is computed in full, not blended: %s", req_id, why)
         self._fallbacks[req_id] = why
-        self._usage.pop(req_id, None)
+        self._planned.pop(req_id, None)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = self.blend_params(request)
@@ -228,40 +224,16 @@ class BlendConnector(KVConnectorBase_V1):
     def _job(self, req_id: str, block_ids: list[int]) -> BlendJob:
         params, ids = self._to_load.pop(req_id)
         try:
-            return self._plan(req_id, params, ids, block_ids)
+            # The plan looks every chunk up (promise): the usage reported at the end is the plan's.
+            plan = make_plan(ids, params.chunk_spans, mode=params.mode, ratio=params.ratio, config=self.config,
+                             keys=self.keys, store=self.store, num_layers=self.num_layers, rates=self._rates,
+                             promise=True)
         except Exception as exc:  # noqa: BLE001 - e.g. the store failed: the worker fails the job, vLLM recomputes
             why = f"planning the blend pass failed: {exc!r}"
             self._fall_back(req_id, why)
-            return BlendJob(req_id, ids, [], [], [], params.mode, 0.0, list(block_ids), error=why)
-
-    def _plan(self, req_id: str, params: BlendParams, ids: list[int], block_ids: list[int]) -> BlendJob:
-        spans = list(params.chunk_spans)
-        located = [
-            self.store.locate(chunk_key(fingerprint=self.fingerprint, dtype=self.dtype_name, token_ids=ids[a:b],
-                                        bos_token_id=self.bos))
-            for a, b in spans
-        ]
-        hits = [where.tier is not None for where in located]
-        computed = [False] * len(spans)
-        ratio = self.config.recompute_ratio if params.ratio is None else params.ratio
-        loading = None
-        if params.mode == "blend" and self.config.loading_controller:
-            found = [i for i, hit in enumerate(hits) if hit]
-            p, loading = decide(
-                [located[i].tier for i in found],
-                [max(0, spans[i][1] - spans[i][0] - self.config.sink_tokens) for i in found],
-                # load times at the worker's bandwidths: this store reads nothing, so it measures none
-                [located[i].nbytes / self._rates[located[i].tier] for i in found],
-                num_tokens=len(ids), num_layers=self.num_layers, schedule=self.config.check_schedule,
-                floor=ratio, throughput=self._rates["compute"], overlapped=self.config.pipelined_loading,
-            )
-            ratio = p.ratio
-            for i, load in zip(found, p.load):
-                hits[i], computed[i] = load, not load
-        usage = planned_usage([b - a for a, b in spans], hits, mode=params.mode, ratio=ratio,
-                              sink_tokens=self.config.sink_tokens, chunks_recomputed=sum(computed))
-        self._usage[req_id] = usage, loading
-        return BlendJob(req_id, ids, spans, hits, computed, params.mode, ratio, list(block_ids))
+            return BlendJob(req_id, ids, None, list(block_ids), error=why)
+        self._planned[req_id] = plan
+        return BlendJob(req_id, ids, plan, list(block_ids))
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -275,13 +247,13 @@ class BlendConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._to_load.pop(rid, None)
         why = self._fallbacks.pop(rid, None)
-        planned = self._usage.pop(rid, None)
+        plan = self._planned.pop(rid, None)
         if why is not None:
             return False, not_blended(why)
-        if planned is None:
+        if plan is None:
             return False, None
-        usage, loading = planned
-        return False, {"blend": usage} | ({"blend_loading": dataclasses.asdict(loading)} if loading else {})
+        loading = {"blend_loading": dataclasses.asdict(plan.loading)} if plan.loading else {}
+        return False, {"blend": plan.usage()} | loading
 
     # -- worker side ----------------------------------------------------
     def _attach(self) -> Blender:
@@ -295,7 +267,8 @@ class BlendConnector(KVConnectorBase_V1):
                     "(`vllm serve ... --load-format blend`); load_engine(..., backend='vllm') does this"
                 )
             decoder = VLLMDecoder(model)
-            self.blender = Blender(decoder, self.store, self.config, fingerprint=self.fingerprint, bos_token_id=self.bos)
+            self.blender = Blender(decoder, self.store, self.config, fingerprint=self.keys.fingerprint,
+                                   bos_token_id=self.keys.bos_token_id)
             self._layer_names = decoder.attention_layer_names()
         return self.blender
 
@@ -331,10 +304,7 @@ class BlendConnector(KVConnectorBase_V1):
         blender = self._attach()
         n = len(job.token_ids)
         cache = KVCache.allocate(blender.model, n)
-        _, stats = blender.prefill(
-            cache, job.token_ids, job.chunk_spans, mode=job.mode, recompute_ratio=job.ratio, logits=False,
-            hits=job.hits, computed=job.computed,
-        )
+        _, stats = blender.prefill(cache, job.token_ids, job.plan, logits=False)
         device = blender.model.device
         positions = torch.arange(n, device=device)
         blocks = torch.tensor(job.block_ids, device=device, dtype=torch.long)
@@ -349,9 +319,7 @@ class BlendConnector(KVConnectorBase_V1):
         self._unsaved.append(stats)
 
     def _measured_rates(self) -> dict[str, float | None]:
-        rates: dict[str, float | None] = {tier: rate.value for tier, rate in self.store.read_rates.items()}
-        rates["compute"] = self.blender.compute_rate.value if self.blender is not None else None
-        return rates
+        return measured_rates(self.store, self.blender.compute_rate if self.blender is not None else None)
 
     def build_connector_worker_meta(self) -> BlendWorkerMetadata | None:
         rates = self._measured_rates()

@@ -43,6 +43,7 @@ import torch
 
 from ..config import MODES, BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
+from ..fusion.plan import PrefillPlan
 from ..models.loading import dtype_name, resolve_dtype
 from ..prompt import PromptError, check_chunk_spans
 from ..store import REMOTE_ENV, ChunkStore
@@ -285,9 +286,8 @@ def kv_transfer_params(req: Request) -> dict | None:
 
 def not_blended(reason: str) -> dict:
     """The connector's answer for a request computed in full instead of blended."""
-    from ..fusion import planned_usage
-
-    return {"blend": planned_usage([], [], mode="full", ratio=0.0, sink_tokens=0), "blend_fallback": reason}
+    nothing = PrefillPlan("full", 0.0, (), sink_tokens=0)
+    return {"blend": nothing.usage(), "blend_fallback": reason}
 
 
 def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str | None]:

@@ -1,4 +1,4 @@
-"""The production engine: an embedded ``vllm.LLM`` with the blend connector.
+"""Engines layer: the production engine, an embedded ``vllm.LLM`` with the blend connector.
 
 One background thread steps vLLM's engine; every request (``generate``,
 ``stream``, ``generate_many``, the async methods, from any thread) is added

@@ -1,4 +1,4 @@
-"""vLLM plugin (entry point ``vllm.general_plugins``): the ``blend`` model loader.
+"""Engines layer: the vLLM plugin (entry point ``vllm.general_plugins``): the ``blend`` model loader.
 
 vLLM runs ``register`` in each of its processes. The ``blend`` load format
 loads weights exactly as vLLM's default loader does and remembers the model,

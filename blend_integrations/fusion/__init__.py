@@ -1,7 +1,13 @@
-"""The CacheBlend algorithm in engine-neutral torch code."""
+"""The plan and walk layers: the CacheBlend algorithm in engine-neutral torch code.
 
-from .blender import Blender, PrefillStats, planned_usage
+``plan.py`` decides what happens to each chunk of a request, ``walk.py`` runs
+the layers, and ``blender.py`` carries a plan out with the store and the walk.
+"""
+
+from .blender import Blender, PrefillStats
 from .layers import LayerModel, rotate
+from .plan import ChunkKeys, ChunkPlan, PrefillPlan, make_plan
 from .walk import KVCache, ReusedSpan, WalkStats, forward
 
-__all__ = ["Blender", "KVCache", "LayerModel", "PrefillStats", "planned_usage", "ReusedSpan", "WalkStats", "forward", "rotate"]
+__all__ = ["Blender", "ChunkKeys", "ChunkPlan", "KVCache", "LayerModel", "PrefillPlan", "PrefillStats", "ReusedSpan",
+           "WalkStats", "forward", "make_plan", "rotate"]

@@ -1,4 +1,4 @@
-"""The loading controller (CacheBlend section 5): per request, load or compute
+"""Plan layer: the loading controller (CacheBlend section 5): per request, load or compute
 each stored chunk, and pick the recompute ratio.
 
 Inputs are estimates the engine keeps up to date: each chunk's load time

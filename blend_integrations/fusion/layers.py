@@ -1,4 +1,4 @@
-"""What the fusion walk needs from a decoder model, engine-neutral.
+"""Walk layer: what the walk needs from a decoder model, engine-neutral.
 
 An engine adapts its model (Hugging Face modules, vLLM modules) to
 ``LayerModel``; the walk in ``walk.py`` only ever calls these methods. Shapes

@@ -1,4 +1,4 @@
-"""Layer-wise loading pipelined with the walk.
+"""Walk layer: layer-wise loading pipelined with the walk.
 
 The walk computes every token in the layers before the first check layer and
 needs the stored KV of layer l only when it reaches layer l. A background

@@ -1,4 +1,4 @@
-"""The CacheBlend layer walk: one implementation for every engine.
+"""Walk layer: the CacheBlend layer walk, one implementation for every engine.
 
 A forward pass over new tokens at positions ``cache.length ..``. Some of them
 may come with reused KV (chunks computed standalone, K before RoPE). Which

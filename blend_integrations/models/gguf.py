@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's format) as model inputs.
+"""Models layer: GGUF checkpoints (llama.cpp's format) as model inputs.
 
 A ``.gguf`` file (or a directory holding one) is dequantized once into a
 float32 safetensors checkpoint with its tokenizer and chat template, in the

@@ -1,4 +1,4 @@
-"""``LayerModel`` over Hugging Face decoder modules (Llama, Mistral, Qwen2, Qwen3).
+"""Models layer: ``LayerModel`` over Hugging Face decoder modules (Llama, Mistral, Qwen2, Qwen3).
 
 The four families share one layer shape: RMSNorm, q/k/v/o projections (Qwen2
 with biases, Qwen3 with per-head q/k norms), rotate-half RoPE, gated MLP. The

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, a real pretrained chat model, without a model hub.
+"""Models layer: SmolLM2-135M-Instruct, a real pretrained chat model, without a model hub.
 
     python -m blend_integrations.models.smollm2        # prints the checkpoint directory
 

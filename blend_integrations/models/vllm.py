@@ -1,4 +1,4 @@
-"""``LayerModel`` over vLLM's decoder modules (Llama, Mistral, Qwen2, Qwen3).
+"""Models layer: ``LayerModel`` over vLLM's decoder modules (Llama, Mistral, Qwen2, Qwen3).
 
 vLLM fuses q/k/v into one projection and keeps RoPE as a cos/sin cache; the
 adapter splits the projection and reads cos/sin from that cache, so the walk

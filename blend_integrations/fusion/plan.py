@@ -1,0 +1,136 @@
+"""Plan layer: the prefill plan, what happens to each chunk of one request.
+
+Decided once, before any KV moves, by ``make_plan``, which both kinds of
+engine call: the in-process engines through ``Blender.plan``, and the vLLM
+connector's scheduler side, which must report a request's usage before its
+worker runs. ``Blender.prefill`` then carries the plan out.
+
+Each chunk is one of:
+
+- ``LOAD``: its stored KV is read and reused (blended or plainly reused);
+- ``COMPUTE``: it is in the store, but the loading controller found computing
+  its tokens fresh faster than loading them (``controller.py``);
+- ``MISS``: it is not in the store: computed fresh, then saved with the
+  standalone recipe so that the next request finds it.
+
+A plan whose usage is reported before it runs (``promised``) looks every
+chunk up; a chunk planned to load that has left the store or turns out
+damaged by the time it is read is then computed standalone and used as
+loaded, so the reported usage stays true. Otherwise chunks are looked up only
+when the loading controller needs their tiers, and a chunk planned to load
+that is not found when read counts as a miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..config import BlendConfig
+from ..store import ChunkStore, chunk_key
+from ..store.rate import Rate
+from .controller import LoadingStats, decide
+
+LOAD, COMPUTE, MISS = "load", "compute", "miss"
+
+
+@dataclass(frozen=True)
+class ChunkKeys:
+    """How a model names its chunks in the store: everything in a chunk's
+    key but its tokens. One per model; every key is made here."""
+
+    fingerprint: str  # the checkpoint's (``store.model_fingerprint``)
+    dtype: object  # the KV dtype: a torch.dtype or its name
+    bos_token_id: int | None  # the BOS the tokenizer adds, part of the standalone recipe
+
+    def __call__(self, token_ids: Sequence[int]) -> str:
+        return chunk_key(fingerprint=self.fingerprint, dtype=self.dtype, token_ids=token_ids,
+                         bos_token_id=self.bos_token_id)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    start: int  # the chunk's tokens in the prompt, end exclusive
+    end: int
+    key: str
+    action: str  # LOAD, COMPUTE or MISS
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    mode: str  # "full", "reuse" or "blend"
+    ratio: float  # the recompute ratio the walk uses: the floor, or the loading controller's
+    chunks: tuple[ChunkPlan, ...]  # none in "full" mode
+    sink_tokens: int  # each reused chunk's first tokens, computed fresh (``BlendConfig.sink_tokens``)
+    promised: bool = False  # its usage was reported before it ran
+    loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
+
+    def usage(self) -> dict[str, int]:
+        """The usage the prefill reports (``Usage`` fields), when every chunk
+        planned to load is loaded and no token is forced fresh (the walk's
+        ``logits=False`` case): exact for a promised plan."""
+        loaded = [c for c in self.chunks if c.action == LOAD]
+        cached = sum(max(0, c.end - c.start - self.sink_tokens) for c in loaded)
+        return {
+            "cached_tokens": cached,
+            "recomputed_tokens": min(round(self.ratio * cached), cached) if self.mode == "blend" else 0,
+            "chunks_hit": len(loaded),
+            "chunks_missed": sum(c.action == MISS for c in self.chunks),
+            "chunks_recomputed": sum(c.action == COMPUTE for c in self.chunks),
+        }
+
+
+def measured_rates(store: ChunkStore, compute: Rate | None) -> dict[str, float | None]:
+    """What the loading controller estimates with: each store tier's read
+    bandwidth in bytes/s, and "compute", the walk's token-layers per second
+    (None until measured)."""
+    return {tier: rate.value for tier, rate in store.read_rates.items()} | {
+        "compute": compute.value if compute is not None else None}
+
+
+def make_plan(
+    token_ids: Sequence[int],
+    chunk_spans: Sequence[tuple[int, int]],
+    *,
+    mode: str,
+    ratio: float | None,
+    config: BlendConfig,
+    keys: ChunkKeys,
+    store: ChunkStore,
+    num_layers: int,
+    rates: dict[str, float | None],
+    promise: bool = False,
+) -> PrefillPlan:
+    """The plan for prefilling ``token_ids`` with chunks at ``chunk_spans``.
+
+    ratio: the request's recompute ratio (None: the config's), the floor the
+    loading controller may raise. rates: ``measured_rates``, where the
+    walk runs. promise: the caller
+    reports the plan's usage before it runs (see the module's docstring)."""
+    floor = config.recompute_ratio if ratio is None else ratio
+    if mode == "full":
+        return PrefillPlan(mode, floor, (), config.sink_tokens, promise)
+    spans = [(int(a), int(b)) for a, b in chunk_spans]
+    chunk_keys = [keys(token_ids[a:b]) for a, b in spans]
+    control = mode == "blend" and config.loading_controller
+    if not (promise or control):
+        # Nothing to decide before reading: a chunk not found when read is a miss.
+        chunks = tuple(ChunkPlan(a, b, key, LOAD) for (a, b), key in zip(spans, chunk_keys))
+        return PrefillPlan(mode, floor, chunks, config.sink_tokens)
+    located = [store.locate(key) for key in chunk_keys]
+    actions = [LOAD if where.tier is not None else MISS for where in located]
+    loading = None
+    if control:
+        found = [i for i, action in enumerate(actions) if action == LOAD]
+        decided, loading = decide(
+            [located[i].tier for i in found],
+            [max(0, spans[i][1] - spans[i][0] - config.sink_tokens) for i in found],
+            [located[i].nbytes / rates[located[i].tier] for i in found],
+            num_tokens=len(token_ids), num_layers=num_layers, schedule=config.check_schedule,
+            floor=floor, throughput=rates["compute"], overlapped=config.pipelined_loading,
+        )
+        floor = decided.ratio
+        for i, load in zip(found, decided.load):
+            actions[i] = LOAD if load else COMPUTE
+    chunks = tuple(ChunkPlan(a, b, key, action) for (a, b), key, action in zip(spans, chunk_keys, actions))
+    return PrefillPlan(mode, floor, chunks, config.sink_tokens, promise, loading)
