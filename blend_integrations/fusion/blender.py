@@ -120,7 +120,7 @@ class Blender:
             cache.length = first
         stats.chunks_hit = len(loaded)
         stats.chunks_missed = len(plan.chunks) - stats.chunks_hit - stats.chunks_recomputed
-        stats.cached_tokens, stats.recomputed_tokens = walk.reused_tokens, walk.recomputed_tokens
+        stats.cached_tokens, stats.recomputed_tokens = walk.cached_tokens, walk.recomputed_tokens
         return out, stats
 
     def _walk(self, cache: KVCache, token_ids, loaded: list, *, schedule, logits: bool, promised: bool):

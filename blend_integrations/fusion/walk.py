@@ -64,7 +64,7 @@ class ReusedSpan:
 
 @dataclass(frozen=True)
 class WalkStats:
-    reused_tokens: int  # tokens that came with reused KV
+    cached_tokens: int  # tokens whose KV came from the store (reused)
     recomputed_tokens: int  # of those, how many were recomputed after all
     token_layers: int = 0  # tokens computed, summed over layers (the walk's work)
 
