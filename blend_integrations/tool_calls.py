@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from typing import Any
 from dataclasses import dataclass, field
 
 FORMATS = ("hermes", "mistral", "mistral-args", "llama3")
@@ -111,7 +112,7 @@ def parse(text: str, fmt: str, *, forced: bool = False) -> Reply:
 def _call(obj, arg_keys=("arguments", "parameters")) -> ToolCall | BadToolCall:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return BadToolCall(None, json.dumps(obj), 'a tool call needs a "name" string')
-    args = next((obj[k] for k in arg_keys if k in obj), {})
+    args: Any = next((obj[k] for k in arg_keys if k in obj), {})
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
@@ -148,7 +149,8 @@ def _parse_hermes(text: str) -> Reply:
 def _json_values(text: str, separators: str) -> list | None:
     """All JSON values in ``text`` one after another (separated by whitespace or
     ``separators``), or None if anything else is in between."""
-    values, i = [], 0
+    values: list = []
+    i = 0
     while True:
         while i < len(text) and (text[i].isspace() or text[i] in separators):
             i += 1

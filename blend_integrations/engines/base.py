@@ -159,9 +159,22 @@ class Engine(ABC):
     def chunk_key(self, token_ids: Sequence[int]) -> str:
         return ChunkKeys(self.fingerprint, self.dtype_name, bos_id_added(self.tokenizer))(token_ids)
 
-    def generate(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> Generation:
+    def generate(
+        self,
+        prompt: BlendPrompt | TextOrIds,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        mode: str = "blend",
+        recompute_ratio: float | None = None,
+        logprobs: int | None = None,
+    ) -> Generation:
         """See ``stream`` for the arguments."""
-        stream = self.stream(prompt, **kwargs)
+        stream = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop,
+                             seed=seed, mode=mode, recompute_ratio=recompute_ratio, logprobs=logprobs)
         for _ in stream:
             pass
         assert stream.generation is not None

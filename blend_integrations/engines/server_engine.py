@@ -64,7 +64,7 @@ class ServerEngine(Engine):
         self.context_length = int(card["max_model_len"])
         self.config = config or BlendConfig()
         self._tokenizer = AutoTokenizer.from_pretrained(tokenizer or card["root"])
-        self.store = None  # the server's store is on the server
+        self.store = None  # type: ignore[assignment]  # the server's store is on the server
 
     @property
     def tokenizer(self):

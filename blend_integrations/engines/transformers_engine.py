@@ -117,7 +117,7 @@ class TransformersEngine(Engine):
                     token = sample(logits, req.temperature, req.top_p, generator)
                     if ttft is None:
                         ttft = time.perf_counter() - req.started
-                    if out_logprobs is not None:  # the end token's step too, as vLLM reports it
+                    if out_logprobs is not None and req.logprobs is not None:  # the end step too, as vLLM has it
                         out_logprobs.append(top_logprobs(logits, req.logprobs, token))
                     if token in self._eos:
                         finish = "stop"

@@ -111,8 +111,12 @@ class BlendWorkerMetadata(KVConnectorWorkerMetadata):
         # The workers of one engine blend in lockstep: the slowest sets the pace.
         theirs = other.rates if isinstance(other, BlendWorkerMetadata) else {}
         failed = other.failed if isinstance(other, BlendWorkerMetadata) else {}
-        return BlendWorkerMetadata({k: None if v is None or theirs.get(k) is None else min(v, theirs[k])
-                                    for k, v in self.rates.items()}, {**failed, **self.failed})
+        return BlendWorkerMetadata({k: _slowest(v, theirs.get(k)) for k, v in self.rates.items()},
+                                   {**failed, **self.failed})
+
+
+def _slowest(mine: float | None, theirs: float | None) -> float | None:
+    return None if mine is None or theirs is None else min(mine, theirs)
 
 
 @functools.lru_cache(maxsize=4)
@@ -200,6 +204,7 @@ class BlendConnector(KVConnectorBase_V1):
         params = self.blend_params(request)
         if params is None or num_computed_tokens:
             return 0, False
+        assert params.num_tokens is not None  # blend_params found the spans of a separator
         # load_kv_async=False: the blend pass runs synchronously before the forward.
         return params.num_tokens, False
 
@@ -225,6 +230,7 @@ class BlendConnector(KVConnectorBase_V1):
         params, ids = self._to_load.pop(req_id)
         try:
             # The plan looks every chunk up (promise): the usage reported at the end is the plan's.
+            assert params.chunk_spans is not None  # blend_params found the spans of a separator
             plan = make_plan(ids, params.chunk_spans, mode=params.mode, ratio=params.ratio, config=self.config,
                              keys=self.keys, store=self.store, num_layers=self.num_layers, rates=self._rates,
                              promise=True)
@@ -301,6 +307,7 @@ class BlendConnector(KVConnectorBase_V1):
         return invalid
 
     def _run(self, job: BlendJob, forward_context) -> None:
+        assert job.plan is not None  # a job without a plan has an error, and is failed without a run
         blender = self._attach()
         n = len(job.token_ids)
         cache = KVCache.allocate(blender.model, n)
@@ -332,7 +339,7 @@ class BlendConnector(KVConnectorBase_V1):
     def save_unsaved(self) -> None:
         """Store the chunks that missed. A chunk that cannot be saved is
         logged and dropped: it is computed again when it next misses."""
-        while self._unsaved:
+        while self._unsaved and self.blender is not None:
             stats = self._unsaved.pop()
             try:
                 self.blender.save_missed(stats)

@@ -207,10 +207,13 @@ class VLLMEngine(Engine):
     def generate_many(self, prompts: Sequence[BlendPrompt | TextOrIds], **kwargs) -> list[Generation]:
         """Submit every prompt at once so vLLM batches them."""
         streams = [self.stream(p, **kwargs) for p in prompts]
+        gens = []
         for s in streams:
             for _ in s:
                 pass
-        return [s.generation for s in streams]
+            assert s.generation is not None  # set once the stream is exhausted
+            gens.append(s.generation)
+        return gens
 
     def _follow(self, stream, rid, outputs, req: Request) -> Iterator[str]:
         tp, t0, mode = req.prompt, req.started, req.mode

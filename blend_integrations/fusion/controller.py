@@ -57,7 +57,7 @@ def token_layers(num_tokens: int, reused: int, num_layers: int, schedule: list[t
         return num_layers * (num_tokens - reused)
     fresh = num_tokens - reused
     bounds = [layer for layer, _ in schedule] + [num_layers]
-    total = bounds[0] * num_tokens
+    total = float(bounds[0] * num_tokens)
     for (layer, share), end in zip(schedule, bounds[1:]):
         total += (end - layer) * (fresh + share * reused)
     return total

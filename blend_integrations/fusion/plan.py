@@ -24,7 +24,7 @@ that is not found when read counts as a miss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..config import BlendConfig
 from ..store import ChunkStore, chunk_key
@@ -40,7 +40,7 @@ class ChunkKeys:
     key but its tokens. One per model; every key is made here."""
 
     fingerprint: str  # the checkpoint's (``store.model_fingerprint``)
-    dtype: object  # the KV dtype: a torch.dtype or its name
+    dtype: Any  # the KV dtype: a torch.dtype or its name
     bos_token_id: int | None  # the BOS the tokenizer adds, part of the standalone recipe
 
     def __call__(self, token_ids: Sequence[int]) -> str:
@@ -88,6 +88,13 @@ def measured_rates(store: ChunkStore, compute: Rate | None) -> dict[str, float |
         "compute": compute.value if compute is not None else None}
 
 
+def _bandwidth(rates: dict[str, float | None], tier: str) -> float:
+    bandwidth = rates.get(tier)
+    if not bandwidth:  # every tier starts from an assumed bandwidth (``ChunkStore(read_bandwidth=)``)
+        raise ValueError(f"no read bandwidth for the store's {tier} tier")
+    return bandwidth
+
+
 def make_plan(
     token_ids: Sequence[int],
     chunk_spans: Sequence[tuple[int, int]],
@@ -117,20 +124,25 @@ def make_plan(
         # Nothing to decide before reading: a chunk not found when read is a miss.
         chunks = tuple(ChunkPlan(a, b, key, LOAD) for (a, b), key in zip(spans, chunk_keys))
         return PrefillPlan(mode, floor, chunks, config.sink_tokens)
-    located = [store.locate(key) for key in chunk_keys]
-    actions = [LOAD if where.tier is not None else MISS for where in located]
+    found: list[tuple[int, str, int]] = []  # (chunk, tier, bytes) of the chunks in the store
+    for i, key in enumerate(chunk_keys):
+        where = store.locate(key)
+        if where.tier is not None:
+            found.append((i, where.tier, where.nbytes))
+    actions = [MISS] * len(spans)
+    for i, _, _ in found:
+        actions[i] = LOAD
     loading = None
     if control:
-        found = [i for i, action in enumerate(actions) if action == LOAD]
         decided, loading = decide(
-            [located[i].tier for i in found],
-            [max(0, spans[i][1] - spans[i][0] - config.sink_tokens) for i in found],
-            [located[i].nbytes / rates[located[i].tier] for i in found],
+            [tier for _, tier, _ in found],
+            [max(0, spans[i][1] - spans[i][0] - config.sink_tokens) for i, _, _ in found],
+            [nbytes / _bandwidth(rates, tier) for _, tier, nbytes in found],
             num_tokens=len(token_ids), num_layers=num_layers, schedule=config.check_schedule,
             floor=floor, throughput=rates["compute"], overlapped=config.pipelined_loading,
         )
         floor = decided.ratio
-        for i, load in zip(found, decided.load):
+        for (i, _, _), load in zip(found, decided.load):
             actions[i] = LOAD if load else COMPUTE
     chunks = tuple(ChunkPlan(a, b, key, action) for (a, b), key, action in zip(spans, chunk_keys, actions))
     return PrefillPlan(mode, floor, chunks, config.sink_tokens, promise, loading)

@@ -18,7 +18,7 @@ Attention of active queries uses an exact causal mask by absolute position
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,7 @@ def forward(
     cache: KVCache,
     ids: torch.Tensor,
     *,
-    reused: list[ReusedSpan] = (),
+    reused: Sequence[ReusedSpan] = (),
     schedule: list[tuple[int, float]] | None = None,
     deviation: str = "v",
     record: torch.Tensor | None = None,
