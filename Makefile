@@ -25,11 +25,11 @@ test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install
-	$(PY) -m blend_integrations.bench ttft
-	$(PY) -m blend_integrations.bench store
-	$(PY) -m blend_integrations.bench vllm
-	$(PY) -m blend_integrations.bench quality
-	$(PY) -m blend_integrations.bench fuzz
+	$(PY) -m benchmarks ttft
+	$(PY) -m benchmarks store
+	$(PY) -m benchmarks vllm
+	$(PY) -m benchmarks quality
+	$(PY) -m benchmarks fuzz
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from blend_integrations.quality.data import contains
+from blend_integrations.quality.metrics import contains
 
 
 def default_model() -> str:

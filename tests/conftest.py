@@ -10,7 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from blend_integrations import BlendConfig, ChunkStore, load_engine  # noqa: E402
-from blend_integrations.local_models import build_model, sample_text  # noqa: E402
+from tests.fixtures.local_models import build_model, sample_text  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 512, "rope_theta": 10000.0}
@@ -111,7 +111,7 @@ BLEND_SERVER_KEY = "blend-test-key"
 def blend_server(model_dirs, store):
     """A real blend server process (vLLM's OpenAI server with the connector) on loopback,
     behind an API key (``blend_server.api_key``), as a shared server would run."""
-    from blend_integrations.bench.blend_server import BlendServer
+    from tests.fixtures.blend_server import BlendServer
 
     server = BlendServer(model_dirs("llama"), store=store.path, log=store.path.parent / "server.log",
                          args=["--max-model-len", "2048", "--kv-cache-gib", "1", "--api-key", BLEND_SERVER_KEY])
@@ -120,11 +120,11 @@ def blend_server(model_dirs, store):
         yield server
 
 
-# -- Redis: a real server on loopback (blend_integrations/bench/redis_server.py) --
+# -- Redis: a real server on loopback (tests/fixtures/redis_server.py) --
 
 
 def _start_redis(workdir):
-    from blend_integrations.bench.redis_server import RedisServer
+    from tests.fixtures.redis_server import RedisServer
 
     try:
         return RedisServer(workdir).start()

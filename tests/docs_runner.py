@@ -3,7 +3,7 @@
     python tests/docs_runner.py PAGE.md MODEL_DIR
 
 Python samples share one namespace (a page is one session); shell samples run
-with bash (``make`` commands in the checkout, the rest where the page runs).
+with bash (``make``, benchmark and training commands in the checkout, the rest where the page runs).
 The model placeholder ``path/or/hub-id`` is replaced by MODEL_DIR.
 A comment line right before a sample can change how it runs:
 
@@ -67,7 +67,8 @@ def main(page: Path, model: str) -> None:
                     background.append(proc)
                     wait_healthy(int(re.search(r"--port[ =](\d+)", code)[1]), proc)
                 else:
-                    cwd = ROOT if code.startswith("make ") else None  # make targets are the checkout's
+                    # make targets, benchmarks and training are the checkout's, not the installed package's
+                    cwd = ROOT if code.startswith(("make ", "python -m benchmarks", "python -m training")) else None
                     subprocess.run(["bash", "-ec", code], check=True, cwd=cwd)
     finally:
         for proc in background:

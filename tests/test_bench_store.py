@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_store_bench_quick(tmp_path):
     env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1")  # the small model is built under HOME
-    out = subprocess.run([sys.executable, "-m", "blend_integrations.bench", "store", "--quick", "--json",
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "store", "--quick", "--json",
                           "--device", "cpu", "--out", str(tmp_path / "results")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -35,4 +35,4 @@ def test_store_bench_quick(tmp_path):
     written = tmp_path / "results"
     assert json.loads((written / "store.json").read_text())["ttft"].keys() == cases.keys()
     assert "| controller, redis |" in (written / "store.md").read_text()
-    assert "bench store" in (ROOT / "Makefile").read_text().split("bench:")[1].split("\n\n")[0]
+    assert "benchmarks store" in (ROOT / "Makefile").read_text().split("bench:")[1].split("\n\n")[0]

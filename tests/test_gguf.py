@@ -97,7 +97,7 @@ def test_smollm2_gguf_on_vllm_embedded_and_served(smollm2_gguf, smollm2_full, tm
     """The GGUF file through load_engine(backend="vllm") and through the server
     launcher: both serve the converted checkpoint, so their chunks are shared
     with the transformers engine, and blend at r=1 gives full prefill's tokens."""
-    from blend_integrations.bench.blend_server import BlendServer
+    from tests.fixtures.blend_server import BlendServer
 
     engine, prompt, full = smollm2_full
     store = ChunkStore(tmp_path / "store")

@@ -25,7 +25,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from blend_integrations.langchain import ChatBlend
-from blend_integrations.local_models import build_model
+from tests.fixtures.local_models import build_model
 
 CANNOT_FOLLOW_A_SCHEMA = pytest.mark.xfail(
     strict=True,

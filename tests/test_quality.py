@@ -11,16 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from blend_integrations.quality.data import (
-    CITIES,
-    PROFESSIONS,
-    exact_match,
-    make_example,
-    make_examples,
-    normalize,
-    question_subject,
-    token_f1,
-)
+from blend_integrations.quality.metrics import exact_match, normalize, token_f1
+from training.data import CITIES, PROFESSIONS, make_example, make_examples, question_subject
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,8 +69,8 @@ def test_look_targets_point_at_the_circuit(tmp_path):
     """The look losses' targets (training only): fixed distances back in the
     first layer, the question's subject, the bridge of 2-hop questions, and the
     answer's value in the sentence that states it."""
-    from blend_integrations.quality.data import prompt
-    from blend_integrations.quality.train import (
+    from training.data import prompt
+    from training.train import (
         POSITION_HEADS,
         encode,
         look_targets,
@@ -143,7 +135,7 @@ def test_metrics():
 def test_blend_config_defaults_follow_the_quality_table():
     """The committed benchmark run on the bundled reader sets BlendConfig's defaults."""
     from blend_integrations import BlendConfig
-    from blend_integrations.bench.quality import recommended_defaults
+    from benchmarks.quality import recommended_defaults
 
     report = json.loads((ROOT / "docs" / "results" / "quality.json").read_text())
     assert report["config"]["questions"] >= 300 and Path(report["config"]["model"]).name == "reader"
@@ -158,7 +150,7 @@ def test_blend_config_defaults_follow_the_quality_table():
 
 
 def test_recommended_defaults_rules():
-    from blend_integrations.bench.quality import recommended_defaults
+    from benchmarks.quality import recommended_defaults
 
     def row(em1, em2, kl):
         return {"em_1hop": em1, "em_2hop": em2, "f1_1hop": em1, "f1_2hop": em2, "kl": kl}
@@ -185,9 +177,9 @@ def short_runs(tmp_path_factory):
     for name, slices in (("a", [[]]), ("b", [["--stop-after", "1"], []])):
         out = tmp_path_factory.mktemp(f"reader-{name}")
         for extra in slices:
-            subprocess.run([sys.executable, "-m", "blend_integrations.quality.train", str(out), "--steps", "2",
+            subprocess.run([sys.executable, "-m", "training.train", str(out), "--steps", "2",
                             "--tokens-per-step", "512", "--threads", "1", *extra],
-                           check=True, capture_output=True, timeout=900)
+                           check=True, cwd=ROOT, capture_output=True, timeout=900)
         runs.append(out)
     return runs
 
@@ -211,7 +203,7 @@ def test_training_is_deterministic_resumable_and_writes_a_model_card(short_runs,
 def test_quality_bench_quick(short_runs):
     """The benchmark's machinery on a barely trained reader (its scores say nothing;
     the full run on the trained reader is docs/results/quality.md)."""
-    out = subprocess.run([sys.executable, "-m", "blend_integrations.bench", "quality", "--quick", "--json",
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "quality", "--quick", "--json",
                           "--model", str(short_runs[0])], cwd=ROOT, capture_output=True, text=True, timeout=1200,
                          check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -231,11 +223,11 @@ def test_quality_bench_quick(short_runs):
 
 
 def test_diagnose_reports_the_circuit(short_runs, tmp_path):
-    """The reader's diagnosis (quality.diagnose) on a barely trained run: every
+    """The reader's diagnosis (training.diagnose) on a barely trained run: every
     look's mass, where the last layer looks, the blocks' write norms."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from blend_integrations.quality.diagnose import SHAPES, inspect_example
+    from training.diagnose import SHAPES, inspect_example
 
     tokenizer = AutoTokenizer.from_pretrained(short_runs[0])
     model = AutoModelForCausalLM.from_pretrained(short_runs[0]).eval()
@@ -248,13 +240,13 @@ def test_diagnose_reports_the_circuit(short_runs, tmp_path):
     layers = model.config.num_hidden_layers
     assert set(found["write_norms"]["value"]) == {f"{b}{i}" for b in ("attn", "mlp") for i in range(layers)}
 
-    out = subprocess.run([sys.executable, "-m", "blend_integrations.quality.diagnose", str(short_runs[0]),
+    out = subprocess.run([sys.executable, "-m", "training.diagnose", str(short_runs[0]),
                           "--shape", "short", "--examples", "2"], check=False, cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mean attention mass on each look's sources (2 short examples)" in out.stdout
     assert "at the value position: attn0" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "blend_integrations.quality.diagnose", str(tmp_path)],
+    bad = subprocess.run([sys.executable, "-m", "training.diagnose", str(tmp_path)],
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "holds no model (config.json is missing)" in bad.stderr
 
@@ -266,7 +258,7 @@ def test_drift_measures_what_context_changes(capsys):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from blend_integrations.bench import drift
+    from benchmarks import drift
     from blend_integrations.chat import rag_prompt
     from blend_integrations.quality import reader_model_dir
 

@@ -127,7 +127,7 @@ def test_fuzzing_never_takes_the_server_down(blend_server, capsys):
     NaN and infinities, bad spans, huge span lists, deep nesting, non-ASCII
     separators, num_tokens at and past the end, one-token prompts, batches, chat),
     sent four at a time and interleaved with good requests."""
-    from blend_integrations.bench import fuzz
+    from benchmarks import fuzz
 
     report = fuzz.run(blend_server.url, cases=240, seed=1, api_key=blend_server.api_key)
     with capsys.disabled():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import traceback
 
-from blend_integrations.local_models import sample_text
+from tests.fixtures.local_models import sample_text
 
 PROCESSES, REQUESTS, DOCUMENTS = 4, 200, 50
 # a chunk of this corpus is about 160 KB on the test model: the disk tier holds

@@ -11,7 +11,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 
 from blend_integrations import tool_calls
 from blend_integrations.langchain import ChatBlend, chunk_block, messages_to_prompt
-from blend_integrations.local_models import CHAT_TEMPLATE
+from tests.fixtures.local_models import CHAT_TEMPLATE
 
 # (format, generated text, expected content, expected calls [(name, args)], expected bad call names)
 CASES = [

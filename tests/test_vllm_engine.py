@@ -152,7 +152,7 @@ def test_unsupported_vllm_version(version):
 def test_preempted_requests_are_blended_again(vllm_engine):
     """When vLLM preempts a request for lack of KV blocks and resumes it later in new
     blocks, the connector must run the blend pass into those blocks again."""
-    from blend_integrations.local_models import sample_text
+    from tests.fixtures.local_models import sample_text
 
     docs = [" ".join(sample_text(6, seed=7000 + i)) for i in range(8)]
     vllm_engine.warm(docs)

@@ -1,6 +1,7 @@
-"""The reader model and its task: a small model trained here to answer questions
-from its documents, so answer quality under blending can be measured (and the
-examples give right answers) without downloading a model."""
+"""Answer quality, beside the layers: the bundled reader model, a small model trained
+here (``training/``) to answer questions from its documents, so answer
+quality under blending can be measured without downloading a model, and the
+answer metrics (``metrics.py``)."""
 
 from __future__ import annotations
 
@@ -14,5 +15,5 @@ def reader_model_dir() -> Path:
     if not (READER_DIR / "model.safetensors").exists():
         raise FileNotFoundError(
             f"the reader model is missing from {READER_DIR}; train it with "
-            f"`python -m blend_integrations.quality.train {READER_DIR}`")
+            f"`python -m training.train {READER_DIR}` in a checkout of the repository")
     return READER_DIR

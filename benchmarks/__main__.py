@@ -1,4 +1,4 @@
-"""``python -m blend_integrations.bench [ttft|store|vllm|quality|fuzz|drift] [options]``; no part runs them all."""
+"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift] [options]``; no part runs them all."""
 
 import sys
 
@@ -11,7 +11,7 @@ PARTS = {"ttft": ttft.main, "store": store.main, "vllm": vllm_bench.main, "quali
 def main() -> None:  # vLLM starts processes: keep the entry under the __main__ guard below
     args = sys.argv[1:]
     if args and args[0] in ("-h", "--help"):
-        print(f"usage: python -m blend_integrations.bench [{'|'.join(PARTS)}] [options]")
+        print(f"usage: python -m benchmarks [{'|'.join(PARTS)}] [options]")
         return
     if args and args[0] in PARTS:
         PARTS[args[0]](args[1:])

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import random
 import re
-import string
-from collections import Counter
 from dataclasses import dataclass, field
 
-from ..chat import rag_prompt
-from ..config import BlendConfig
-from ..prompt import TokenizedPrompt
+from blend_integrations.chat import rag_prompt
+from blend_integrations.config import BlendConfig
+from blend_integrations.prompt import TokenizedPrompt
 
 FIRST_NAMES = (
     "Mara Jonas Ilse Tomas Nadia Oskar Lena Pavel Ines Hugo Greta Milan Sofia Anton Vera Emil Clara Felix Rosa Leon "
@@ -255,29 +253,3 @@ def prompt(example: Example, tokenizer) -> TokenizedPrompt:
     """The question as the engines see it, in training and in the benchmark
     (``rag_prompt`` with BlendConfig's default separator)."""
     return rag_prompt(example.documents, example.question, tokenizer, BlendConfig().separator)
-
-
-# -- metrics ------------------------------------------------------------------------------
-
-def normalize(text: str) -> str:
-    text = text.strip().lower()
-    text = "".join(ch for ch in text if ch not in string.punctuation)
-    return " ".join(text.split())
-
-
-def exact_match(prediction: str, answer: str) -> float:
-    return float(normalize(prediction) == normalize(answer))
-
-
-def contains(prediction: str, answer: str) -> float:
-    """1.0 when the answer appears in the reply: chat models answer in a sentence."""
-    return float(normalize(answer) in normalize(prediction))
-
-
-def token_f1(prediction: str, answer: str) -> float:
-    pred, gold = normalize(prediction).split(), normalize(answer).split()
-    common = sum((Counter(pred) & Counter(gold)).values())
-    if not common:
-        return 0.0
-    precision, recall = common / len(pred), common / len(gold)
-    return 2 * precision * recall / (precision + recall)

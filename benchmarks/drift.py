@@ -18,7 +18,7 @@ for the standalone recipe as stored (``[BOS] + chunk`` when the tokenizer adds a
 BOS, else the chunk alone) and, for comparison, with the chat template's first
 token in front as a fixed attention sink.
 
-    python -m blend_integrations.bench drift [--model reader|smollm2|DIR] [--questions 8] [--quick]
+    python -m benchmarks drift [--model reader|smollm2|DIR] [--questions 8] [--quick]
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from ..chat import rag_prompt
-from ..config import BlendConfig
-from ..prompt import bos_id_added
-from ..quality.data import make_examples
+from blend_integrations.chat import rag_prompt
+from blend_integrations.config import BlendConfig
+from blend_integrations.prompt import bos_id_added
+from training.data import make_examples
 from . import write_results
-from .quality import HELD_OUT_SEED, RESULTS, model_and_task
+from .quality import HELD_OUT_SEED, model_and_task
 
 LENGTHS = ((20, 40), (80, 120), (230, 270), (450, 550))  # words per document, as the quality bench draws them
 HEAD = 4  # a chunk's first tokens: where its own attention sink sits when nothing comes before it
@@ -144,10 +144,11 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m blend_integrations.bench drift", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks drift", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="reader, smollm2 (the default) or a checkpoint directory")
     parser.add_argument("--questions", type=int, default=8, help="questions per document length")
     parser.add_argument("--quick", action="store_true", help="2 questions, the two shortest lengths, nothing written")
+    parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
     args = parser.parse_args(argv)
     args.lengths = LENGTHS[:2] if args.quick else LENGTHS
     if args.quick:
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args)
     text = markdown(report)
     print(text)
-    if not args.quick:
+    if not args.quick and args.out:
         suffix = {"reader": "", "smollm2": "-smollm2"}.get(args.model, "-" + Path(args.model).name)
-        write_results(RESULTS, "drift" + suffix, "How far stored chunk KV is from in-prompt KV", text, report,
-                      command=f"`python -m blend_integrations.bench drift --model {args.model}`.")
+        write_results(args.out, "drift" + suffix, "How far stored chunk KV is from in-prompt KV", text, report,
+                      command=f"`python -m benchmarks drift --model {args.model}`.")

@@ -1,7 +1,7 @@
 """Train the reader model: a small Llama-style decoder (tokenizer included) that
-answers questions from its documents (blend_integrations.quality.data).
+answers questions from its documents (training.data).
 
-    python -m blend_integrations.quality.train OUT_DIR [--steps 800] [--seed 0]
+    python -m training.train OUT_DIR [--steps 800] [--seed 0]
 
 The loss is the answer tokens', plus a smaller language-model loss on the whole
 prompt, plus look losses that steer the attention of a few heads towards a
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..local_models import train_tokenizer
+from tests.fixtures.local_models import train_tokenizer
 from .data import (
     Example,
     corpus_text,
@@ -366,7 +366,7 @@ measured without downloading a model. It knows nothing but this task.
 
 ## Data
 
-Synthetic multi-document question answering from `blend_integrations.quality.data`
+Synthetic multi-document question answering from `training.data`
 (seed {summary["seed"]}): every example is a fresh world of companies (founder, city)
 and people (birthplace, profession), one document of 100-500 tokens of filler
 per entity with its facts at random points, distractor documents, and a 1-hop
@@ -391,7 +391,7 @@ linear probe and the tied unembedding, so that the last layer can match a fact t
 subject (without it, it matched the relation only). These losses only shape training (the probe
 is thrown away); the model is a plain Llama. The tokenizer is a byte-level BPE trained on the same
 generator's text ({summary["vocab"]} tokens); the chat template is the one of
-`blend_integrations.local_models` (roles as special tokens, Hermes-style tools).
+`tests.fixtures.local_models` (roles as special tokens, Hermes-style tools).
 
 ## Size
 
@@ -409,13 +409,13 @@ start as a copy of what the heads attend to.
 last quarter; a stage ends when its 1-hop teacher-forced accuracy reaches {summary["gate"]} (or at its share of the steps);
 {summary["minutes"]} minutes on {summary["threads"]} CPU threads. Reproduce with
 
-    python -m blend_integrations.quality.train OUT_DIR --steps {summary["steps"]} --seed {summary["seed"]} --threads {summary["threads"]}
+    python -m training.train OUT_DIR --steps {summary["steps"]} --seed {summary["seed"]} --threads {summary["threads"]}
 
 ## Accuracy
 
 Greedy exact match under teacher forcing on 64 held-out examples (every answer
 token and the end must be the argmax): 1-hop {acc.get("acc_1hop", 0):.2f}, 2-hop {acc.get("acc_2hop", 0):.2f}.
-The quality benchmark (`python -m blend_integrations.bench quality`, results in
+The quality benchmark (`python -m benchmarks quality`, results in
 `docs/results/quality.md`) measures generated answers on 300 other held-out
 questions, for full prefill and every blend mode.
 """

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import BlendConfig
-from ..engines import load_engine
-from ..local_models import sample_text
-from ..store import ChunkStore
+from blend_integrations.config import BlendConfig
+from blend_integrations.engines import load_engine
+from tests.fixtures.local_models import sample_text
+from blend_integrations.store import ChunkStore
 from . import MODEL_HELP, add_model_arguments, bench_model, compute_ceiling, shuffled_prompts, write_results
 
 
@@ -161,7 +161,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m blend_integrations.bench ttft", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks ttft", description=__doc__.splitlines()[0])
     add_model_arguments(p)
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
@@ -173,7 +173,7 @@ def main(argv=None) -> None:
     if args.out:
         stem = report["config"]["results"]
         out = write_results(args.out, stem, "Time to first token: full prefill vs reuse vs blend", table, report,
-                            command=f"`python -m blend_integrations.bench ttft{' --model ' + args.model if args.model else ''}`"
+                            command=f"`python -m benchmarks ttft{' --model ' + args.model if args.model else ''}`"
                             + (" (`make bench` runs it)." if not args.model else "."),
                             extra=f"\n![TTFT per mode, and speedup against the computed share]({stem}.png)\n")
         plot(report, out / f"{stem}.png")

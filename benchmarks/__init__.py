@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m blend_integrations.bench <part>``."""
+"""Benchmarks: ``python -m benchmarks <part>``."""
 
 import argparse
 import json
@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from ..prompt import BlendPrompt
+from blend_integrations.prompt import BlendPrompt
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,12 +32,12 @@ def bench_model(model: str | None, *, layers: int = 16, hidden: int = 512, heads
     a timing bench's model: a random-weight Llama of the given shape (speed is a
     property of the architecture, not of the weights), or ``model``."""
     if model is None:
-        from ..local_models import cached_model_dir
+        from tests.fixtures.local_models import cached_model_dir
 
         path = cached_model_dir(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads)
         return str(path), f"llama, {layers} layers, hidden {hidden}, {heads} heads, {kv_heads} KV heads, random weights", ""
     if model == "smollm2":
-        from ..models.smollm2 import LABEL, smollm2_dir
+        from blend_integrations.models.smollm2 import LABEL, smollm2_dir
 
         return str(smollm2_dir()), f"{LABEL}: llama, 30 layers, hidden 576, 9 heads, 3 KV heads", "-smollm2"
     return model, model, "-" + Path(model).name
@@ -77,7 +77,7 @@ def write_results(out: str | Path, part: str, title: str, text: str, report: dic
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{part}.json").write_text(json.dumps(report, indent=2) + "\n")
-    command = command or f"`make bench` (or `python -m blend_integrations.bench {part}`)."
+    command = command or f"`make bench` (or `python -m benchmarks {part}`)."
     (out / f"{part}.md").write_text(f"# {title}\n\nCommand: {command}\n\n{text}\n{extra}")
     print(f"\nwritten: {out / (part + '.md')}, {out / (part + '.json')}")
     return out

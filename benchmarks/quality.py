@@ -17,7 +17,7 @@ default; docs/results/quality.md), ``smollm2``, SmolLM2-135M-Instruct from the
 package index, with shorter documents and a short-answer prompt
 (docs/results/quality-smollm2.md), or a checkpoint directory (the reader's task).
 
-    python -m blend_integrations.bench quality [--model reader|smollm2|DIR] [--quick] [--json] [--questions 300]
+    python -m benchmarks quality [--model reader|smollm2|DIR] [--quick] [--json] [--questions 300]
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ from pathlib import Path
 
 import torch
 
-from ..chat import RAG_SYSTEM_PROMPT, rag_prompt
-from ..config import BlendConfig
-from ..engines import load_engine
-from ..prompt import TokenizedPrompt
-from ..quality import reader_model_dir
-from ..quality.data import contains, exact_match, make_examples, normalize, token_f1
-from ..store import ChunkStore
+from blend_integrations.chat import RAG_SYSTEM_PROMPT, rag_prompt
+from blend_integrations.config import BlendConfig
+from blend_integrations.engines import load_engine
+from blend_integrations.prompt import TokenizedPrompt
+from blend_integrations.quality import reader_model_dir
+from blend_integrations.quality.metrics import contains, exact_match, normalize, token_f1
+from training.data import make_examples
+from blend_integrations.store import ChunkStore
 from . import write_results
 
 
@@ -66,7 +67,6 @@ TASKS = {
                     "contains", 24),
 }
 HELD_OUT_SEED = 20_000  # training draws from other seeds
-RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 DEFAULT = BlendConfig()
 
 # The plain algorithm every mode starts from, spelled out so that a table means the same whatever the defaults are
@@ -124,7 +124,7 @@ def model_and_task(model: str | None) -> tuple[Path, Task, str]:
     if model in (None, "reader"):
         return reader_model_dir(), TASKS["reader"], "blend_integrations/quality/reader"
     if model == "smollm2":
-        from ..models.smollm2 import LABEL, smollm2_dir
+        from blend_integrations.models.smollm2 import LABEL, smollm2_dir
 
         return smollm2_dir(), TASKS["smollm2"], LABEL
     return Path(model), TASKS["reader"], str(model)
@@ -292,7 +292,7 @@ def defaults_note(report: dict) -> str:
               "check_layers": tuple(d["check_layers"]), "sink_tokens": d["sink_tokens"]}
     rec = recommended_defaults(m, accuracy)
     rules = (f"How BlendConfig's defaults follow from this table (`recommended_defaults` in "
-             f"blend_integrations/bench/quality.py): the ratio is the smallest within {EM_TOLERANCE} {label} of "
+             f"benchmarks/quality.py): the ratio is the smallest within {EM_TOLERANCE} {label} of "
              f"full prefill on both sets whose first-token KL is under {KL_LIMIT}; key deviation (same cost) must "
              f"match value deviation's {label} and lower its KL; gradual filtering and sink tokens (more "
              f"computed tokens) must raise {label} by more than {EM_TOLERANCE} on a set.")
@@ -353,9 +353,10 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m blend_integrations.bench quality", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks quality", description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=300)
-    parser.add_argument("--quick", action="store_true", help="24 questions, results not written to docs/")
+    parser.add_argument("--quick", action="store_true", help="24 questions, results not written")
+    parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the modes' metrics last")
     parser.add_argument("--max-tokens", type=int, help="default: the task's (8 for the reader, 24 for smollm2)")
     parser.add_argument("--model", default="reader",
@@ -371,12 +372,12 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(report)
     print(text)
     print(defaults_note(report))
-    if not args.quick:
+    if not args.quick and args.out:
         stem = report["config"]["task"]
         options = f" --model {args.model}" + (f" --questions {args.questions}" if args.questions != 300 else "")
-        write_results(RESULTS, stem, "Answer quality" + ("" if stem == "quality" else f": {report['config']['model']}"),
-                      text, report, command=f"`python -m blend_integrations.bench quality{options}`.",
+        write_results(args.out, stem, "Answer quality" + ("" if stem == "quality" else f": {report['config']['model']}"),
+                      text, report, command=f"`python -m benchmarks quality{options}`.",
                       extra=defaults_note(report) + f"\n![Accuracy and first-token KL against the recompute ratio]({stem}.png)\n")
-        plot(report, RESULTS / f"{stem}.png")
+        plot(report, Path(args.out) / f"{stem}.png")
     if args.json:
         print(json.dumps(report["modes"]))

@@ -21,9 +21,9 @@ import statistics
 import tempfile
 import time
 
-from ..engines import load_engine
-from ..prompt import BlendPrompt, tokenize_prompt
-from ..store import ChunkStore
+from blend_integrations.engines import load_engine
+from blend_integrations.prompt import BlendPrompt, tokenize_prompt
+from blend_integrations.store import ChunkStore
 from . import MODEL_HELP, bench_model, compute_ceiling, write_results
 from .ttft import make_chunks
 
@@ -163,7 +163,7 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m blend_integrations.bench vllm", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks vllm", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--chunks", type=int, default=6)
@@ -181,4 +181,4 @@ def main(argv=None) -> None:
     if args.out:
         model = f" --model {args.model}" if args.model else ""
         write_results(args.out, report["config"]["results"], "vLLM engine: TTFT and throughput", text, report,
-                      command=f"`python -m blend_integrations.bench vllm{model}`" + ("." if model else " (`make bench` runs it)."))
+                      command=f"`python -m benchmarks vllm{model}`" + ("." if model else " (`make bench` runs it)."))

@@ -1,4 +1,4 @@
-"""Fuzz a blend server with malformed blend parameters: ``python -m blend_integrations.bench fuzz``.
+"""Fuzz a blend server with malformed blend parameters: ``python -m benchmarks fuzz``.
 
 Malformed request bodies are drawn from a seeded generator (wrong types,
 missing fields, NaN and infinities, negative, reversed, empty, overlapping
@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engines.vllm_contract import MAX_CHUNKS, BlendParamsError, parse_blend_params
-from ..local_models import sample_text
+from blend_integrations.engines.vllm_contract import MAX_CHUNKS, BlendParamsError, parse_blend_params
+from tests.fixtures.local_models import sample_text
 from . import write_results
 
 
@@ -394,7 +394,7 @@ def passed(report: dict) -> bool:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m blend_integrations.bench fuzz", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks fuzz", description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running blend server (default: start one on a small local model)")
     p.add_argument("--api-key", help="the server's key, if it has one")
     p.add_argument("--cases", type=int, default=240)
@@ -405,8 +405,8 @@ def main(argv=None) -> None:
         report = run(args.url, cases=args.cases, seed=args.seed, api_key=args.api_key)
         server = args.url
     else:
-        from ..local_models import cached_model_dir
-        from .blend_server import BlendServer
+        from tests.fixtures.local_models import cached_model_dir
+        from tests.fixtures.blend_server import BlendServer
 
         model = cached_model_dir(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2)
         work = Path(tempfile.mkdtemp(prefix="blend-fuzz-"))
@@ -422,7 +422,7 @@ def main(argv=None) -> None:
     print(text)
     if args.out:
         write_results(args.out, "fuzz", "Server fuzzing: malformed blend parameters", f"Server: {server}.\n\n{text}",
-                      report, command="`python -m blend_integrations.bench fuzz` (`test_fuzzing_never_takes_the_server_down` "
+                      report, command="`python -m benchmarks fuzz` (`test_fuzzing_never_takes_the_server_down` "
                       "in `tests/test_server.py` runs the same on the test server, behind its API key).")
     if not passed(report):
         raise SystemExit("the server failed the fuzzing: see the violations above")

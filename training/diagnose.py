@@ -2,7 +2,7 @@
 where does the last layer look from the answering position, and how large is
 what each layer writes there.
 
-    python -m blend_integrations.quality.diagnose MODEL_DIR [--shape short|mid|full] [--examples 8]
+    python -m training.diagnose MODEL_DIR [--shape short|mid|full] [--examples 8]
 
 The shapes are the training curriculum's stages (``full`` is the benchmark's).
 Works on a finished reader and on a run's output directory (it saves weights
@@ -72,7 +72,7 @@ def inspect_example(model, tokenizer, example: Example, top: int = 4) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m blend_integrations.quality.diagnose", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m training.diagnose", description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
     parser.add_argument("--shape", choices=SHAPES, default="full")
     parser.add_argument("--examples", type=int, default=8)

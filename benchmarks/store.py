@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import BlendConfig
-from ..engines import load_engine
-from ..local_models import cached_model_dir
-from ..store import ChunkStore
-from ..store.layered import LayerReader
+from blend_integrations.config import BlendConfig
+from blend_integrations.engines import load_engine
+from tests.fixtures.local_models import cached_model_dir
+from blend_integrations.store import ChunkStore
+from blend_integrations.store.layered import LayerReader
 from . import add_model_arguments, shuffled_prompts, write_results
-from .redis_server import RedisServer
+from tests.fixtures.redis_server import RedisServer
 from .ttft import make_chunks
 
 RATIO = 0.15
@@ -213,7 +213,7 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m blend_integrations.bench store", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks store", description=__doc__.splitlines()[0])
     add_model_arguments(p)
     p.add_argument("--quick", action="store_true",
                    help="a 4-layer model, 3 chunks of 64 tokens, 1 round; nothing written unless --out is given")

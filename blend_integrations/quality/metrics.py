@@ -1,0 +1,32 @@
+"""Answer metrics for generated replies, as the quality benchmark and the
+examples score them: normalized exact match, answer contained in the reply,
+and token F1."""
+
+from __future__ import annotations
+
+import string
+from collections import Counter
+
+
+def normalize(text: str) -> str:
+    text = text.strip().lower()
+    text = "".join(ch for ch in text if ch not in string.punctuation)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, answer: str) -> float:
+    return float(normalize(prediction) == normalize(answer))
+
+
+def contains(prediction: str, answer: str) -> float:
+    """1.0 when the answer appears in the reply: chat models answer in a sentence."""
+    return float(normalize(answer) in normalize(prediction))
+
+
+def token_f1(prediction: str, answer: str) -> float:
+    pred, gold = normalize(prediction).split(), normalize(answer).split()
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)

@@ -1,0 +1,91 @@
+"""The walk on its own (fusion/walk.py): a small random model's own modules,
+no engine, no store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from blend_integrations.fusion import KVCache, ReusedSpan, forward
+from blend_integrations.models import HFDecoder
+
+CHUNK = slice(5, 25)  # the reused tokens of a 40-token prompt
+SCHEDULE = [(1, 0.15)]  # blend: check at layer 1, recompute 15%
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dirs):
+    return AutoModelForCausalLM.from_pretrained(model_dirs("llama"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model(hf_model):
+    return HFDecoder(hf_model)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(0))
+
+
+def walk(model, ids, **options):
+    with torch.inference_mode():
+        return forward(model, KVCache.allocate(model, len(ids)), ids, **options)
+
+
+def recorded(model, ids) -> torch.Tensor:
+    """K before RoPE and V of every token of ``ids``, computed together."""
+    record = torch.empty(model.num_layers, 2, model.num_kv_heads, len(ids), model.head_dim)
+    walk(model, ids, record=record, logits=False)
+    return record
+
+
+def test_full_walk_equals_the_models_own_forward(hf_model, model, ids):
+    logits, stats = walk(model, ids)
+    with torch.inference_mode():
+        own = hf_model(ids[None]).logits[0, -1].float()
+    torch.testing.assert_close(logits, own, atol=1e-4, rtol=1e-4)
+    assert (stats.cached_tokens, stats.recomputed_tokens) == (0, 0)
+    assert stats.token_layers == len(ids) * model.num_layers
+
+
+@pytest.mark.parametrize("schedule", [None, SCHEDULE], ids=["reuse", "blend"])
+def test_reused_kv_computed_in_place_gives_full_prefills_logits(model, ids, schedule):
+    """KV that is exactly what full prefill computes leaves nothing to fix:
+    reuse and blend, whichever tokens blend picks, give full prefill's logits."""
+    full, _ = walk(model, ids)
+    kv = recorded(model, ids)[:, :, :, CHUNK].clone()
+    logits, stats = walk(model, ids, reused=[ReusedSpan(CHUNK.start, kv)], schedule=schedule)
+    torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+    n = CHUNK.stop - CHUNK.start
+    assert stats.cached_tokens == n
+    assert stats.recomputed_tokens == (round(0.15 * n) if schedule else 0)
+
+
+def test_standalone_kv_drifts_and_ratio_one_restores_full(model, ids):
+    """A chunk computed alone (from position 0) and moved: reuse drifts from
+    full prefill, blend at ratio 1 recomputes every token and equals it."""
+    full, _ = walk(model, ids)
+    alone = recorded(model, ids[CHUNK])  # the standalone recipe, without a BOS
+    span = [ReusedSpan(CHUNK.start, alone)]
+    reuse, _ = walk(model, ids, reused=span)
+    every, stats = walk(model, ids, reused=span, schedule=[(1, 1.0)])
+    assert (reuse - full).abs().max() > 1e-3  # the chunk missed its context: not full prefill
+    torch.testing.assert_close(every, full, atol=1e-4, rtol=1e-4)
+    assert stats.recomputed_tokens == stats.cached_tokens == CHUNK.stop - CHUNK.start
+
+
+def test_reuse_computes_only_the_fresh_tokens(model, ids):
+    kv = recorded(model, ids)[:, :, :, CHUNK].clone()
+    _, reuse = walk(model, ids, reused=[ReusedSpan(CHUNK.start, kv)])
+    _, blend = walk(model, ids, reused=[ReusedSpan(CHUNK.start, kv)], schedule=SCHEDULE)
+    fresh = len(ids) - (CHUNK.stop - CHUNK.start)
+    assert reuse.token_layers == fresh * model.num_layers
+    # blend: every token up to the check layer, then the fresh and the recomputed ones
+    assert blend.token_layers == len(ids) * 1 + (fresh + blend.recomputed_tokens) * (model.num_layers - 1)
+
+
+def test_the_cache_must_hold_the_new_tokens(model, ids):
+    with pytest.raises(ValueError, match="do not fit the KV cache"):
+        forward(model, KVCache.allocate(model, len(ids) - 1), ids)
