@@ -2,7 +2,7 @@
 retrieved chunk wherever it lands in the prompt, recompute only the tokens
 that matter."""
 
-from .chat import BLEND_SEPARATOR, RAG_SYSTEM_PROMPT, rag_prompt
+from .chat import BLEND_SEPARATOR, RAG_QUESTION, RAG_SYSTEM_PROMPT, rag_prompt
 from .config import BlendConfig
 from .engines import Engine, Generation, GenerationStream, Usage, load_engine
 from .models import UnsupportedModelError
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BLEND_SEPARATOR",
+    "RAG_QUESTION",
     "RAG_SYSTEM_PROMPT",
     "BlendConfig",
     "BlendPrompt",

@@ -14,8 +14,10 @@ from .prompt import Part, TokenizedPrompt, tokenize_parts
 # the separator itself is replaced by the engine's separator tokens.
 BLEND_SEPARATOR = "\n<blend-chunk/>\n"
 
-# The default instruction of the RAG chains and synthesizer; the reader model was trained with it.
+# The RAG layout (``rag_prompt``): its default instruction, and the line that
+# asks the question after the documents. The reader model was trained with both.
 RAG_SYSTEM_PROMPT = "Answer the question using only the documents. Reply with the answer only."
+RAG_QUESTION = "Question: {question}"
 
 
 def split_text(text: str) -> list[Part]:
@@ -66,10 +68,17 @@ def text_prompt(text: str, tokenizer) -> TokenizedPrompt | str:
 
 
 def rag_prompt(documents: Sequence[str], question: str, tokenizer, separator: str, *,
-               system: str | None = RAG_SYSTEM_PROMPT) -> TokenizedPrompt:
+               system: str | None = RAG_SYSTEM_PROMPT, question_template: str = RAG_QUESTION) -> TokenizedPrompt:
     """A retrieval question through the model's chat template: a system turn,
-    then a user turn with every document a chunk and ``Question: ...`` last.
-    The layout the reader model was trained on and the RAG chains build."""
+    then a user turn with every document a chunk and the question
+    (``question_template``, ``"Question: {question}"``) last. The layout the
+    reader model was trained on, and the one the LangChain chain and the
+    LlamaIndex synthesizer build. A tokenizer without a chat template gets the
+    same pieces as plain text: the system prompt and a blank line, the
+    documents, the question."""
+    parts = [Part(d, chunk=True) for d in documents] + [Part(question_template.format(question=question))]
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenize_parts(([Part(system + "\n\n")] if system else []) + parts, tokenizer)
     turns = [{"role": "system", "content": [Part(system)]}] if system else []
-    turns.append({"role": "user", "content": [Part(d, chunk=True) for d in documents] + [Part(f"Question: {question}")]})
+    turns.append({"role": "user", "content": parts})
     return render_chat(turns, tokenizer, separator)

@@ -9,13 +9,10 @@ examples/data.
 
 import argparse
 import tempfile
-from pathlib import Path
 
-from shared import default_model  # a sibling: this folder is on sys.path
+from shared import DATA, default_model  # a sibling: this folder is on sys.path
 
 from blend_integrations import BlendConfig, ChunkStore, load_engine, rag_prompt
-
-DATA = Path(__file__).parent / "data"
 
 
 def main() -> None:

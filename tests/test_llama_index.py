@@ -15,7 +15,7 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, TextNode
 
 from blend_integrations.chat import BLEND_SEPARATOR, separated
-from blend_integrations.llama_index import BlendKVWarmup, BlendLLM, BlendSynthesizer, as_blend_query_engine
+from blend_integrations.llama_index import BlendCacheWarmer, BlendLLM, BlendSynthesizer, as_blend_query_engine
 from blend_integrations.prompt import PromptError
 
 # The local embeddings live with the examples, not in the package.
@@ -152,7 +152,7 @@ def test_ingestion_warmup_makes_the_first_query_hit(any_engine, docs):
     llm = BlendLLM(engine=any_engine, max_tokens=6)
     embed = LlamaIndexMiniLM()
     pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=0), embed,
-                                                  BlendKVWarmup(llm=llm, show_progress=False)])
+                                                  BlendCacheWarmer(llm=llm, show_progress=False)])
     nodes = pipeline.run(documents=[Document(text=d, metadata={"source": f"doc{i}"}) for i, d in enumerate(docs)])
     assert len(nodes) > len(docs)  # the splitter made several nodes per document
     index = VectorStoreIndex(nodes, embed_model=embed)
@@ -161,7 +161,7 @@ def test_ingestion_warmup_makes_the_first_query_hit(any_engine, docs):
 
     more = [d + " Also" for d in docs]  # new text: the async pipeline computes it
     async_nodes = asyncio.run(IngestionPipeline(transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=0),
-                                                                 BlendKVWarmup(llm=any_engine)]).arun(
+                                                                 BlendCacheWarmer(llm=any_engine)]).arun(
         documents=[Document(text=d) for d in more]))
     texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in async_nodes]
     assert all(any_engine.chunk_key(any_engine.tokenizer.encode(t, add_special_tokens=False)) in any_engine.store

@@ -1,4 +1,5 @@
-"""LangChain: ``BlendLLM`` and ``ChatBlend``, drop-in models that keep retrieved documents as chunks.
+"""Integrations layer for LangChain: ``BlendLLM`` and ``ChatBlend``, drop-in
+models that keep retrieved documents as chunks.
 
 Chunk boundaries reach the engine without re-tokenizing joined text:
 

@@ -1,4 +1,6 @@
-"""``BlendLLM`` (a LangChain ``LLM``) and ``ChatBlend`` (a ``BaseChatModel``)."""
+"""Integrations layer: ``BlendLLM`` (a LangChain ``LLM``) and ``ChatBlend`` (a
+``BaseChatModel``), adapters from LangChain's prompts, messages and results to
+the shared core (``blend_integrations.integration``)."""
 
 from __future__ import annotations
 
@@ -17,15 +19,12 @@ from langchain_core.outputs import Generation as LCGeneration
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from langchain_core.utils import secret_from_env
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from ..config import BlendConfig
-from ..engines import Engine, Generation, load_engine
-from ..chat import render_chat, separated, split_text, text_prompt
-from ..prompt import Part, PromptError, TokenizedPrompt
-from ..store import ChunkStore
 from .. import tool_calls
+from ..chat import render_chat, separated, split_text, text_prompt
+from ..engines import Generation
+from ..integration import BlendModelBase
+from ..prompt import Part, PromptError, TokenizedPrompt
 
 ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "chat": "user"}
 
@@ -77,69 +76,9 @@ def messages_to_prompt(messages: Sequence[BaseMessage], tokenizer, separator: st
     return render_chat([_turn(m) for m in messages], tokenizer, separator, tools=tools, reply_prefix=reply_prefix)
 
 
-class _BlendModel(BaseModel):
-    """What both LangChain classes share: the engine and the generation settings."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
-
-    engine: Any = None
-    model: str | None = None
-    backend: str = "transformers"
-    store: Any = None
-    store_path: str | None = None
-    config: Any = None
-    engine_kwargs: dict = {}
-    mode: str = "blend"
-    recompute_ratio: float | None = None
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] | None = None  # default stop sequences, extended by each call's
-    timeout: float | None = None  # seconds; the HTTP timeout of the "server" backend
-    base_url: str | None = None  # a blend server's URL: the "server" backend, no model= needed
-    # the key of a server started with --api-key (default: $BLEND_API_KEY)
-    api_key: SecretStr | None = Field(default_factory=secret_from_env("BLEND_API_KEY", default=None))
-
-    @model_validator(mode="after")
-    def _load(self):
-        if self.base_url is not None:
-            if "backend" in self.model_fields_set and self.backend != "server":
-                raise ValueError(f"base_url= is a blend server's URL, for backend='server', not {self.backend!r}")
-            self.backend = "server"
-        if self.engine is None:
-            target = self.base_url or self.model
-            if target is None:
-                raise ValueError("give model= (a local path, hub id or server URL), base_url= (a blend server's URL) "
-                                 "or engine= (a loaded Engine)")
-            store = self.store
-            kwargs = dict(self.engine_kwargs)
-            if self.backend == "server":
-                if self.timeout is not None:
-                    kwargs.setdefault("timeout_s", self.timeout)
-                if self.api_key is not None:
-                    kwargs.setdefault("api_key", self.api_key.get_secret_value())
-            elif store is None:  # (api_key is for a server; in-process engines ignore it, as local LangChain models do)
-                store = ChunkStore(self.store_path)
-            self.engine = load_engine(target, backend=self.backend, store=store,
-                                      config=self.config or BlendConfig(), **kwargs)
-        elif not isinstance(self.engine, Engine):
-            raise ValueError(f"engine must be a blend_integrations Engine, got {type(self.engine).__name__}")
-        return self
-
-    def _settings(self, stop: list[str] | None, kwargs: dict) -> dict:
-        settings = {
-            "max_tokens": kwargs.pop("max_tokens", self.max_tokens),
-            "temperature": kwargs.pop("temperature", self.temperature),
-            "top_p": kwargs.pop("top_p", self.top_p),
-            "seed": kwargs.pop("seed", self.seed),
-            "mode": kwargs.pop("mode", self.mode),
-            "recompute_ratio": kwargs.pop("recompute_ratio", self.recompute_ratio),
-            "stop": list(self.stop or []) + list(stop or []),
-        }
-        if kwargs:
-            raise TypeError(f"unexpected generation arguments: {', '.join(sorted(kwargs))}")
-        return settings
+class _BlendModel(BlendModelBase):
+    """What both LangChain classes add to the shared core: LangSmith's
+    parameters, and a generation's usage and metadata in LangChain's terms."""
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs):
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -180,7 +119,7 @@ class BlendLLM(_BlendModel, LLM):
         return text_prompt(prompt, self.engine.tokenizer)
 
     def _call(self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> str:
-        return self.engine.generate(self._prompt(prompt), **self._settings(stop, kwargs)).text
+        return self.engine.generate(self._prompt(prompt), **self._call_settings(kwargs, stop)).text
 
     def _info(self, gen: Generation) -> dict:
         return {**self._metadata(gen), "usage": self._usage(gen)}
@@ -190,17 +129,17 @@ class BlendLLM(_BlendModel, LLM):
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> LLMResult:
-        settings = self._settings(stop, kwargs)
+        settings = self._call_settings(kwargs, stop)
         return self._result(self.engine.generate_many([self._prompt(p) for p in prompts], **settings))
 
     async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> LLMResult:
-        settings = self._settings(stop, kwargs)
+        settings = self._call_settings(kwargs, stop)
         gens = await asyncio.gather(*(self.engine.agenerate(self._prompt(p), **settings) for p in prompts))
         return self._result(list(gens))
 
     def _stream(self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[GenerationChunk]:
-        stream = self.engine.stream(self._prompt(prompt), **self._settings(stop, kwargs))
+        stream = self.engine.stream(self._prompt(prompt), **self._call_settings(kwargs, stop))
         for delta in stream:
             chunk = GenerationChunk(text=delta)
             if run_manager:
@@ -209,7 +148,7 @@ class BlendLLM(_BlendModel, LLM):
         yield GenerationChunk(text="", generation_info=self._info(stream.generation))
 
     async def _astream(self, prompt: str, stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[GenerationChunk]:
-        stream = self.engine.astream(self._prompt(prompt), **self._settings(stop, kwargs))
+        stream = self.engine.astream(self._prompt(prompt), **self._call_settings(kwargs, stop))
         async for delta in stream:
             chunk = GenerationChunk(text=delta)
             if run_manager:
@@ -239,9 +178,9 @@ class ChatBlend(_BlendModel, BaseChatModel):
     """A chat model that blends: messages go through the model's chat template,
     and chunk content blocks or BLEND_SEPARATOR pieces stay separate chunks."""
 
-    # how the model writes tool calls (see blend_integrations.tool_calls);
-    # None: read from the chat template
     tool_call_format: str | None = None
+    """How the model writes tool calls: ``"hermes"``, ``"mistral"``, ``"mistral-args"``
+    or ``"llama3"`` (see ``blend_integrations.tool_calls``); ``None``: read from the chat template."""
 
     @property
     def _llm_type(self) -> str:
@@ -303,15 +242,17 @@ class ChatBlend(_BlendModel, BaseChatModel):
         return AIMessageChunk(content="", usage_metadata=self._usage(gen), response_metadata=self._metadata(gen),
                               tool_call_chunks=chunks, chunk_position="last")
 
+    # Not built from _stream with LangChain's generate_from_stream: merging streamed chunks rebuilds
+    # tool calls from their text, which drops an invalid call's error and can read a cut-off call as valid.
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
         prompt, replies = self._request(messages, kwargs)
-        return self._result(self.engine.generate(prompt, **self._settings(stop, kwargs)), replies)
+        return self._result(self.engine.generate(prompt, **self._call_settings(kwargs, stop)), replies)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
         prompt, replies = self._request(messages, kwargs)
-        return self._result(await self.engine.agenerate(prompt, **self._settings(stop, kwargs)), replies)
+        return self._result(await self.engine.agenerate(prompt, **self._call_settings(kwargs, stop)), replies)
 
     @staticmethod
     def _content(delta: str, replies: tool_calls.ReplyStream | None) -> ChatGenerationChunk | None:
@@ -327,7 +268,7 @@ class ChatBlend(_BlendModel, BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[ChatGenerationChunk]:
         prompt, replies = self._request(messages, kwargs)
-        stream = self.engine.stream(prompt, **self._settings(stop, kwargs))
+        stream = self.engine.stream(prompt, **self._call_settings(kwargs, stop))
         for delta in stream:
             if chunk := self._content(delta, replies):
                 if run_manager:
@@ -341,7 +282,7 @@ class ChatBlend(_BlendModel, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[ChatGenerationChunk]:
         prompt, replies = self._request(messages, kwargs)
-        stream = self.engine.astream(prompt, **self._settings(stop, kwargs))
+        stream = self.engine.astream(prompt, **self._call_settings(kwargs, stop))
         async for delta in stream:
             if chunk := self._content(delta, replies):
                 if run_manager:

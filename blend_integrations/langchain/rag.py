@@ -1,4 +1,5 @@
-"""Retriever-aware pieces: a RAG chain that hands documents over as chunks, and a cache warmer."""
+"""Integrations layer: LangChain's retriever-aware pieces, a RAG chain that hands
+documents over as chunks, and a cache warmer (the same signature as LlamaIndex's)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ from langchain_core.messages import HumanMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
 
-from ..chat import RAG_SYSTEM_PROMPT
+from ..chat import RAG_QUESTION, RAG_SYSTEM_PROMPT
 from ..engines import Engine
+from ..integration import renamed, warm, warmer_engine
 from .chat import BlendLLM, ChatBlend, chunk_block, format_docs
 
-DEFAULT_PROMPT = ChatPromptTemplate.from_messages([
-    ("system", RAG_SYSTEM_PROMPT),
-    ("human", "Question: {question}"),
-])
+# The RAG layout (``rag_prompt``); the chain puts the documents before the question.
+DEFAULT_PROMPT = ChatPromptTemplate.from_messages([("system", RAG_SYSTEM_PROMPT), ("human", RAG_QUESTION)])
 
 
 def create_blend_rag_chain(retriever: Runnable, llm: ChatBlend | BlendLLM, prompt: ChatPromptTemplate | None = None) -> Runnable:
@@ -64,14 +64,22 @@ def create_blend_rag_chain(retriever: Runnable, llm: ChatBlend | BlendLLM, promp
 class BlendCacheWarmer(BaseDocumentTransformer):
     """A document transformer for ingestion: computes and stores every
     document's chunk KV, so the first query that retrieves it already hits.
-    Documents pass through unchanged."""
+    Documents pass through unchanged. ``llm``: a ``ChatBlend``, ``BlendLLM`` or
+    ``Engine``; ``show_progress=None``: a progress bar for more than 8
+    documents. LlamaIndex's ``BlendCacheWarmer`` takes the same arguments
+    (``model=`` and ``progress=`` are the deprecated names of these two)."""
 
-    def __init__(self, model: ChatBlend | BlendLLM | Engine, *, progress: bool = True) -> None:
-        self.engine = model if isinstance(model, Engine) else model.engine
-        self.progress = progress
+    def __init__(self, llm: ChatBlend | BlendLLM | Engine | None = None, *, show_progress: bool | None = None,
+                 model: ChatBlend | BlendLLM | Engine | None = None, progress: bool | None = None) -> None:
+        if model is not None:
+            llm = renamed("model", "llm", model)
+        if progress is not None:
+            show_progress = renamed("progress", "show_progress", progress)
+        self.engine = warmer_engine(llm, type(self).__name__)
+        self.show_progress = show_progress
 
     def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
-        self.engine.warm([d.page_content for d in documents if d.page_content], progress=self.progress)
+        warm(self.engine, [d.page_content for d in documents], self.show_progress)
         return documents
 
     async def atransform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:

@@ -1,4 +1,6 @@
-"""``BlendLLM``: a LlamaIndex LLM on a blend engine."""
+"""Integrations layer: ``BlendLLM``, a LlamaIndex LLM on a blend engine, an
+adapter from LlamaIndex's prompts, messages and responses to the shared core
+(``blend_integrations.integration``)."""
 
 from __future__ import annotations
 
@@ -19,15 +21,10 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
-from pydantic import Field, PrivateAttr
 
-from ..chat import render_chat, split_text, text_prompt
-from ..config import BlendConfig
-from ..engines import Engine, load_engine
-from ..prompt import Part, PromptError, TokenizedPrompt, tokenize_parts
-from ..store import ChunkStore
-
-SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "mode", "recompute_ratio", "stop")
+from ..chat import rag_prompt, render_chat, split_text, text_prompt
+from ..integration import BlendModelBase
+from ..prompt import Part, PromptError, TokenizedPrompt
 
 
 def _turn(message: ChatMessage) -> dict:
@@ -39,121 +36,69 @@ def _turn(message: ChatMessage) -> dict:
     return {"role": message.role.value, "content": parts}
 
 
-class BlendLLM(LLM):
-    """A LlamaIndex LLM that blends. Build it from ``model=`` (a local path or
-    hub id, or a server URL) and ``backend=`` ("transformers", "vllm" or "server"), with ``store=`` (a
-    ``ChunkStore``) or ``store_path=``, or from ``engine=`` so several indexes
-    and chains share one engine and store. ``mode``, ``recompute_ratio``,
-    ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``stop`` are also
-    per-call arguments.
+class BlendLLM(BlendModelBase, LLM):
+    """A LlamaIndex LLM that blends. Build it from ``model=`` (a local path,
+    GGUF file or hub id) and ``backend=``, from ``base_url=`` (a blend server),
+    or from ``engine=`` so several indexes and chains share one engine and
+    store; the fields are those of ``blend_integrations.integration.BlendModelBase``.
+    ``mode``, ``recompute_ratio``, ``max_tokens``, ``temperature``, ``top_p``,
+    ``seed`` and ``stop`` are also per-call arguments.
 
     Prompts: ``complete`` splits text on BLEND_SEPARATOR into chunks; ``chat``
     renders messages through the model's chat template (BLEND_SEPARATOR in a
     message marks chunks too); ``complete_chunks`` takes the chunks explicitly.
     Every response carries ``additional_kwargs["blend"]`` (``Generation.stats()``)."""
 
-    model: str | None = Field(default=None, description="local path or hub id of the model")
-    backend: str = Field(default="transformers", description='"transformers", "vllm" or "server"')
-    store_path: str | None = Field(default=None, description="chunk store directory (default: the user cache)")
-    engine_kwargs: dict = Field(default_factory=dict, description="backend options for load_engine")
-    mode: str = Field(default="blend", description='"blend", "full" or "reuse"')
-    recompute_ratio: float | None = Field(default=None, description="None: the engine config's ratio")
-    max_tokens: int = Field(default=256, description="tokens to generate at most")
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] | None = None
-    base_url: str | None = Field(default=None, description="a blend server's URL: the server backend, no model= needed")
-    api_key: str | None = Field(default=None, exclude=True, repr=False,
-                                description="the key of a server started with --api-key (default: $BLEND_API_KEY)")
-
-    _engine: Engine = PrivateAttr()
-
-    def __init__(self, model: str | None = None, *, engine: Engine | None = None, store: ChunkStore | None = None,
-                 config: BlendConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(model=model, **kwargs)
-        if self.base_url is not None:
-            if "backend" in self.model_fields_set and self.backend != "server":
-                raise ValueError(f"base_url= is a blend server's URL, for backend='server', not {self.backend!r}")
-            self.backend = "server"
-        if engine is None:
-            target = self.base_url or model
-            if target is None:
-                raise ValueError("give model= (a local path, hub id or server URL), base_url= (a blend server's URL) "
-                                 "or engine= (a loaded Engine)")
-            kwargs = dict(self.engine_kwargs)
-            if self.backend == "server":
-                if self.api_key is not None:
-                    kwargs.setdefault("api_key", self.api_key)
-            elif store is None:  # a server keeps its own store (and in-process engines ignore api_key)
-                store = ChunkStore(self.store_path)
-            engine = load_engine(target, backend=self.backend, store=store, config=config or BlendConfig(), **kwargs)
-        elif not isinstance(engine, Engine):
-            raise ValueError(f"engine must be a blend_integrations Engine, got {type(engine).__name__}")
-        self._engine = engine
+    def __init__(self, model: str | None = None, **fields: Any) -> None:
+        super().__init__(model=model, **fields)
 
     @classmethod
     def class_name(cls) -> str:
         return "blend_llm"
 
     @property
-    def engine(self) -> Engine:
-        return self._engine
-
-    @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
-            context_window=self._engine.context_length,
+            context_window=self.engine.context_length,
             num_output=self.max_tokens,
-            is_chat_model=bool(getattr(self._engine.tokenizer, "chat_template", None)),
-            model_name=self._engine.model_name,
+            is_chat_model=bool(getattr(self.engine.tokenizer, "chat_template", None)),
+            model_name=self.engine.model_name,
         )
 
     # -- prompts ------------------------------------------------------------------
 
     def chunks_prompt(self, chunks: Sequence[str], query: str, system_prompt: str | None = None) -> TokenizedPrompt:
-        """System prompt, then the chunks, then the query, in the model's chat
-        template if it has one; every chunk tokenized alone."""
-        system_prompt = system_prompt if system_prompt is not None else self.system_prompt
+        """The RAG layout (``rag_prompt``) with ``query`` as the question, as
+        given: system prompt, then the chunks, then the query; every chunk
+        tokenized alone. ``system_prompt=None``: the ``system_prompt`` field."""
         if not chunks:
             raise PromptError("no chunks given: pass at least one text (an empty retrieval has nothing to blend)")
-        parts = [Part(c, chunk=True) for c in chunks] + [Part(query)]
-        if not self.metadata.is_chat_model:
-            return tokenize_parts(([Part(system_prompt + "\n\n")] if system_prompt else []) + parts, self._engine.tokenizer)
-        turns = ([{"role": "system", "content": [Part(system_prompt)]}] if system_prompt else []) + [
-            {"role": "user", "content": parts}]
-        return render_chat(turns, self._engine.tokenizer, self._engine.config.separator)
+        return rag_prompt(chunks, query, self.engine.tokenizer, self.engine.config.separator,
+                          system=system_prompt if system_prompt is not None else self.system_prompt,
+                          question_template="{question}")
 
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> TokenizedPrompt:
         if self.system_prompt and not any(m.role == MessageRole.SYSTEM for m in messages):
             messages = [ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt), *messages]
-        return render_chat([_turn(m) for m in messages], self._engine.tokenizer, self._engine.config.separator)
+        return render_chat([_turn(m) for m in messages], self.engine.tokenizer, self.engine.config.separator)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> TokenizedPrompt | str:
         if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
-        return text_prompt(prompt, self._engine.tokenizer)
-
-    def _settings(self, kwargs: dict) -> dict:
-        unexpected = set(kwargs) - set(SETTINGS)
-        if unexpected:
-            raise TypeError(f"unexpected generation arguments: {', '.join(sorted(unexpected))}")
-        settings = {name: kwargs.get(name, getattr(self, name)) for name in SETTINGS}
-        settings["stop"] = list(self.stop or []) + list(kwargs.get("stop") or [])
-        return settings
+        return text_prompt(prompt, self.engine.tokenizer)
 
     # -- generation, one implementation per call style ------------------------------
 
     def _complete(self, prompt: TokenizedPrompt | str, kwargs: dict) -> CompletionResponse:
-        gen = self._engine.generate(prompt, **self._settings(kwargs))
+        gen = self.engine.generate(prompt, **self._call_settings(kwargs))
         return CompletionResponse(text=gen.text, raw=gen, additional_kwargs={"blend": gen.stats()})
 
     async def _acomplete(self, prompt: TokenizedPrompt | str, kwargs: dict) -> CompletionResponse:
-        gen = await self._engine.agenerate(prompt, **self._settings(kwargs))
+        gen = await self.engine.agenerate(prompt, **self._call_settings(kwargs))
         return CompletionResponse(text=gen.text, raw=gen, additional_kwargs={"blend": gen.stats()})
 
     def _stream(self, prompt: TokenizedPrompt | str, kwargs: dict) -> Iterator[CompletionResponse]:
-        stream = self._engine.stream(prompt, **self._settings(kwargs))
+        stream = self.engine.stream(prompt, **self._call_settings(kwargs))
         text = ""
         for delta in stream:
             text += delta
@@ -162,7 +107,7 @@ class BlendLLM(LLM):
                                  additional_kwargs={"blend": stream.generation.stats()})
 
     async def _astream(self, prompt: TokenizedPrompt | str, kwargs: dict) -> AsyncIterator[CompletionResponse]:
-        stream = self._engine.astream(prompt, **self._settings(kwargs))
+        stream = self.engine.astream(prompt, **self._call_settings(kwargs))
         text = ""
         async for delta in stream:
             text += delta

@@ -1,9 +1,11 @@
-"""A synthesizer that keeps every retrieved node its own chunk, a query engine
-built on it, and an ingestion step that precomputes chunk KV."""
+"""Integrations layer: a LlamaIndex synthesizer that keeps every retrieved node
+its own chunk, a query engine built on it, and an ingestion step that
+precomputes chunk KV (``BlendCacheWarmer``, the same signature as LangChain's)."""
 
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -18,11 +20,13 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Query
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 from pydantic import ConfigDict, Field
 
-from ..chat import RAG_SYSTEM_PROMPT
+from ..chat import RAG_QUESTION, RAG_SYSTEM_PROMPT
 from ..engines import Engine
+from ..integration import warm, warmer_engine
 from .llm import BlendLLM
 
-DEFAULT_QUERY_TEMPLATE = "Question: {query_str}"
+# The RAG layout's question line, with LlamaIndex's name for the query.
+DEFAULT_QUERY_TEMPLATE = RAG_QUESTION.format(question="{query_str}")
 
 
 class BlendSynthesizer(BaseSynthesizer):
@@ -119,27 +123,36 @@ def as_blend_query_engine(index_or_retriever: Any, llm: BlendLLM, *, streaming: 
     return RetrieverQueryEngine(retriever, response_synthesizer=synthesizer, node_postprocessors=node_postprocessors)
 
 
-class BlendKVWarmup(TransformComponent):
+class BlendCacheWarmer(TransformComponent):
     """An ingestion step (``IngestionPipeline(transformations=[splitter, ...,
-    BlendKVWarmup(llm=...)])``): computes and stores the chunk KV of every node,
+    BlendCacheWarmer(llm)])``): computes and stores the chunk KV of every node,
     as the synthesizer will send it, so the first query that retrieves it
-    already hits. Nodes pass through unchanged; put it after the splitter."""
+    already hits. Nodes pass through unchanged; put it after the splitter.
+    LangChain's ``BlendCacheWarmer`` takes the same arguments."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     llm: Any = Field(description="a BlendLLM or an Engine")
     show_progress: bool | None = Field(default=None, description="progress bar; None: for more than 8 nodes")
 
+    def __init__(self, llm: BlendLLM | Engine, *, show_progress: bool | None = None) -> None:
+        super().__init__(llm=llm, show_progress=show_progress)
+
     @property
     def engine(self) -> Engine:
-        return self.llm.engine if isinstance(self.llm, BlendLLM) else self.llm
+        return warmer_engine(self.llm, type(self).__name__)
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        if not isinstance(self.engine, Engine):
-            raise TypeError(f"BlendKVWarmup needs a BlendLLM or an Engine, got {type(self.llm).__name__}")
-        texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
-        progress = True if kwargs.get("show_progress") else self.show_progress  # the pipeline's flag wins
-        self.engine.warm([t for t in texts if t], progress=progress)
+        show_progress = True if kwargs.get("show_progress") else self.show_progress  # the pipeline's flag wins
+        warm(self.engine, [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes], show_progress)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         return await asyncio.to_thread(self.__call__, nodes, **kwargs)
+
+
+class BlendKVWarmup(BlendCacheWarmer):
+    """Deprecated: the old name of ``BlendCacheWarmer``."""
+
+    def __init__(self, llm: BlendLLM | Engine, *, show_progress: bool | None = None) -> None:
+        warnings.warn("BlendKVWarmup is deprecated; use BlendCacheWarmer", DeprecationWarning, stacklevel=2)
+        super().__init__(llm, show_progress=show_progress)
