@@ -1,4 +1,4 @@
-"""Chat prompts with chunks: conversations rendered through the model's own chat
+"""Prompt layer: chat prompts with chunks, conversations rendered through the model's own chat
 template while every chunk stays a separate, alone-tokenized part. The LangChain
 and LlamaIndex adapters turn their message types into the turns used here."""
 

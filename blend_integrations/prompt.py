@@ -1,4 +1,4 @@
-"""Blend prompts: a prefix, retrieved chunks, a suffix, assembled at token level.
+"""Prompt layer: blend prompts, a prefix, retrieved chunks, a suffix, assembled at token level.
 
 Every chunk is tokenized alone (no BOS/EOS) so its token ids, and therefore its
 cached KV, are the same wherever it lands. Boundaries travel as token spans;

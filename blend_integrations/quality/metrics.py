@@ -1,4 +1,4 @@
-"""Answer metrics for generated replies, as the quality benchmark and the
+"""Answer quality, beside the layers: metrics for generated replies, as the quality benchmark and the
 examples score them: normalized exact match, answer contained in the reply,
 and token F1."""
 
