@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, SecretStr, field_validator, model_validator
 
@@ -38,8 +38,11 @@ class BlendModelBase(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=(), use_attribute_docstrings=True)
 
-    engine: InstanceOf[Engine] | None = Field(default=None, exclude=True)
-    """A loaded ``Engine``, shared with other models and chains; the loading fields are then ignored."""
+    if TYPE_CHECKING:
+        engine: Engine  # never None once the model is built: given, or loaded by ``_load_engine``
+    else:
+        engine: InstanceOf[Engine] | None = Field(default=None, exclude=True)
+        """A loaded ``Engine``, shared with other models and chains; the loading fields are then ignored."""
 
     model: str | None = None
     """The model: a local checkpoint directory, a GGUF file or a hub id (or a server's URL with ``backend="server"``)."""

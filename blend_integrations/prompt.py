@@ -170,7 +170,7 @@ def tokenize_parts(parts: Sequence[Part], tokenizer) -> TokenizedPrompt:
     is text that does not already start with it (a rendered chat template does)."""
     bos = bos_id_added(tokenizer)
     ids: list[int] = []
-    spans = []
+    spans: list[tuple[int, int]] = []
     for i, part in enumerate(parts):
         content = part.content
         piece = list(content) if not isinstance(content, str) else tokenizer.encode(content, add_special_tokens=False)
@@ -194,7 +194,11 @@ def prompt_parts(prompt: BlendPrompt, separator: str) -> list[Part]:
     return parts + [Part(separator), Part(prompt.suffix)]
 
 
-def tokenize_prompt(prompt: BlendPrompt | TokenizedPrompt | TextOrIds, tokenizer, separator: str) -> TokenizedPrompt:
+# What an engine takes as a prompt: chunks to assemble, an assembled prompt, or plain text or ids.
+PromptInput = Union[BlendPrompt, TokenizedPrompt, str, Sequence[int]]
+
+
+def tokenize_prompt(prompt: PromptInput, tokenizer, separator: str) -> TokenizedPrompt:
     """Assemble the token sequence. A plain string or id list has no chunks;
     a TokenizedPrompt is taken as it is."""
     if isinstance(prompt, TokenizedPrompt):

@@ -8,12 +8,14 @@ import time
 from abc import ABC, abstractmethod
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, TypedDict
+
+from typing_extensions import Unpack
 
 from ..config import BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import ChunkKeys
-from ..prompt import BlendPrompt, PromptError, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
+from ..prompt import PromptError, PromptInput, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
 from ..store import ChunkStore
 from .decoding import check_sampling
 
@@ -59,6 +61,19 @@ class Generation:
         return stats
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The options of ``Engine.generate`` and ``stream`` (defaults: ``Engine._request``)."""
+
+    max_tokens: int  # 256
+    temperature: float  # 0.0: greedy
+    top_p: float  # 1.0
+    stop: str | Sequence[str] | None  # stop strings
+    seed: int | None  # sampling seed
+    mode: str  # "blend" (default), "reuse" or "full"
+    recompute_ratio: float | None  # None: the engine config's
+    logprobs: int | None  # return the top-k log-probabilities of every token
+
+
 @dataclass(frozen=True)
 class Request:
     """One validated, tokenized generation request."""
@@ -88,6 +103,12 @@ class GenerationStream:
     def __next__(self) -> str:
         return next(self._deltas)
 
+    def result(self) -> Generation:
+        """The whole generation, once the stream is exhausted."""
+        if self.generation is None:
+            raise RuntimeError("the stream is not exhausted yet: iterate over it first")
+        return self.generation
+
     def close(self) -> None:
         close = getattr(self._deltas, "close", None)
         if close is not None:
@@ -105,6 +126,12 @@ class AsyncGenerationStream:
     @property
     def generation(self) -> Generation | None:
         return self._stream.generation if self._stream is not None else None
+
+    def result(self) -> Generation:
+        """The whole generation, once the stream is exhausted."""
+        if self.generation is None:
+            raise RuntimeError("the stream is not exhausted yet: iterate over it first")
+        return self.generation
 
     def __aiter__(self) -> "AsyncGenerationStream":
         return self
@@ -147,7 +174,7 @@ class Engine(ABC):
     @abstractmethod
     def tokenizer(self): ...
 
-    def tokenize(self, prompt: BlendPrompt | TextOrIds) -> TokenizedPrompt:
+    def tokenize(self, prompt: PromptInput) -> TokenizedPrompt:
         tp = tokenize_prompt(prompt, self.tokenizer, self.config.separator)
         if len(tp) >= self.context_length:
             raise PromptError(
@@ -159,54 +186,41 @@ class Engine(ABC):
     def chunk_key(self, token_ids: Sequence[int]) -> str:
         return ChunkKeys(self.fingerprint, self.dtype_name, bos_id_added(self.tokenizer))(token_ids)
 
-    def generate(
-        self,
-        prompt: BlendPrompt | TextOrIds,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        mode: str = "blend",
-        recompute_ratio: float | None = None,
-        logprobs: int | None = None,
-    ) -> Generation:
-        """See ``stream`` for the arguments."""
-        stream = self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop,
-                             seed=seed, mode=mode, recompute_ratio=recompute_ratio, logprobs=logprobs)
+    def generate(self, prompt: PromptInput, **options: Unpack[GenerateOptions]) -> Generation:
+        """See ``stream`` for the options."""
+        stream = self.stream(prompt, **options)
         for _ in stream:
             pass
-        assert stream.generation is not None
-        return stream.generation
+        return stream.result()
 
-    def stream(
-        self,
-        prompt: BlendPrompt | TextOrIds,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        mode: str = "blend",
-        recompute_ratio: float | None = None,
-        logprobs: int | None = None,
-    ) -> GenerationStream:
+    def stream(self, prompt: PromptInput, **options: Unpack[GenerateOptions]) -> GenerationStream:
         """Generate, yielding text deltas.
 
         mode: "full" (ordinary prefill, the reference), "reuse" (cached chunks
         loaded at their new positions, only fresh tokens computed) or "blend"
         (CacheBlend). recompute_ratio overrides ``config.recompute_ratio``.
         logprobs: also return the top-k log-probabilities of every token.
+        The other options and their defaults: ``GenerateOptions``.
         """
-        request = self._request(prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs)
+        request = self._request(prompt, **options)
         stream = GenerationStream(iter(()))
         stream._deltas = self._run(request, stream)
         return stream
 
-    def _request(self, prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs) -> "Request":
-        """Validate the arguments and tokenize: what every engine does first."""
+    def _request(
+        self,
+        prompt: PromptInput,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        mode: str = "blend",
+        recompute_ratio: float | None = None,
+        logprobs: int | None = None,
+    ) -> Request:
+        """Check the options, apply their defaults and tokenize: what every engine does first."""
         started = time.perf_counter()
         check_mode(mode)
         check_sampling(max_tokens, temperature, top_p, logprobs)
@@ -218,15 +232,15 @@ class Engine(ABC):
     def _run(self, request: "Request", stream: GenerationStream) -> Iterator[str]:
         """Yield text deltas and set ``stream.generation`` at the end."""
 
-    def generate_many(self, prompts: Sequence[BlendPrompt | TextOrIds], **kwargs) -> list[Generation]:
+    def generate_many(self, prompts: Sequence[PromptInput], **kwargs) -> list[Generation]:
         """Generate for several prompts; engines that batch run them together."""
         return [self.generate(p, **kwargs) for p in prompts]
 
-    async def agenerate(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> Generation:
+    async def agenerate(self, prompt: PromptInput, **kwargs) -> Generation:
         """``generate`` without blocking the event loop."""
         return await asyncio.to_thread(self.generate, prompt, **kwargs)
 
-    def astream(self, prompt: BlendPrompt | TextOrIds, **kwargs) -> "AsyncGenerationStream":
+    def astream(self, prompt: PromptInput, **kwargs) -> "AsyncGenerationStream":
         """``stream`` without blocking the event loop: text deltas as they
         come; ``generation`` is set once it is exhausted."""
         return AsyncGenerationStream(self, prompt, kwargs)

@@ -17,9 +17,11 @@ import urllib.error
 import urllib.request
 from typing import Iterable, Iterator, Sequence
 
+from typing_extensions import Unpack
+
 from ..config import BlendConfig
-from ..prompt import BlendPrompt, TextOrIds
-from .base import Engine, Generation, GenerationStream, Request, Usage
+from ..prompt import BlendPrompt, PromptInput, TextOrIds
+from .base import Engine, GenerateOptions, Generation, GenerationStream, Request, Usage
 from .vllm_contract import blend_results, kv_transfer_params
 
 
@@ -150,29 +152,17 @@ class ServerEngine(Engine):
             total_s=time.perf_counter() - req.started,
         )
 
-    def generate(
-        self,
-        prompt: BlendPrompt | TextOrIds,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-        mode: str = "blend",
-        recompute_ratio: float | None = None,
-        logprobs: int | None = None,
-    ) -> Generation:
+    def generate(self, prompt: PromptInput, **options: Unpack[GenerateOptions]) -> Generation:
         """One completion request; ``ttft_s`` is the time to the whole answer here
         (a plain response has no first token to time; use ``stream`` for that)."""
-        req = self._request(prompt, max_tokens, temperature, top_p, stop, seed, mode, recompute_ratio, logprobs)
+        req = self._request(prompt, **options)
         body = self._body(req, stream=False)
         body["return_token_ids"] = True
         resp = self._request_http("POST", "/v1/completions", body)
         choice = resp["choices"][0]
         blend, loading, fallback = blend_results(resp.get("kv_transfer_params"))
         lp = None
-        if logprobs is not None and choice.get("logprobs"):
+        if req.logprobs is not None and choice.get("logprobs"):
             lp = [
                 {int(t.removeprefix("token_id:")): v for t, v in (top or {}).items()}
                 for top in choice["logprobs"]["top_logprobs"]
@@ -181,7 +171,7 @@ class ServerEngine(Engine):
         return Generation(
             text=choice["text"], token_ids=list(choice.get("token_ids") or []), prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            ttft_s=elapsed, mode=mode, logprobs=lp, total_s=elapsed, loading=loading, fallback=fallback,
+            ttft_s=elapsed, mode=req.mode, logprobs=lp, total_s=elapsed, loading=loading, fallback=fallback,
             usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=resp["usage"]["completion_tokens"], **blend),
         )
 

@@ -9,7 +9,6 @@ concurrent requests are batched by vLLM's scheduler.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import os
 import queue
@@ -20,7 +19,7 @@ from typing import Iterable, Iterator, Sequence
 from ..config import BlendConfig
 from ..models import check_supported
 from ..models.loading import resolve_device, resolve_model_dir
-from ..prompt import BlendPrompt, TextOrIds
+from ..prompt import PromptInput, TextOrIds
 from ..store import ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage
 from .vllm_contract import (
@@ -204,7 +203,7 @@ class VLLMEngine(Engine):
         self._wake.set()
         return self._follow(stream, rid, outputs, req)
 
-    def generate_many(self, prompts: Sequence[BlendPrompt | TextOrIds], **kwargs) -> list[Generation]:
+    def generate_many(self, prompts: Sequence[PromptInput], **kwargs) -> list[Generation]:
         """Submit every prompt at once so vLLM batches them."""
         streams = [self.stream(p, **kwargs) for p in prompts]
         gens = []

@@ -81,7 +81,7 @@ class _BlendModel(BlendModelBase):
     parameters, and a generation's usage and metadata in LangChain's terms."""
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs):
-        params = super()._get_ls_params(stop=stop, **kwargs)
+        params = super()._get_ls_params(stop=stop, **kwargs)  # type: ignore[misc]  # the framework class mixed in
         params["ls_provider"] = "blend_integrations"
         params["ls_model_name"] = kwargs.get("model") or self.engine.model_name
         params["ls_temperature"] = kwargs.get("temperature", self.temperature)
@@ -145,7 +145,7 @@ class BlendLLM(_BlendModel, LLM):
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=self._info(stream.generation))
+        yield GenerationChunk(text="", generation_info=self._info(stream.result()))
 
     async def _astream(self, prompt: str, stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[GenerationChunk]:
         stream = self.engine.astream(self._prompt(prompt), **self._call_settings(kwargs, stop))
@@ -154,7 +154,7 @@ class BlendLLM(_BlendModel, LLM):
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=self._info(stream.generation))
+        yield GenerationChunk(text="", generation_info=self._info(stream.result()))
 
 
 def _tool_choice(choice: Any, tools: list[dict]) -> str:
@@ -274,7 +274,7 @@ class ChatBlend(_BlendModel, BaseChatModel):
                 if run_manager:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
-        for chunk in self._tail(stream.generation, replies):
+        for chunk in self._tail(stream.result(), replies):
             if run_manager and chunk.text:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
@@ -288,7 +288,7 @@ class ChatBlend(_BlendModel, BaseChatModel):
                 if run_manager:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
-        for chunk in self._tail(stream.generation, replies):
+        for chunk in self._tail(stream.result(), replies):
             if run_manager and chunk.text:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk

@@ -103,8 +103,8 @@ class BlendLLM(BlendModelBase, LLM):
         for delta in stream:
             text += delta
             yield CompletionResponse(text=text, delta=delta)
-        yield CompletionResponse(text=text, delta="", raw=stream.generation,
-                                 additional_kwargs={"blend": stream.generation.stats()})
+        yield CompletionResponse(text=text, delta="", raw=stream.result(),
+                                 additional_kwargs={"blend": stream.result().stats()})
 
     async def _astream(self, prompt: TokenizedPrompt | str, kwargs: dict) -> AsyncIterator[CompletionResponse]:
         stream = self.engine.astream(prompt, **self._call_settings(kwargs))
@@ -112,8 +112,8 @@ class BlendLLM(BlendModelBase, LLM):
         async for delta in stream:
             text += delta
             yield CompletionResponse(text=text, delta=delta)
-        yield CompletionResponse(text=text, delta="", raw=stream.generation,
-                                 additional_kwargs={"blend": stream.generation.stats()})
+        yield CompletionResponse(text=text, delta="", raw=stream.result(),
+                                 additional_kwargs={"blend": stream.result().stats()})
 
     @staticmethod
     def _as_chat(r: CompletionResponse) -> ChatResponse:
