@@ -5,6 +5,7 @@ Real diskcache directories under tmp_path, real processes; no mocks.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -335,18 +336,18 @@ def test_memory_lru_eviction(tmp_path):
             store.put(e)
         assert store.get(entries[0].key) is entries[0]  # 0 is now most recent
         store.put(entries[3])  # evicts 1, the least recently used
-        assert list(store._memory) == [entries[2].key, entries[0].key, entries[3].key]
-        assert store._memory_bytes == 3 * size
+        assert store._memory.keys() == [entries[2].key, entries[0].key, entries[3].key]
+        assert store._memory.nbytes == 3 * size
         hits = store.stats.memory_hits
         got = store.get(entries[1].key)  # from disk, promoted back (evicting 2)
         assert got is not entries[1] and same(got, entries[1])
         assert store.stats.memory_hits == hits and store.stats.disk_hits == 1
-        assert entries[1].key in store._memory and entries[2].key not in store._memory
+        assert entries[1].key in store._memory.keys() and entries[2].key not in store._memory.keys()
         # an entry larger than the whole memory tier goes to disk only
         huge = make_entry(9, nbytes=4 * size)
         store.put(huge)
-        assert huge.key not in store._memory and huge.key in store
-        assert store._memory_bytes <= 3 * size
+        assert huge.key not in store._memory.keys() and huge.key in store
+        assert store._memory.nbytes <= 3 * size
         assert same(store.get(huge.key), huge)
 
 
@@ -356,7 +357,7 @@ def test_disk_size_limit_evicts_lru(tmp_path):
         entries = [make_entry(i, nbytes=200_000) for i in range(12)]
         for n, e in enumerate(entries):
             store.put(e)
-            assert store._disk.volume() <= limit
+            assert store._disk.cache.volume() <= limit
             assert e.key in store  # the entry just written is never the one evicted
         present = [e.key in store for e in entries]
         k = sum(present)
@@ -371,7 +372,7 @@ def test_disk_size_limit_evicts_lru(tmp_path):
         # an entry bigger than the whole disk tier is kept in memory only
         huge = make_entry(13, nbytes=2 * limit)
         store.put(huge)
-        assert oldest.key in store and huge.key not in store._disk
+        assert oldest.key in store and huge.key not in store._disk.cache
         assert store.stats.corrupt == 0 and store.stats.errors == 0
 
 
@@ -395,10 +396,10 @@ def _corruptions(store: ChunkStore, tmp_path: Path, entry: ChunkKV):
     flipped[len(flipped) // 2] ^= 0x01
     marker = tmp_path / "pwned"
     return {
-        "flipped byte": lambda: store._disk.set(entry.key, bytes(flipped)),
-        "truncated": lambda: store._disk.set(entry.key, good[: len(good) // 2]),
-        "foreign": lambda: store._disk.set(entry.key, encode(ChunkKV("ef" * 32, entry.kv))),
-        "garbage": lambda: store._disk.set(entry.key, b"\0" * 100),
+        "flipped byte": lambda: store._disk.cache.set(entry.key, bytes(flipped)),
+        "truncated": lambda: store._disk.cache.set(entry.key, good[: len(good) // 2]),
+        "foreign": lambda: store._disk.cache.set(entry.key, encode(ChunkKV("ef" * 32, entry.kv))),
+        "garbage": lambda: store._disk.cache.set(entry.key, b"\0" * 100),
         "plain diskcache pickle": lambda: diskcache.Cache(str(store.path)).set(entry.key, {"a": 1}),
         "malicious pickle": lambda: diskcache.Cache(str(store.path)).set(entry.key, _Evil(str(marker))),
         "big pickle": lambda: diskcache.Cache(str(store.path)).set(entry.key, [1] * 50_000),
@@ -478,7 +479,7 @@ def test_wrong_expect_is_dropped(tmp_path, tier):
             assert store.get(entry.key, expect=right) is not None
             assert store.get(entry.key, expect=wrong) is None
             assert store.stats.corrupt == n
-            assert entry.key not in store and entry.key not in store._memory
+            assert entry.key not in store and entry.key not in store._memory.keys()
         with pytest.raises(ValueError, match="expect"):
             store.get(entry.key, expect=(2, 2, 5))
 
@@ -664,8 +665,9 @@ def test_threads_share_one_store(tmp_path):
     for t in threads:
         t.join()
     assert failures == [] and store.stats.corrupt == 0 and store.stats.errors == 0
-    assert store._memory_bytes == sum(e.nbytes for e in store._memory.values())
-    assert store._memory_bytes <= store.memory_limit_bytes
+    held = store._memory.keys()
+    assert store._memory.nbytes == sum(e.nbytes for e in entries if e.key in held)
+    assert store._memory.nbytes <= store.memory_limit_bytes
     store.close()
 
 
@@ -681,7 +683,9 @@ def test_store_usable_after_fork(tmp_path):
     store.put(e)
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    with store._lock:  # held by the parent at fork time: the child must not deadlock
+    with contextlib.ExitStack() as held:  # every lock held by the parent at fork time: the child must not deadlock
+        for lock in [store._report._lock] + [tier._lock for tier in store._tiers]:
+            held.enter_context(lock)
         p = ctx.Process(target=_use_after_fork, args=(store, e.key, out))
         p.start()
     assert out.get(timeout=60) == (True, 2)
