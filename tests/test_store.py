@@ -282,6 +282,10 @@ def test_default_store_path(monkeypatch, tmp_path):
         (dict(size_limit_bytes=1.5), "size_limit_bytes"),
         (dict(memory_limit_bytes=-1), "memory_limit_bytes"),
         (dict(memory_limit_bytes="1"), "memory_limit_bytes"),
+        (dict(remote_retry_s=-1), "remote_retry_s"),
+        (dict(remote_retry_s="5"), "remote_retry_s"),
+        (dict(remote_backfill_max_keys=-1), "remote_backfill_max_keys"),
+        (dict(remote_backfill_max_keys=1.5), "remote_backfill_max_keys"),
     ],
 )
 def test_store_validates_args(tmp_path, kwargs, name):
