@@ -346,11 +346,11 @@ def test_memory_lru_eviction(tmp_path):
         got = store.get(entries[1].key)  # from disk, promoted back (evicting 2)
         assert got is not entries[1] and same(got, entries[1])
         assert store.stats.memory_hits == hits and store.stats.disk_hits == 1
-        assert entries[1].key in store._memory.keys() and entries[2].key not in store._memory.keys()
+        assert entries[1].key in store._memory and entries[2].key not in store._memory
         # an entry larger than the whole memory tier goes to disk only
         huge = make_entry(9, nbytes=4 * size)
         store.put(huge)
-        assert huge.key not in store._memory.keys() and huge.key in store
+        assert huge.key not in store._memory and huge.key in store
         assert store._memory.nbytes <= 3 * size
         assert same(store.get(huge.key), huge)
 
@@ -483,7 +483,7 @@ def test_wrong_expect_is_dropped(tmp_path, tier):
             assert store.get(entry.key, expect=right) is not None
             assert store.get(entry.key, expect=wrong) is None
             assert store.stats.corrupt == n
-            assert entry.key not in store and entry.key not in store._memory.keys()
+            assert entry.key not in store and entry.key not in store._memory
         with pytest.raises(ValueError, match="expect"):
             store.get(entry.key, expect=(2, 2, 5))
 

@@ -126,7 +126,7 @@ def test_write_through_lands_in_all_three_tiers(tmp_path, redis_server, redis_ur
         small, big = make_entry(0), make_entry(1, nbytes=100_000)
         for e in (small, big):
             store.put(e)
-            assert e.key in store._memory.keys() and e.key in store._disk.cache
+            assert e.key in store._memory and e.key in store._disk.cache
             assert r.get(VALUE_PREFIX + e.key) == encode(e)  # the same bytes as on disk
         sizes = consistent(r)
         assert sizes == {e.key: len(encode(e)) for e in (small, big)}
@@ -147,7 +147,7 @@ def test_read_through_promotes_to_disk_and_memory(tmp_path, redis_url):
         for e in entries:
             got = reader.get(e.key, expect=(2, 2, e.num_tokens, 8, e.dtype))
             assert got is not None and same(got, e)
-            assert e.key in reader._disk.cache and e.key in reader._memory.keys()  # promoted
+            assert e.key in reader._disk.cache and e.key in reader._memory  # promoted
         s = reader.stats
         assert s.remote_hits == 2 and s.remote_bytes_read == sum(len(encode(e)) for e in entries)
         assert s.disk_hits == s.memory_hits == s.misses == s.corrupt == s.errors == 0
@@ -237,7 +237,7 @@ def test_corrupt_remote_entry_is_a_miss_deleted_and_logged_once(tmp_path, redis_
         assert reader.get(entry.key) is None
         assert reader.stats.corrupt == 1 and reader.stats.misses == 1 and reader.stats.remote_hits == 0
         assert not r.exists(VALUE_PREFIX + entry.key) and consistent(r) == {}  # deleted, count right
-        assert entry.key not in reader._disk.cache and entry.key not in reader._memory.keys()  # not promoted
+        assert entry.key not in reader._disk.cache and entry.key not in reader._memory  # not promoted
         assert reader.get(entry.key) is None and reader.stats.corrupt == 1  # now a plain miss
         r.set(VALUE_PREFIX + entry.key, bad)  # damaged again: dropped again, no second warning
         assert reader.get(entry.key) is None and reader.stats.corrupt == 2

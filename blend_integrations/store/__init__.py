@@ -1,4 +1,4 @@
-"""Persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
+"""Store layer: the persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
 
 from .chunk_store import (
     DEFAULT_READ_BANDWIDTH,

@@ -30,7 +30,7 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 from .disk_tier import DiskTier
 from .format import ChunkKV, CorruptEntryError, encode
@@ -77,7 +77,7 @@ def default_store_remote() -> str | None:
 # thread at fork time would stay locked forever: every live store's report
 # and tiers get fresh locks in the child, and drop what is the parent's alone
 # (see each tier's reset_after_fork). (diskcache reconnects on its own.)
-_live_stores: "weakref.WeakSet[ChunkStore]" = weakref.WeakSet()
+_live_stores: weakref.WeakSet[ChunkStore] = weakref.WeakSet()
 
 
 def _reset_after_fork() -> None:
@@ -357,7 +357,7 @@ class ChunkStore:
         for tier in reversed(self._tiers):
             tier.close()
 
-    def __enter__(self) -> ChunkStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

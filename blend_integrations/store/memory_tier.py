@@ -78,6 +78,9 @@ class MemoryTier(Tier):
         with self._lock:
             return list(self._entries)
 
+    def __contains__(self, key: str) -> bool:
+        return self.locate(key) is not None
+
     def __len__(self) -> int:
         return len(self._entries)
 
