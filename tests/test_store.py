@@ -5,6 +5,7 @@ Real diskcache directories under tmp_path, real processes; no mocks.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -281,6 +282,10 @@ def test_default_store_path(monkeypatch, tmp_path):
         (dict(size_limit_bytes=1.5), "size_limit_bytes"),
         (dict(memory_limit_bytes=-1), "memory_limit_bytes"),
         (dict(memory_limit_bytes="1"), "memory_limit_bytes"),
+        (dict(remote_retry_s=-1), "remote_retry_s"),
+        (dict(remote_retry_s="5"), "remote_retry_s"),
+        (dict(remote_backfill_max_keys=-1), "remote_backfill_max_keys"),
+        (dict(remote_backfill_max_keys=1.5), "remote_backfill_max_keys"),
     ],
 )
 def test_store_validates_args(tmp_path, kwargs, name):
@@ -335,8 +340,8 @@ def test_memory_lru_eviction(tmp_path):
             store.put(e)
         assert store.get(entries[0].key) is entries[0]  # 0 is now most recent
         store.put(entries[3])  # evicts 1, the least recently used
-        assert list(store._memory) == [entries[2].key, entries[0].key, entries[3].key]
-        assert store._memory_bytes == 3 * size
+        assert store._memory.keys() == [entries[2].key, entries[0].key, entries[3].key]
+        assert store._memory.nbytes == 3 * size
         hits = store.stats.memory_hits
         got = store.get(entries[1].key)  # from disk, promoted back (evicting 2)
         assert got is not entries[1] and same(got, entries[1])
@@ -346,7 +351,7 @@ def test_memory_lru_eviction(tmp_path):
         huge = make_entry(9, nbytes=4 * size)
         store.put(huge)
         assert huge.key not in store._memory and huge.key in store
-        assert store._memory_bytes <= 3 * size
+        assert store._memory.nbytes <= 3 * size
         assert same(store.get(huge.key), huge)
 
 
@@ -356,7 +361,7 @@ def test_disk_size_limit_evicts_lru(tmp_path):
         entries = [make_entry(i, nbytes=200_000) for i in range(12)]
         for n, e in enumerate(entries):
             store.put(e)
-            assert store._disk.volume() <= limit
+            assert store._disk.cache.volume() <= limit
             assert e.key in store  # the entry just written is never the one evicted
         present = [e.key in store for e in entries]
         k = sum(present)
@@ -371,7 +376,7 @@ def test_disk_size_limit_evicts_lru(tmp_path):
         # an entry bigger than the whole disk tier is kept in memory only
         huge = make_entry(13, nbytes=2 * limit)
         store.put(huge)
-        assert oldest.key in store and huge.key not in store._disk
+        assert oldest.key in store and huge.key not in store._disk.cache
         assert store.stats.corrupt == 0 and store.stats.errors == 0
 
 
@@ -395,10 +400,10 @@ def _corruptions(store: ChunkStore, tmp_path: Path, entry: ChunkKV):
     flipped[len(flipped) // 2] ^= 0x01
     marker = tmp_path / "pwned"
     return {
-        "flipped byte": lambda: store._disk.set(entry.key, bytes(flipped)),
-        "truncated": lambda: store._disk.set(entry.key, good[: len(good) // 2]),
-        "foreign": lambda: store._disk.set(entry.key, encode(ChunkKV("ef" * 32, entry.kv))),
-        "garbage": lambda: store._disk.set(entry.key, b"\0" * 100),
+        "flipped byte": lambda: store._disk.cache.set(entry.key, bytes(flipped)),
+        "truncated": lambda: store._disk.cache.set(entry.key, good[: len(good) // 2]),
+        "foreign": lambda: store._disk.cache.set(entry.key, encode(ChunkKV("ef" * 32, entry.kv))),
+        "garbage": lambda: store._disk.cache.set(entry.key, b"\0" * 100),
         "plain diskcache pickle": lambda: diskcache.Cache(str(store.path)).set(entry.key, {"a": 1}),
         "malicious pickle": lambda: diskcache.Cache(str(store.path)).set(entry.key, _Evil(str(marker))),
         "big pickle": lambda: diskcache.Cache(str(store.path)).set(entry.key, [1] * 50_000),
@@ -664,8 +669,9 @@ def test_threads_share_one_store(tmp_path):
     for t in threads:
         t.join()
     assert failures == [] and store.stats.corrupt == 0 and store.stats.errors == 0
-    assert store._memory_bytes == sum(e.nbytes for e in store._memory.values())
-    assert store._memory_bytes <= store.memory_limit_bytes
+    held = store._memory.keys()
+    assert store._memory.nbytes == sum(e.nbytes for e in entries if e.key in held)
+    assert store._memory.nbytes <= store.memory_limit_bytes
     store.close()
 
 
@@ -681,7 +687,9 @@ def test_store_usable_after_fork(tmp_path):
     store.put(e)
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    with store._lock:  # held by the parent at fork time: the child must not deadlock
+    with contextlib.ExitStack() as held:  # every lock held by the parent at fork time: the child must not deadlock
+        for lock in [store._report._lock] + [tier._lock for tier in store._tiers]:
+            held.enter_context(lock)
         p = ctx.Process(target=_use_after_fork, args=(store, e.key, out))
         p.start()
     assert out.get(timeout=60) == (True, 2)

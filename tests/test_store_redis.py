@@ -126,7 +126,7 @@ def test_write_through_lands_in_all_three_tiers(tmp_path, redis_server, redis_ur
         small, big = make_entry(0), make_entry(1, nbytes=100_000)
         for e in (small, big):
             store.put(e)
-            assert e.key in store._memory and e.key in store._disk
+            assert e.key in store._memory and e.key in store._disk.cache
             assert r.get(VALUE_PREFIX + e.key) == encode(e)  # the same bytes as on disk
         sizes = consistent(r)
         assert sizes == {e.key: len(encode(e)) for e in (small, big)}
@@ -147,7 +147,7 @@ def test_read_through_promotes_to_disk_and_memory(tmp_path, redis_url):
         for e in entries:
             got = reader.get(e.key, expect=(2, 2, e.num_tokens, 8, e.dtype))
             assert got is not None and same(got, e)
-            assert e.key in reader._disk and e.key in reader._memory  # promoted
+            assert e.key in reader._disk.cache and e.key in reader._memory  # promoted
         s = reader.stats
         assert s.remote_hits == 2 and s.remote_bytes_read == sum(len(encode(e)) for e in entries)
         assert s.disk_hits == s.memory_hits == s.misses == s.corrupt == s.errors == 0
@@ -186,7 +186,7 @@ def test_remote_eviction_is_lru_and_bounded(tmp_path, redis_server, redis_url, c
         store.put(huge)
     (warning,) = store_logs(caplog)
     assert "remote_size_limit_bytes" in warning.getMessage() and huge.key[:16] in warning.getMessage()
-    assert huge.key in store._disk and huge.key not in consistent(r)
+    assert huge.key in store._disk.cache and huge.key not in consistent(r)
     assert store.stats.errors == 0 and store.stats.corrupt == 0
     store.close()
 
@@ -237,7 +237,7 @@ def test_corrupt_remote_entry_is_a_miss_deleted_and_logged_once(tmp_path, redis_
         assert reader.get(entry.key) is None
         assert reader.stats.corrupt == 1 and reader.stats.misses == 1 and reader.stats.remote_hits == 0
         assert not r.exists(VALUE_PREFIX + entry.key) and consistent(r) == {}  # deleted, count right
-        assert entry.key not in reader._disk and entry.key not in reader._memory  # not promoted
+        assert entry.key not in reader._disk.cache and entry.key not in reader._memory  # not promoted
         assert reader.get(entry.key) is None and reader.stats.corrupt == 1  # now a plain miss
         r.set(VALUE_PREFIX + entry.key, bad)  # damaged again: dropped again, no second warning
         assert reader.get(entry.key) is None and reader.stats.corrupt == 2
@@ -263,7 +263,7 @@ def test_unreachable_redis_at_construction(tmp_path, caplog):
         e = make_entry(0)
         store.put(e)
         assert store.get(e.key) is e and store.get("other") is None
-    assert e.key in store._disk and store.stats.errors == 1  # then it backs off: one error
+    assert e.key in store._disk.cache and store.stats.errors == 1  # then it backs off: one error
     (warning,) = store_logs(caplog)
     msg = warning.getMessage()
     assert "Redis redis://user:***@127.0.0.1:1/0" in msg and "hunter2" not in msg
@@ -273,8 +273,8 @@ def test_unreachable_redis_at_construction(tmp_path, caplog):
 
 def test_redis_killed_mid_use_then_restarted(tmp_path, private_redis_server, caplog):
     server = private_redis_server
-    store = ChunkStore(tmp_path, memory_limit_bytes=0, remote=server.url(), remote_timeout_s=0.5)
-    store._remote_retry_s = 1.0  # the default back-off is 5 s
+    # the default back-off is 5 s
+    store = ChunkStore(tmp_path, memory_limit_bytes=0, remote=server.url(), remote_timeout_s=0.5, remote_retry_s=1.0)
     before = make_entry(0)
     store.put(before)
     assert store.stats.remote_bytes_written > 0
@@ -308,9 +308,9 @@ def test_redis_killed_mid_use_then_restarted(tmp_path, private_redis_server, cap
 def test_entries_put_while_redis_was_down_reach_it_when_it_answers_again(tmp_path, private_redis_server, caplog):
     server = private_redis_server
     store = ChunkStore(tmp_path / "a", memory_limit_bytes=0, remote=server.url(), remote_timeout_s=0.5,
-                       remote_size_limit_bytes=200_000)
-    store._remote_retry_s = 0.5  # the default back-off is 5 s
-    store._backfill_max_keys = 4  # the default bound is 4096
+                       remote_size_limit_bytes=200_000,
+                       remote_retry_s=0.5,  # the default back-off is 5 s
+                       remote_backfill_max_keys=4)  # the default bound is 4096
     entries = [make_entry(i, nbytes=20_000) for i in range(6)]
     huge = make_entry(9, nbytes=300_000)  # over remote_size_limit_bytes
     server.kill()
@@ -318,15 +318,15 @@ def test_entries_put_while_redis_was_down_reach_it_when_it_answers_again(tmp_pat
         for e in entries + [huge]:
             store.put(e)  # on disk; the first Redis write fails, the others are skipped
         assert store.stats.errors == 1 and store.stats.remote_bytes_written == 0
-        assert list(store._backfill_keys) == [e.key for e in entries[2:]]  # the newest 4; never huge
-        store._disk.delete(entries[2].key)  # evicted from disk before the backfill
+        assert store._remote.backfill_keys == [e.key for e in entries[2:]]  # the newest 4; never huge
+        store._disk.cache.delete(entries[2].key)  # evicted from disk before the backfill
 
         server.start()  # same port, empty
         server.client().config_set("maxmemory", 1)  # answers, but refuses writes (OOM error replies)
         time.sleep(0.55)  # past the back-off
         assert store.get("never-stored") is None  # Redis answers: the backfill starts, its first write fails
-        wait_for(lambda: store.stats.errors == 2 and store._backfill_thread is None)
-        assert list(store._backfill_keys) == [e.key for e in entries[3:]]  # entries[2] forgotten, the rest kept
+        wait_for(lambda: store.stats.errors == 2 and not store._remote.backfilling)
+        assert store._remote.backfill_keys == [e.key for e in entries[3:]]  # entries[2] forgotten, the rest kept
         assert store.stats.remote_backfilled == 0 and consistent(server.client()) == {}
 
         server.client().config_set("maxmemory", 0)
@@ -357,8 +357,7 @@ def test_slow_redis_costs_one_timeout(tmp_path, redis_server, redis_url):
     e = make_entry(0)
     with ChunkStore(tmp_path / "a", remote=redis_url) as writer:
         writer.put(e)
-    reader = ChunkStore(tmp_path / "b", remote=redis_url, remote_timeout_s=0.5)
-    reader._remote_retry_s = 1.0
+    reader = ChunkStore(tmp_path / "b", remote=redis_url, remote_timeout_s=0.5, remote_retry_s=1.0)
     admin = redis_server.client()
     admin.execute_command("CLIENT", "PAUSE", 3000, "ALL")  # every command waits 3 s
     t0 = time.monotonic()

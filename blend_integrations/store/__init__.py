@@ -1,4 +1,4 @@
-"""Persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
+"""Store layer: the persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
 
 from .chunk_store import (
     DEFAULT_READ_BANDWIDTH,
@@ -6,12 +6,12 @@ from .chunk_store import (
     TIERS,
     ChunkStore,
     Location,
-    StoreStats,
     default_store_path,
     default_store_remote,
 )
 from .format import ChunkKV, CorruptEntryError
 from .keys import RECIPE_VERSION, chunk_key, model_fingerprint
+from .stats import StoreStats
 
 __all__ = [
     "ChunkStore",

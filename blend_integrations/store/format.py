@@ -1,4 +1,4 @@
-"""On-disk format of one chunk's KV cache.
+"""Store layer: the on-disk format of one chunk's KV cache.
 
 Layout (all integers little-endian)::
 

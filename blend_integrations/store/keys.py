@@ -1,4 +1,4 @@
-"""Content-addressed keys for stored chunk KV caches.
+"""Store layer: content-addressed keys for stored chunk KV caches.
 
 A key must change whenever anything that changes the stored bytes changes:
 the recipe used to compute the KV, the model weights, the dtype, the BOS

@@ -1,4 +1,5 @@
-"""Reading one stored entry layer by layer, for loading pipelined with compute.
+"""Store layer: reading one stored entry layer by layer, for loading pipelined
+with compute.
 
 An entry's payload is ``[num_layers, 2, num_kv_heads, tokens, head_dim]`` in
 C order, so each layer is one contiguous slice of it: a reader fetches the
@@ -8,8 +9,9 @@ the whole entry, so bytes already handed out are only known good once
 ``verify`` has passed after the last layer: a caller must be ready to throw
 away what it computed from them.
 
-``ChunkStore.open_layers`` makes readers, ``ChunkStore.finish_layers``
-settles them (counts, memory and disk copies, dropping damaged entries).
+The disk and Redis tiers make readers (for ``ChunkStore.open_layers``);
+``ChunkStore.finish_layers`` settles them (counts, memory and disk copies,
+dropping damaged entries).
 """
 
 from __future__ import annotations

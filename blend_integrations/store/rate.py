@@ -1,4 +1,5 @@
-"""A measured rate (bytes per second, token-layers per second), kept up to date."""
+"""Store layer: a measured rate (bytes per second, token-layers per second),
+kept up to date."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The Redis tier of the chunk store: one Redis database shared by machines.
+"""Store layer: the Redis tier's data in one Redis database shared by machines,
+and the client that keeps it (``remote_tier`` adds back-off and backfill).
 
 Values are the encoded entries (``format.encode``), byte for byte what the
 disk tier holds, so a Redis hit is checked exactly like a disk hit. All keys
@@ -116,9 +117,9 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-class RedisTier:
+class RedisClient:
     """The store's operations on one Redis database. Errors (connection,
-    timeout, Redis replies) are raised as they are; ``ChunkStore`` decides
+    timeout, Redis replies) are raised as they are; ``RemoteTier`` decides
     what they mean. ``errors`` is the tuple of exception types to catch."""
 
     def __init__(self, url: str, *, size_limit_bytes: int | None, timeout_s: float) -> None:
@@ -144,7 +145,7 @@ class RedisTier:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             # No retries inside redis-py: a down or slow server must cost one
-            # timeout, and ChunkStore backs off after a failure anyway.
+            # timeout, and RemoteTier backs off after a failure anyway.
             retry=Retry(NoBackoff(), 0),
         )
         try:

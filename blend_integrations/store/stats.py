@@ -1,0 +1,75 @@
+"""Store layer: the counters and warnings the chunk store and its tiers share.
+
+A ``ChunkStore`` and each of its tiers report to one ``Report``: the tiers
+count their own reads, writes and failures into the store's ``StoreStats``,
+and a key is warned about once, whichever tier found the problem.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger("blend_integrations.store")
+
+
+@dataclass
+class StoreStats:
+    """Counters of one ChunkStore instance (this process only).
+
+    Every ``get`` counts exactly one of ``memory_hits``, ``disk_hits``,
+    ``remote_hits`` or ``misses``; ``corrupt`` counts the misses that found a
+    damaged or foreign entry (and dropped it) and ``errors`` the failures of
+    the disk tier (I/O, sqlite, lock timeouts) and of Redis (connection,
+    timeout, error replies) on reads or writes. ``bytes_read`` and
+    ``bytes_written`` are the disk tier's, ``remote_bytes_*`` Redis's
+    (backfilled entries included); ``remote_backfilled`` counts the entries
+    written to Redis by the backfill (see ``ChunkStore``).
+    """
+
+    memory_hits: int = 0
+    disk_hits: int = 0
+    remote_hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    puts: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    remote_bytes_read: int = 0
+    remote_bytes_written: int = 0
+    remote_backfilled: int = 0
+    errors: int = 0
+
+    @property
+    def hits(self) -> int:
+        return self.memory_hits + self.disk_hits + self.remote_hits
+
+
+class Report:
+    """Where a store and its tiers report: ``stats`` (added to under a lock,
+    as several threads share a store) and warnings, once per key. ``label``
+    (the store's path) starts every log message."""
+
+    def __init__(self, label: object) -> None:
+        self.label = label
+        self.stats = StoreStats()
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()  # keys already warned about
+
+    def count(self, **counts: int) -> None:
+        """Add to the named ``StoreStats`` fields."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def warn_once(self, key: str, message: str) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        logger.warning("chunk store %s: key %s...: %s", self.label, key[:16], message)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: a lock another parent thread may have held at fork time is replaced."""
+        self._lock = threading.Lock()
