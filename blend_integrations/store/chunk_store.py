@@ -227,7 +227,9 @@ class ChunkStore:
                 "expect must be (num_layers, num_kv_heads, num_tokens, head_dim, dtype), "
                 f"got {expect!r}"
             )
-        return self._lookup(key, expect, layered=False)
+        found = self._lookup(key, expect, layered=False)
+        assert not isinstance(found, LayerReader)  # whole reads only
+        return found
 
     def open_layers(self, key: str, *, expect: Expect = None) -> ChunkKV | LayerReader | None:
         """Start reading ``key`` layer by layer, for loading pipelined with
@@ -279,7 +281,7 @@ class ChunkStore:
         self._hit(tier, entry, reader.nbytes, reader.seconds, data)
         return entry
 
-    def _hit(self, tier: Tier, entry: ChunkKV, nbytes: int, seconds: float, data: bytes | None) -> None:
+    def _hit(self, tier: Tier, entry: ChunkKV, nbytes: int, seconds: float, data: bytes | bytearray | None) -> None:
         """Count a hit in ``tier`` and copy it into the tiers above it."""
         tier.hit(nbytes, seconds)
         for above in self._tiers[: self._tiers.index(tier)]:
@@ -302,7 +304,8 @@ class ChunkStore:
         measured bandwidth); 0 for a key not in the store."""
         if location.tier is None:
             return 0.0
-        return location.nbytes / self.read_rates[location.tier].value
+        bandwidth = self.read_rates[location.tier].value  # every tier starts from an assumed one
+        return location.nbytes / bandwidth if bandwidth else 0.0
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self.locate(key).tier is not None
@@ -341,7 +344,7 @@ class ChunkStore:
             failed = tier.delete(key)
             if failed:
                 reason += f"; deleting it failed too ({failed})"
-        where = f" from Redis {redact(self.remote)}" if source is self._remote else ""
+        where = f" from Redis {redact(self.remote or '')}" if source is self._remote else ""
         self._report.warn_once(key, f"dropped corrupt entry{where}: {reason}")
 
     def clear(self) -> None:

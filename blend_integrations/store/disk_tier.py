@@ -18,7 +18,7 @@ from pathlib import Path
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
-from .format import ChunkKV, CorruptEntryError
+from .format import ChunkKV, CorruptEntryError, encode
 from .layered import LayerReader, file_reader
 from .rate import Rate
 from .stats import Report, logger
@@ -192,9 +192,10 @@ class DiskTier(Tier):
             return f"size_limit_bytes={self.size_limit_bytes} (not written to disk)"
         return None
 
-    def put(self, entry: ChunkKV, data: bytes) -> None:
+    def put(self, entry: ChunkKV, data: bytes | bytearray | None) -> None:
         """Write ``data`` and evict down to the limit; an entry larger than
         the limit is skipped. Failures are logged, never raised."""
+        data = encode(entry) if data is None else data
         if len(data) > self.size_limit_bytes:
             return
         disk = self.cache.disk

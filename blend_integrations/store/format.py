@@ -193,12 +193,9 @@ class Layout:
     payload_start: int
     payload_bytes: int
     total: int  # the whole entry: header, payload and checksum
-    key: str | None = None  # the rest is set by ``check``
-    dtype: torch.dtype | None = None
-    shape: list[int] | None = None
 
-    def check(self, expected_key: str) -> None:
-        """Check the header's key, dtype and shape (raise CorruptEntryError)."""
+    def check(self, expected_key: str) -> tuple[str, torch.dtype, list[int]]:
+        """The header's key, dtype and shape, checked (raise CorruptEntryError)."""
         header = self.header
         key = header.get("key")
         if not isinstance(key, str):
@@ -226,7 +223,7 @@ class Layout:
             raise CorruptEntryError(
                 f"foreign entry: holds key {key[:16]}..., expected {expected_key[:16]}..."
             )
-        self.key, self.dtype, self.shape = key, dtype, shape
+        return key, dtype, shape
 
 
 def read_layout(head: memoryview, n: int) -> Layout:
@@ -284,7 +281,7 @@ PREFIX_BYTES = _PREFIX.size
 CRC_BYTES = _CRC.size
 
 
-def header_end(prefix: bytes) -> int:
+def header_end(prefix: bytes | bytearray) -> int:
     """Where the header ends (the payload starts), from an entry's first
     ``PREFIX_BYTES``: how much a reader fetches before ``read_layout``."""
     if len(prefix) < _PREFIX.size:
@@ -314,8 +311,8 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
         raise CorruptEntryError(
             f"checksum mismatch (stored crc32 {stored_crc:08x}, computed {actual_crc:08x})"
         )
-    layout.check(expected_key)
-    payload_start, payload_bytes, dtype, shape = layout.payload_start, layout.payload_bytes, layout.dtype, layout.shape
+    key, dtype, shape = layout.check(expected_key)
+    payload_start, payload_bytes = layout.payload_start, layout.payload_bytes
     numel = math.prod(shape)
     if numel == 0:
         kv = torch.empty(shape, dtype=dtype)
@@ -325,4 +322,4 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
     else:
         own = bytearray(mv[payload_start : payload_start + payload_bytes])
         kv = torch.frombuffer(own, dtype=dtype).view(shape)
-    return ChunkKV(key=layout.key, kv=kv)
+    return ChunkKV(key=key, kv=kv)

@@ -44,10 +44,11 @@ class LayerReader:
     that did not complete. ``nbytes`` and ``seconds`` add up the reads.
     """
 
-    def __init__(self, tier: str, key: str, expect, size: int, read_into: ReadInto, close: Callable[[], None],
+    def __init__(self, tier: str, key: str, expect, size: int, read_into: ReadInto, close: Callable[[], None] | None,
                  *, short_read_is_damage: bool) -> None:
         self.tier, self.key, self.size = tier, key, size
-        self._read_into, self._close = read_into, close
+        self._read_into = read_into
+        self._close: Callable[[], None] | None = close  # None: nothing to close
         self._short_is_damage = short_read_is_damage
         self.nbytes, self.seconds = 0, 0.0
         try:
@@ -57,9 +58,8 @@ class LayerReader:
             head[: len(prefix)] = prefix
             self._read(len(prefix), memoryview(head)[len(prefix) :])
             layout = read_layout(memoryview(head), size)
-            layout.check(key)
-            shape = layout.shape
-            reason = geometry_mismatch((shape[0], shape[2], shape[3], shape[4], layout.dtype), expect)
+            _, dtype, shape = layout.check(key)
+            reason = geometry_mismatch((shape[0], shape[2], shape[3], shape[4], dtype), expect)
             if reason is not None:
                 raise CorruptEntryError(reason)
         except BaseException:
@@ -68,8 +68,8 @@ class LayerReader:
         self.head = bytes(head)
         self._payload_start = layout.payload_start
         self._buffer = bytearray(layout.payload_bytes)
-        self.kv = torch.frombuffer(self._buffer, dtype=layout.dtype).view(shape) if layout.payload_bytes else (
-            torch.empty(shape, dtype=layout.dtype))
+        self.kv = torch.frombuffer(self._buffer, dtype=dtype).view(shape) if layout.payload_bytes else (
+            torch.empty(shape, dtype=dtype))
         self.num_layers = shape[0]
         self._layer_bytes = layout.payload_bytes // max(1, self.num_layers)
         self._crc = zlib.crc32(head)

@@ -45,7 +45,7 @@ class MemoryTier(Tier):
             entry = self._entries.get(key)
         return None if entry is None else entry.nbytes
 
-    def put(self, entry: ChunkKV, data: bytes | None = None) -> None:
+    def put(self, entry: ChunkKV, data: bytes | bytearray | None = None) -> None:
         with self._lock:
             self._pop(entry.key)
             if entry.nbytes > self.limit_bytes:

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from .format import ChunkKV
+from .format import ChunkKV, encode
 from .layered import LayerReader, ReadFailed
 from .rate import Rate
 from .redis_tier import RedisClient, redact
@@ -111,7 +111,8 @@ class RemoteTier(Tier):
             return f"remote_size_limit_bytes={self.size_limit_bytes} (not written to Redis)"
         return None
 
-    def put(self, entry: ChunkKV, data: bytes) -> None:
+    def put(self, entry: ChunkKV, data: bytes | bytearray | None) -> None:
+        data = encode(entry) if data is None else data
         if self.too_big(len(data)):
             return
         if self._call("write", self.client.put, entry.key, data) is _SKIPPED:

@@ -65,8 +65,9 @@ class Tier(ABC):
         counting it as a use); None if it is not here."""
 
     @abstractmethod
-    def put(self, entry: ChunkKV, data: bytes) -> None:
-        """Keep ``entry`` (``data``: its encoded bytes) unless it is too big
+    def put(self, entry: ChunkKV, data: bytes | bytearray | None) -> None:
+        """Keep ``entry`` (``data``: its encoded bytes; None where a hit is
+        copied up from a tier that had no bytes at hand) unless it is too big
         for this tier; evict down to the tier's limit."""
 
     def too_big(self, nbytes: int) -> str | None:
