@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo lint test unit bench clean
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,8 +21,17 @@ install:
 demo: install
 	HF_HUB_OFFLINE=1 $(PY) examples/langchain_rag.py
 
-test: install
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+# tests/unit (the walk, the plan, the store tiers, the validators) and tests/integration
+test: install lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+unit: install
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m benchmarks ttft

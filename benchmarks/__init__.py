@@ -26,8 +26,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 MODEL_HELP = "smollm2, or a checkpoint directory, instead of the random-weight model"
 
 
-def bench_model(model: str | None, *, layers: int = 16, hidden: int = 512, heads: int = 8,
-                kv_heads: int = 2) -> tuple[str, str, str]:
+def bench_model(
+    model: str | None, *, layers: int = 16, hidden: int = 512, heads: int = 8, kv_heads: int = 2
+) -> tuple[str, str, str]:
     """(checkpoint directory, description, suffix of the results' file names) of
     a timing bench's model: a random-weight Llama of the given shape (speed is a
     property of the architecture, not of the weights), or ``model``."""
@@ -35,7 +36,11 @@ def bench_model(model: str | None, *, layers: int = 16, hidden: int = 512, heads
         from tests.fixtures.local_models import cached_model_dir
 
         path = cached_model_dir(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads)
-        return str(path), f"llama, {layers} layers, hidden {hidden}, {heads} heads, {kv_heads} KV heads, random weights", ""
+        return (
+            str(path),
+            f"llama, {layers} layers, hidden {hidden}, {heads} heads, {kv_heads} KV heads, random weights",
+            "",
+        )
     if model == "smollm2":
         from blend_integrations.models.smollm2 import LABEL, smollm2_dir
 
@@ -43,7 +48,9 @@ def bench_model(model: str | None, *, layers: int = 16, hidden: int = 512, heads
     return model, model, "-" + Path(model).name
 
 
-def compute_ceiling(mode: str, prompt_tokens: int, cached: int, recomputed: int, layers: int, check_layer: int) -> float:
+def compute_ceiling(
+    mode: str, prompt_tokens: int, cached: int, recomputed: int, layers: int, check_layer: int
+) -> float:
     """The most a mode can gain over full prefill by computing less (DESIGN
     section 5): ``1 / ((c + (L - c) * |R| / N) / L)`` for blend, with |R| the
     tokens computed past the check layer; ``N / |R|`` for reuse; 1 for full."""
@@ -70,8 +77,9 @@ def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendProm
     return prompt
 
 
-def write_results(out: str | Path, part: str, title: str, text: str, report: dict, *, command: str | None = None,
-                  extra: str = "") -> Path:
+def write_results(
+    out: str | Path, part: str, title: str, text: str, report: dict, *, command: str | None = None, extra: str = ""
+) -> Path:
     """A part's results under ``out``: ``{part}.json`` (the report) and
     ``{part}.md`` (title, the command that made it, the rendered text)."""
     out = Path(out)

@@ -4,8 +4,14 @@ import sys
 
 from . import drift, fuzz, quality, store, ttft, vllm_bench
 
-PARTS = {"ttft": ttft.main, "store": store.main, "vllm": vllm_bench.main, "quality": quality.main,
-         "fuzz": fuzz.main, "drift": drift.main}
+PARTS = {
+    "ttft": ttft.main,
+    "store": store.main,
+    "vllm": vllm_bench.main,
+    "quality": quality.main,
+    "fuzz": fuzz.main,
+    "drift": drift.main,
+}
 
 
 def main() -> None:  # vLLM starts processes: keep the entry under the __main__ guard below

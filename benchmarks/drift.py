@@ -34,6 +34,7 @@ from blend_integrations.chat import rag_prompt
 from blend_integrations.config import BlendConfig
 from blend_integrations.prompt import bos_id_added
 from training.data import make_examples
+
 from . import write_results
 from .quality import HELD_OUT_SEED, model_and_task
 
@@ -57,16 +58,18 @@ def drift(in_prompt: torch.Tensor, alone: torch.Tensor) -> torch.Tensor:
     return ((in_prompt - alone).norm(dim=-1) / in_prompt.norm(dim=-1).clamp(min=1e-6)).mean(dim=0)
 
 
-def chunk_drift(model, prompt_ids: list[int], spans, prefix: list[int],
-                full: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def chunk_drift(
+    model, prompt_ids: list[int], spans, prefix: list[int], full: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Per layer, per chunk token (all chunks in a row): the drift of each chunk
     computed as ``prefix + chunk`` from its values in the whole prompt."""
     full = full if full is not None else layer_values(model, prompt_ids)
     per_chunk = []
     for start, end in spans:
         alone = layer_values(model, prefix + prompt_ids[start:end])
-        per_chunk.append([drift(full[layer][:, start:end], alone[layer][:, len(prefix):])
-                          for layer in range(len(full))])
+        per_chunk.append(
+            [drift(full[layer][:, start:end], alone[layer][:, len(prefix) :]) for layer in range(len(full))]
+        )
     return [torch.cat([chunk[layer] for chunk in per_chunk]) for layer in range(len(full))]
 
 
@@ -116,30 +119,48 @@ def run(args) -> dict:
             row["top15_share_mid"] = round(statistics.fmean(shares), 4)
             rows.append(row)
             print(row, flush=True)
-    config = {"model": label, "layers": num_layers, "layers_shown": layers,
-              "questions_per_length": args.questions, "documents": 6, "system_prompt": task.system,
-              "seed": HELD_OUT_SEED + 1, "minutes": round((time.time() - started) / 60, 1),
-              "date": time.strftime("%Y-%m-%d")}
+    config = {
+        "model": label,
+        "layers": num_layers,
+        "layers_shown": layers,
+        "questions_per_length": args.questions,
+        "documents": 6,
+        "system_prompt": task.system,
+        "seed": HELD_OUT_SEED + 1,
+        "minutes": round((time.time() - started) / 60, 1),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     return {"config": config, "rows": rows}
 
 
 def markdown(report: dict) -> str:
     c = report["config"]
     layers = c["layers_shown"]
-    lines = [f"Model {c['model']} ({c['layers']} layers); {c['questions_per_length']} held-out questions per length, "
-             f"{c['documents']} generated documents each, the chat template with the quality bench's system prompt; "
-             f"{c['date']}.", "",
-             "Drift: the relative distance of a chunk's values computed alone from its values in the prompt, "
-             f"averaged over tokens after a chunk's first {HEAD} (body) and over the first {HEAD} (head, middle layer). "
-             f"Top 15%: the share of the squared deviation at the middle layer that the 15% most deviating "
-             "tokens carry (0.15 if spread evenly).", "",
-             "| words per document | tokens per chunk | recipe | " + " | ".join(f"body L{layer}" for layer in layers)
-             + " | head, middle layer | top 15% share |",
-             "|---:|---:|---|" + "---:|" * (len(layers) + 2)]
+    lines = [
+        f"Model {c['model']} ({c['layers']} layers); {c['questions_per_length']} held-out questions per length, "
+        f"{c['documents']} generated documents each, the chat template with the quality bench's system prompt; "
+        f"{c['date']}.",
+        "",
+        "Drift: the relative distance of a chunk's values computed alone from its values in the prompt, "
+        f"averaged over tokens after a chunk's first {HEAD} (body) and over the first {HEAD} (head, middle layer). "
+        f"Top 15%: the share of the squared deviation at the middle layer that the 15% most deviating "
+        "tokens carry (0.15 if spread evenly).",
+        "",
+        "| words per document | tokens per chunk | recipe | "
+        + " | ".join(f"body L{layer}" for layer in layers)
+        + " | head, middle layer | top 15% share |",
+        "|---:|---:|---|" + "---:|" * (len(layers) + 2),
+    ]
     for r in report["rows"]:
-        cells = [f"{r[f'body_L{layer}']:.3f}" for layer in layers] + [f"{r['head_mid']:.3f}", f"{r['top15_share_mid']:.3f}"]
-        lines.append(f"| {r['doc_words'][0]}-{r['doc_words'][1]} | {r['chunk_tokens']} | {r['recipe'].replace('|', chr(92) + '|')} | "
-                     + " | ".join(cells) + " |")
+        cells = [f"{r[f'body_L{layer}']:.3f}" for layer in layers] + [
+            f"{r['head_mid']:.3f}",
+            f"{r['top15_share_mid']:.3f}",
+        ]
+        lines.append(
+            f"| {r['doc_words'][0]}-{r['doc_words'][1]} | {r['chunk_tokens']} | {r['recipe'].replace('|', chr(92) + '|')} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -158,5 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if not args.quick and args.out:
         suffix = {"reader": "", "smollm2": "-smollm2"}.get(args.model, "-" + Path(args.model).name)
-        write_results(args.out, "drift" + suffix, "How far stored chunk KV is from in-prompt KV", text, report,
-                      command=f"`python -m benchmarks drift --model {args.model}`.")
+        write_results(
+            args.out,
+            "drift" + suffix,
+            "How far stored chunk KV is from in-prompt KV",
+            text,
+            report,
+            command=f"`python -m benchmarks drift --model {args.model}`.",
+        )

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from blend_integrations.engines.vllm_contract import MAX_CHUNKS, BlendParamsError, parse_blend_params
 from tests.fixtures.local_models import sample_text
+
 from . import write_results
 
 
@@ -45,12 +46,15 @@ class Case:
 class Http:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 300) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
-        self.headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self.headers = {"Content-Type": "application/json"} | (
+            {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        )
 
     def send(self, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         """(status, body); status 0 when no answer came."""
-        req = urllib.request.Request(self.url + path, data=body, headers=self.headers,
-                                     method="POST" if body is not None else "GET")
+        req = urllib.request.Request(
+            self.url + path, data=body, headers=self.headers, method="POST" if body is not None else "GET"
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 return r.status, r.read()
@@ -76,6 +80,7 @@ class Prompt:
 def make_prompts(http: Http, model: str, seed: int, count: int = 3) -> list[Prompt]:
     """Prompts laid out as the engines lay them out (prefix, separator, chunk,
     ..., separator, suffix; each piece tokenized alone by the server)."""
+
     def ids(text: str, special: bool = False) -> list[int]:
         return http.json("/tokenize", {"model": model, "prompt": text, "add_special_tokens": special})["tokens"]
 
@@ -89,7 +94,9 @@ def make_prompts(http: Http, model: str, seed: int, count: int = 3) -> list[Prom
             spans.append([len(tokens), len(tokens) + len(ids(doc))])
             tokens += ids(doc)
         tokens += sep + ids("Question: which city is named? Answer:")
-        prompts.append(Prompt(tokens, spans, "\n\n".join(["You answer from the documents.", *docs, "Question: Answer:"])))
+        prompts.append(
+            Prompt(tokens, spans, "\n\n".join(["You answer from the documents.", *docs, "Question: Answer:"]))
+        )
     return prompts
 
 
@@ -143,8 +150,21 @@ def bad_span(rng, model, p):
     spans = blend["chunk_spans"]
     i = rng.randrange(len(spans))
     a, b = spans[i]
-    how = rng.choice(["negative", "reversed", "empty", "overlap", "unsorted", "past_num_tokens", "past_prompt",
-                      "triple", "single", "object", "none_left"])
+    how = rng.choice(
+        [
+            "negative",
+            "reversed",
+            "empty",
+            "overlap",
+            "unsorted",
+            "past_num_tokens",
+            "past_prompt",
+            "triple",
+            "single",
+            "object",
+            "none_left",
+        ]
+    )
     if how == "negative":
         spans[0][0] = -rng.randint(1, 10**6)
     elif how == "reversed":
@@ -186,12 +206,18 @@ def deep_nesting(rng, model, p):
     where = rng.choice(["span", "blend", "other_key", "whole_body"])
     head = f'{{"model": {json.dumps(model)}, "prompt": {json.dumps(p.ids)}, "max_tokens": 2, '
     if where == "span":
-        return "/v1/completions", (head + f'"kv_transfer_params": {{"blend": {{"mode": "blend", "chunk_spans": [{nested}]}}}}}}').encode()
+        return "/v1/completions", (
+            head + f'"kv_transfer_params": {{"blend": {{"mode": "blend", "chunk_spans": [{nested}]}}}}}}'
+        ).encode()
     if where == "blend":
         return "/v1/completions", (head + f'"kv_transfer_params": {{"blend": {nested}}}}}').encode()
     if where == "other_key":
-        return "/v1/completions", (head + f'"kv_transfer_params": {{"blend": {json.dumps(_good_blend(p))}, "x": {nested}}}}}').encode()
-    return "/v1/completions", (head + f'"kv_transfer_params": {{"blend": {{"mode": "blend"}}}}, "extra": {nested}}}').encode()
+        return "/v1/completions", (
+            head + f'"kv_transfer_params": {{"blend": {json.dumps(_good_blend(p))}, "x": {nested}}}}}'
+        ).encode()
+    return "/v1/completions", (
+        head + f'"kv_transfer_params": {{"blend": {{"mode": "blend"}}}}, "extra": {nested}}}'
+    ).encode()
 
 
 NON_ASCII = ["\u00a7\u00a7", "\u2603", "\U0001f642", "\u200b", "\ufeff", "\u00e9t\u00e9", "\u0000", "\u4e2d\u6587"]
@@ -200,9 +226,13 @@ NON_ASCII = ["\u00a7\u00a7", "\u2603", "\U0001f642", "\u200b", "\ufeff", "\u00e9
 def odd_separator(rng, model, p):
     how = rng.choice(["non_ascii_text", "non_ascii_ids", "with_spans", "empty", "too_long", "not_text"])
     if how == "non_ascii_text":  # valid for vLLM and for the rules: no chunk between separators, not blended
-        return "/v1/completions", _dumps(_completion(model, p.text, {"mode": "blend", "separator": rng.choice(NON_ASCII)}))
+        return "/v1/completions", _dumps(
+            _completion(model, p.text, {"mode": "blend", "separator": rng.choice(NON_ASCII)})
+        )
     if how == "non_ascii_ids":
-        return "/v1/completions", _dumps(_completion(model, p.ids, {"mode": "reuse", "separator": rng.choice(NON_ASCII)}))
+        return "/v1/completions", _dumps(
+            _completion(model, p.ids, {"mode": "reuse", "separator": rng.choice(NON_ASCII)})
+        )
     blend = {"mode": "blend", "separator": rng.choice(NON_ASCII)}
     if how == "with_spans":
         blend["chunk_spans"] = [list(s) for s in p.spans]
@@ -222,27 +252,52 @@ def num_tokens_at_end(rng, model, p):
 
 
 def one_token_prompt(rng, model, p):
-    blend = rng.choice([{"mode": "blend", "chunk_spans": [[0, 1]]}, {"mode": "blend", "chunk_spans": [[0, 1]], "num_tokens": 1},
-                        {"mode": "reuse", "chunk_spans": [[0, 1]], "num_tokens": 0}])
+    blend = rng.choice(
+        [
+            {"mode": "blend", "chunk_spans": [[0, 1]]},
+            {"mode": "blend", "chunk_spans": [[0, 1]], "num_tokens": 1},
+            {"mode": "reuse", "chunk_spans": [[0, 1]], "num_tokens": 0},
+        ]
+    )
     return "/v1/completions", _dumps(_completion(model, [p.ids[0]], blend))
 
 
 def not_an_object(rng, model, p):
-    kv = rng.choice([{"blend": None}, {"blend": "blend"}, {"blend": [_good_blend(p)]}, {"blend": 3},
-                     {"blend": {**_good_blend(p), "ratios": 0.2}}, {"blend": {**_good_blend(p), "mode": "BLEND"}},
-                     {"blend": {**_good_blend(p), "mode": "full "}}, "blend", [1, 2]])
+    kv = rng.choice(
+        [
+            {"blend": None},
+            {"blend": "blend"},
+            {"blend": [_good_blend(p)]},
+            {"blend": 3},
+            {"blend": {**_good_blend(p), "ratios": 0.2}},
+            {"blend": {**_good_blend(p), "mode": "BLEND"}},
+            {"blend": {**_good_blend(p), "mode": "full "}},
+            "blend",
+            [1, 2],
+        ]
+    )
     return "/v1/completions", _dumps(_completion(model, p.ids, kv=kv))
 
 
 def server_tokenized(rng, model, p):
     """Valid JSON for vLLM whose spans only the server can check: the connector
     computes the request in full and says why."""
-    blend = rng.choice([{"mode": "blend", "chunk_spans": [[0, 10**6]]}, {"mode": "blend", "chunk_spans": [[1, 3]], "num_tokens": 10**6},
-                        {"mode": "reuse", "chunk_spans": [[0, 2], [5, 10**5]]}])
+    blend = rng.choice(
+        [
+            {"mode": "blend", "chunk_spans": [[0, 10**6]]},
+            {"mode": "blend", "chunk_spans": [[1, 3]], "num_tokens": 10**6},
+            {"mode": "reuse", "chunk_spans": [[0, 2], [5, 10**5]]},
+        ]
+    )
     if rng.random() < 0.5:
         return "/v1/completions", _dumps(_completion(model, p.text, blend))
-    body = {"model": model, "messages": [{"role": "user", "content": p.text}], "max_tokens": 2, "temperature": 0,
-            "kv_transfer_params": {"blend": blend}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": p.text}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "kv_transfer_params": {"blend": blend},
+    }
     return "/v1/chat/completions", _dumps(body)
 
 
@@ -251,8 +306,20 @@ def batch_prompts(rng, model, p):
     return "/v1/completions", _dumps(_completion(model, [p.ids, p.ids[: p.spans[-1][1]]], blend))
 
 
-GENERATORS = [wrong_type, missing_field, non_finite, bad_span, huge_span_list, deep_nesting, odd_separator,
-              num_tokens_at_end, one_token_prompt, not_an_object, server_tokenized, batch_prompts]
+GENERATORS = [
+    wrong_type,
+    missing_field,
+    non_finite,
+    bad_span,
+    huge_span_list,
+    deep_nesting,
+    odd_separator,
+    num_tokens_at_end,
+    one_token_prompt,
+    not_an_object,
+    server_tokenized,
+    batch_prompts,
+]
 
 
 def _surely_malformed(body: bytes, path: str) -> bool:
@@ -307,17 +374,21 @@ def _tokens(status: int, raw: bytes) -> list[int] | None:
     return json.loads(raw)["choices"][0]["token_ids"] if status == 200 else None
 
 
-def run(url: str, *, cases: int = 240, seed: int = 0, api_key: str | None = None, workers: int = 4,
-        good_every: int = 4) -> dict:
+def run(
+    url: str, *, cases: int = 240, seed: int = 0, api_key: str | None = None, workers: int = 4, good_every: int = 4
+) -> dict:
     http = Http(url, api_key)
     started = time.perf_counter()
     model = http.json("/v1/models")["data"][0]["id"]
     rng = random.Random(seed)
     prompts = make_prompts(http, model, seed)
-    good_bodies = [_completion(model, p.ids, {**_good_blend(p), "ratio": r}, max_tokens=6)
-                   for p in prompts for r in (1.0, None)]
-    full = [http.json("/v1/completions", _completion(model, p.ids, max_tokens=6))["choices"][0]["token_ids"]
-            for p in prompts]
+    good_bodies = [
+        _completion(model, p.ids, {**_good_blend(p), "ratio": r}, max_tokens=6) for p in prompts for r in (1.0, None)
+    ]
+    full = [
+        http.json("/v1/completions", _completion(model, p.ids, max_tokens=6))["choices"][0]["token_ids"]
+        for p in prompts
+    ]
     for body in good_bodies:  # the first pass stores the chunks: every later one hits
         http.json("/v1/completions", body)
     baseline = [http.json("/v1/completions", body)["choices"][0]["token_ids"] for body in good_bodies]
@@ -350,13 +421,20 @@ def run(url: str, *, cases: int = 240, seed: int = 0, api_key: str | None = None
     after = [_tokens(*http.send("/v1/completions", _dumps(body))) for body in good_bodies]
     status, _ = http.send("/health")
     return {
-        "malformed": len(bad), "good": good_total, "good_same_tokens": good_ok,
-        "good_after_same_tokens": sum(a == b for a, b in zip(after, baseline)), "good_requests": len(good_bodies),
-        "ratio_one_equals_full": all(exact), "healthy_after": status == 200,
+        "malformed": len(bad),
+        "good": good_total,
+        "good_same_tokens": good_ok,
+        "good_after_same_tokens": sum(a == b for a, b in zip(after, baseline)),
+        "good_requests": len(good_bodies),
+        "ratio_one_equals_full": all(exact),
+        "healthy_after": status == 200,
         "outcomes": {kind: dict(c) for kind, c in sorted(outcomes.items())},
-        "totals": dict(sum(outcomes.values(), Counter())), "violations": violations[:20],
-        "top_reasons": reasons.most_common(12), "seconds": round(time.perf_counter() - started, 1),
-        "seed": seed, "workers": workers,
+        "totals": dict(sum(outcomes.values(), Counter())),
+        "violations": violations[:20],
+        "top_reasons": reasons.most_common(12),
+        "seconds": round(time.perf_counter() - started, 1),
+        "seed": seed,
+        "workers": workers,
     }
 
 
@@ -388,9 +466,13 @@ def render(report: dict) -> str:
 
 
 def passed(report: dict) -> bool:
-    return (not report["violations"] and report["healthy_after"] and report["ratio_one_equals_full"]
-            and report["good_same_tokens"] == report["good"]
-            and report["good_after_same_tokens"] == report["good_requests"])
+    return (
+        not report["violations"]
+        and report["healthy_after"]
+        and report["ratio_one_equals_full"]
+        and report["good_same_tokens"] == report["good"]
+        and report["good_after_same_tokens"] == report["good_requests"]
+    )
 
 
 def main(argv=None) -> None:
@@ -405,24 +487,37 @@ def main(argv=None) -> None:
         report = run(args.url, cases=args.cases, seed=args.seed, api_key=args.api_key)
         server = args.url
     else:
-        from tests.fixtures.local_models import cached_model_dir
         from tests.fixtures.blend_server import BlendServer
+        from tests.fixtures.local_models import cached_model_dir
 
         model = cached_model_dir(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2)
         work = Path(tempfile.mkdtemp(prefix="blend-fuzz-"))
-        with BlendServer(model, store=work / "store", log=work / "server.log",
-                         args=["--max-model-len", "2048", "--kv-cache-gib", "1"]) as server_proc:
+        with BlendServer(
+            model,
+            store=work / "store",
+            log=work / "server.log",
+            args=["--max-model-len", "2048", "--kv-cache-gib", "1"],
+        ) as server_proc:
             report = run(server_proc.url, cases=args.cases, seed=args.seed)
         import os
+
         import vllm
 
-        server = (f"a server it started on a 4-layer random-weight Llama (hidden 128, float32), vLLM {vllm.__version__} "
-                  f"CPU build, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')}")
+        server = (
+            f"a server it started on a 4-layer random-weight Llama (hidden 128, float32), vLLM {vllm.__version__} "
+            f"CPU build, {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d')}"
+        )
     text = render(report)
     print(text)
     if args.out:
-        write_results(args.out, "fuzz", "Server fuzzing: malformed blend parameters", f"Server: {server}.\n\n{text}",
-                      report, command="`python -m benchmarks fuzz` (`test_fuzzing_never_takes_the_server_down` "
-                      "in `tests/test_server.py` runs the same on the test server, behind its API key).")
+        write_results(
+            args.out,
+            "fuzz",
+            "Server fuzzing: malformed blend parameters",
+            f"Server: {server}.\n\n{text}",
+            report,
+            command="`python -m benchmarks fuzz` (`test_fuzzing_never_takes_the_server_down` "
+            "in `tests/integration/test_server.py` runs the same on the test server, behind its API key).",
+        )
     if not passed(report):
         raise SystemExit("the server failed the fuzzing: see the violations above")

@@ -41,8 +41,9 @@ from blend_integrations.engines import load_engine
 from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.quality import reader_model_dir
 from blend_integrations.quality.metrics import contains, exact_match, normalize, token_f1
-from training.data import make_examples
 from blend_integrations.store import ChunkStore
+from training.data import make_examples
+
 from . import write_results
 
 
@@ -62,9 +63,13 @@ TASKS = {
     "reader": Task("quality", (100, 500), RAG_SYSTEM_PROMPT, "em", 8),
     # Measured on 30 held-out 1-hop questions (full prefill): with 20-40-token documents SmolLM2's reply
     # contained the answer in 0.50 of them with this prompt and 0.43 with the reader's; with 30-60 tokens, 0.40.
-    "smollm2": Task("quality-smollm2", (20, 40),
-                    "You answer questions about the documents with a short answer: a name, a city or a year.",
-                    "contains", 24),
+    "smollm2": Task(
+        "quality-smollm2",
+        (20, 40),
+        "You answer questions about the documents with a short answer: a name, a city or a year.",
+        "contains",
+        24,
+    ),
 }
 HELD_OUT_SEED = 20_000  # training draws from other seeds
 DEFAULT = BlendConfig()
@@ -112,10 +117,17 @@ def prefix_cached(hf_model, tokenizer, tp: TokenizedPrompt, max_tokens: int) -> 
     cut = tp.chunk_spans[0][1]
     cache = DynamicCache()
     hf_model(input_ids=ids[:, :cut], past_key_values=cache, use_cache=True)
-    out = hf_model.generate(ids, past_key_values=cache, max_new_tokens=max_tokens, do_sample=False,
-                            output_scores=True, return_dict_in_generate=True,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    text = tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+    out = hf_model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    text = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
     return text, torch.log_softmax(out.scores[0][0].float(), dim=-1)
 
 
@@ -139,13 +151,15 @@ def run(args) -> dict:
     store = ChunkStore(tempfile.mkdtemp(prefix="blend-quality-store-"))
     modes = {name: spec for name, spec in MODES.items() if not args.modes or name in args.modes}
     engines = {}
-    for name, (changes, _) in modes.items():
+    for changes, _ in modes.values():
         key = tuple(sorted(changes.items()))
         if key not in engines:
             engines[key] = load_engine(str(model_dir), store=store, config=DEFAULT.replace(**changes), device="cpu")
     engine = next(iter(engines.values()))
     tokenizer, vocab = engine.tokenizer, len(engine.tokenizer)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval() if "prefix" in modes else None
+    hf_model = (
+        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval() if "prefix" in modes else None
+    )
 
     examples = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
     prompts = [rag_prompt(e.documents, e.question, tokenizer, DEFAULT.separator, system=task.system) for e in examples]
@@ -163,10 +177,16 @@ def run(args) -> dict:
                 text, logp = gen.text, first_token_logprobs(gen.logprobs[0], vocab)
             if name == "full":
                 reference = logp, normalize(text)
-            rows[name].append({"hops": example.hops, "em": exact_match(text, example.answer),
-                               "f1": token_f1(text, example.answer),
-                               "contains": contains(text, example.answer), "logp": logp,
-                               "text": text})
+            rows[name].append(
+                {
+                    "hops": example.hops,
+                    "em": exact_match(text, example.answer),
+                    "f1": token_f1(text, example.answer),
+                    "contains": contains(text, example.answer),
+                    "logp": logp,
+                    "text": text,
+                }
+            )
         for name in modes:  # None: full prefill was not run
             row = rows[name][-1]
             logp = row.pop("logp")
@@ -181,28 +201,49 @@ def run(args) -> dict:
 
     table = {}
     for name, rs in rows.items():
-        table[name] = {f"{metric}_{hops}hop": mean([r[metric] for r in rs if r["hops"] == hops])
-                       for metric in ("em", "f1", "contains") for hops in (1, 2)}
+        table[name] = {
+            f"{metric}_{hops}hop": mean([r[metric] for r in rs if r["hops"] == hops])
+            for metric in ("em", "f1", "contains")
+            for hops in (1, 2)
+        }
         table[name] |= {"agree": mean([r["agree"] for r in rs]), "kl": mean([r["kl"] for r in rs])}
     config = {
-        "model": label, "task": task.results, "accuracy": task.accuracy,
-        "doc_tokens": list(task.doc_tokens), "system_prompt": task.system,
-        "layers": engine.layers.num_layers, "questions": len(examples),
-        "questions_1hop": sum(e.hops == 1 for e in examples), "questions_2hop": sum(e.hops == 2 for e in examples),
+        "model": label,
+        "task": task.results,
+        "accuracy": task.accuracy,
+        "doc_tokens": list(task.doc_tokens),
+        "system_prompt": task.system,
+        "layers": engine.layers.num_layers,
+        "questions": len(examples),
+        "questions_1hop": sum(e.hops == 1 for e in examples),
+        "questions_2hop": sum(e.hops == 2 for e in examples),
         "documents_per_question": [min(len(e.documents) for e in examples), max(len(e.documents) for e in examples)],
-        "mean_prompt_tokens": round(statistics.fmean(len(tp) for tp in prompts)), "max_tokens": args.max_tokens,
-        "seed": HELD_OUT_SEED, "defaults": {"recompute_ratio": DEFAULT.recompute_ratio,
-                                             "check_layers": list(DEFAULT.check_layers),
-                                             "deviation": DEFAULT.deviation, "sink_tokens": DEFAULT.sink_tokens},
-        "cpu": platform.processor() or platform.machine(), "minutes": round((time.time() - started) / 60, 1),
+        "mean_prompt_tokens": round(statistics.fmean(len(tp) for tp in prompts)),
+        "max_tokens": args.max_tokens,
+        "seed": HELD_OUT_SEED,
+        "defaults": {
+            "recompute_ratio": DEFAULT.recompute_ratio,
+            "check_layers": list(DEFAULT.check_layers),
+            "deviation": DEFAULT.deviation,
+            "sink_tokens": DEFAULT.sink_tokens,
+        },
+        "cpu": platform.processor() or platform.machine(),
+        "minutes": round((time.time() - started) / 60, 1),
         "date": time.strftime("%Y-%m-%d"),
     }
     return {"config": config, "modes": table}
 
 
-COLUMNS = (("agree", "agrees with full"), ("kl", "first-token KL vs full"), ("contains_1hop", "contains 1-hop"),
-           ("contains_2hop", "contains 2-hop"), ("em_1hop", "EM 1-hop"), ("em_2hop", "EM 2-hop"),
-           ("f1_1hop", "F1 1-hop"), ("f1_2hop", "F1 2-hop"))
+COLUMNS = (
+    ("agree", "agrees with full"),
+    ("kl", "first-token KL vs full"),
+    ("contains_1hop", "contains 1-hop"),
+    ("contains_2hop", "contains 2-hop"),
+    ("em_1hop", "EM 1-hop"),
+    ("em_2hop", "EM 2-hop"),
+    ("f1_1hop", "F1 1-hop"),
+    ("f1_2hop", "F1 2-hop"),
+)
 
 
 def markdown(report: dict) -> str:
@@ -212,18 +253,19 @@ def markdown(report: dict) -> str:
     name = c["model"] if "/" not in c["model"] else f"`{Path(c['model']).name}`"
     docs = f", of {c['doc_tokens'][0]}-{c['doc_tokens'][1]} words" if "doc_tokens" in c else ""
     lines = [
-        (f"Model {name} ({c['layers']} layers); {c['questions']} held-out questions "
-         f"({c['questions_1hop']} 1-hop, {c['questions_2hop']} 2-hop), {c['documents_per_question'][0]}-"
-         f"{c['documents_per_question'][1]} documents each{docs} in shuffled order, {c['mean_prompt_tokens']} prompt "
-         f"tokens on average; greedy, at most {c['max_tokens']} tokens; {c['date']}."),
+        (
+            f"Model {name} ({c['layers']} layers); {c['questions']} held-out questions "
+            f"({c['questions_1hop']} 1-hop, {c['questions_2hop']} 2-hop), {c['documents_per_question'][0]}-"
+            f"{c['documents_per_question'][1]} documents each{docs} in shuffled order, {c['mean_prompt_tokens']} prompt "
+            f"tokens on average; greedy, at most {c['max_tokens']} tokens; {c['date']}."
+        ),
         "",
     ]
     if c.get("system_prompt"):
-        lines += [f"System prompt: \"{c['system_prompt']}\"", ""]
+        lines += [f'System prompt: "{c["system_prompt"]}"', ""]
     first = next(iter(report["modes"].values()))
     columns = [(key, title) for key, title in COLUMNS if key in first]
-    lines += ["| mode | " + " | ".join(title for _, title in columns) + " |",
-              "|---|" + "---:|" * len(columns)]
+    lines += ["| mode | " + " | ".join(title for _, title in columns) + " |", "|---|" + "---:|" * len(columns)]
     for mode, m in report["modes"].items():
         cells = ["-" if m[key] is None else f"{m[key]:.4f}" if key == "kl" else f"{m[key]:.3f}" for key, _ in columns]
         lines.append(f"| {mode} | {' | '.join(cells)} |")
@@ -255,8 +297,10 @@ def recommended_defaults(modes: dict, accuracy: str = "em") -> dict[str, tuple[o
     for ratio, name in ratios:
         gaps = [round(full[k] - modes[name][k], 6) for k in keys]  # 0.9 - 0.88 is not 0.02 in floats
         if max(gaps) <= EM_TOLERANCE and modes[name]["kl"] <= KL_LIMIT:
-            why = (f"{name}: {label} {-gaps[0]:+.3f} (1-hop) and {-gaps[1]:+.3f} (2-hop) against full prefill, "
-                   f"first-token KL {modes[name]['kl']:.4f}")
+            why = (
+                f"{name}: {label} {-gaps[0]:+.3f} (1-hop) and {-gaps[1]:+.3f} (2-hop) against full prefill, "
+                f"first-token KL {modes[name]['kl']:.4f}"
+            )
             out["recompute_ratio"] = (ratio, why)
             break
     if base is None:
@@ -265,14 +309,18 @@ def recommended_defaults(modes: dict, accuracy: str = "em") -> dict[str, tuple[o
     def gains(variant: str) -> list[float]:
         return [round(modes[variant][k] - base[k], 6) for k in keys]
 
-    for field, variant, value, default in (("deviation", "blend@0.15 k-deviation", "k", "v"),
-                                           ("check_layers", "blend@0.15 gradual", (1, 2, 3), (1,)),
-                                           ("sink_tokens", "blend@0.15 sink4", 4, 0)):
+    for field, variant, value, default in (
+        ("deviation", "blend@0.15 k-deviation", "k", "v"),
+        ("check_layers", "blend@0.15 gradual", (1, 2, 3), (1,)),
+        ("sink_tokens", "blend@0.15 sink4", 4, 0),
+    ):
         if variant not in modes:
             continue
         g, kl_ratio = gains(variant), modes[variant]["kl"] / max(base["kl"], 1e-12)
-        measured = (f"{variant}: {label} {g[0]:+.3f} (1-hop) and {g[1]:+.3f} (2-hop), "
-                    f"first-token KL {kl_ratio:.2f}x blend@0.15's")
+        measured = (
+            f"{variant}: {label} {g[0]:+.3f} (1-hop) and {g[1]:+.3f} (2-hop), "
+            f"first-token KL {kl_ratio:.2f}x blend@0.15's"
+        )
         if field == "deviation":
             wins = min(g) >= 0 and kl_ratio < 1
         else:
@@ -288,14 +336,20 @@ def defaults_note(report: dict) -> str:
         return ""
     accuracy = report["config"].get("accuracy", "em")
     keys, label = (f"{accuracy}_1hop", f"{accuracy}_2hop"), ACCURACY[accuracy]
-    actual = {"recompute_ratio": d["recompute_ratio"], "deviation": d["deviation"],
-              "check_layers": tuple(d["check_layers"]), "sink_tokens": d["sink_tokens"]}
+    actual = {
+        "recompute_ratio": d["recompute_ratio"],
+        "deviation": d["deviation"],
+        "check_layers": tuple(d["check_layers"]),
+        "sink_tokens": d["sink_tokens"],
+    }
     rec = recommended_defaults(m, accuracy)
-    rules = (f"How BlendConfig's defaults follow from this table (`recommended_defaults` in "
-             f"benchmarks/quality.py): the ratio is the smallest within {EM_TOLERANCE} {label} of "
-             f"full prefill on both sets whose first-token KL is under {KL_LIMIT}; key deviation (same cost) must "
-             f"match value deviation's {label} and lower its KL; gradual filtering and sink tokens (more "
-             f"computed tokens) must raise {label} by more than {EM_TOLERANCE} on a set.")
+    rules = (
+        f"How BlendConfig's defaults follow from this table (`recommended_defaults` in "
+        f"benchmarks/quality.py): the ratio is the smallest within {EM_TOLERANCE} {label} of "
+        f"full prefill on both sets whose first-token KL is under {KL_LIMIT}; key deviation (same cost) must "
+        f"match value deviation's {label} and lower its KL; gradual filtering and sink tokens (more "
+        f"computed tokens) must raise {label} by more than {EM_TOLERANCE} on a set."
+    )
     lines = [rules, ""]
     if "recompute_ratio" not in rec:
         lines.append("- `recompute_ratio`: no measured ratio qualifies.")
@@ -303,15 +357,25 @@ def defaults_note(report: dict) -> str:
         lines.append(f"- `{field}`: {value!r}; {why}.")
     differ = [k for k, (v, _) in rec.items() if actual[k] != v]
     lines.append("")
-    lines.append("BlendConfig defaults: " + ", ".join(f"{k}={v!r}" for k, v in actual.items()) + ": "
-                 + ("set from this table." if not differ and len(rec) == len(actual)
-                    else "they differ from this table in " + ", ".join(differ or ["fields not measured"]) + "."))
+    lines.append(
+        "BlendConfig defaults: "
+        + ", ".join(f"{k}={v!r}" for k, v in actual.items())
+        + ": "
+        + (
+            "set from this table."
+            if not differ and len(rec) == len(actual)
+            else "they differ from this table in " + ", ".join(differ or ["fields not measured"]) + "."
+        )
+    )
     if "reuse" in m and "blend@0.15" in m:
         gaps = [round(m["full"][k] - m["reuse"][k], 3) for k in keys]
         worse = sum(m["reuse"][k] for k in keys) < sum(m["blend@0.15"][k] for k in keys)
-        lines.append(f"Reuse (nothing recomputed) is {gaps[0]} (1-hop) and {gaps[1]} (2-hop) {label} "
-                     f"below full prefill, first-token KL {m['reuse']['kl']:.4f}: "
-                     + ("worse than" if worse else "not worse than") + f" blend@0.15 in {label} on this model.")
+        lines.append(
+            f"Reuse (nothing recomputed) is {gaps[0]} (1-hop) and {gaps[1]} (2-hop) {label} "
+            f"below full prefill, first-token KL {m['reuse']['kl']:.4f}: "
+            + ("worse than" if worse else "not worse than")
+            + f" blend@0.15 in {label} on this model."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -333,8 +397,9 @@ def plot(report: dict, path: Path) -> None:
         hops = metric.split("_")[1]
         em_ax.plot(x, [modes[n][metric] for _, n in points], "o-", color=colour, label=f"blend, {hops}")
         if "full" in modes:
-            em_ax.axhline(modes["full"][metric], color=colour, linestyle="--", linewidth=1,
-                          label=f"full prefill, {hops}")
+            em_ax.axhline(
+                modes["full"][metric], color=colour, linestyle="--", linewidth=1, label=f"full prefill, {hops}"
+            )
     if modes[points[0][1]].get("agree") is not None:
         em_ax.plot(x, [modes[n]["agree"] for _, n in points], "s-", color="tab:purple", label="agrees with full")
     em_ax.set_xlabel("recompute ratio (0: reuse)")
@@ -359,8 +424,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the modes' metrics last")
     parser.add_argument("--max-tokens", type=int, help="default: the task's (8 for the reader, 24 for smollm2)")
-    parser.add_argument("--model", default="reader",
-                        help="reader (the bundled reader model, the default), smollm2, or a checkpoint directory")
+    parser.add_argument(
+        "--model",
+        default="reader",
+        help="reader (the bundled reader model, the default), smollm2, or a checkpoint directory",
+    )
     parser.add_argument("--modes", nargs="*", help=f"subset of: {', '.join(MODES)}")
     args = parser.parse_args(argv)
     if args.quick:
@@ -375,9 +443,15 @@ def main(argv: list[str] | None = None) -> None:
     if not args.quick and args.out:
         stem = report["config"]["task"]
         options = f" --model {args.model}" + (f" --questions {args.questions}" if args.questions != 300 else "")
-        write_results(args.out, stem, "Answer quality" + ("" if stem == "quality" else f": {report['config']['model']}"),
-                      text, report, command=f"`python -m benchmarks quality{options}`.",
-                      extra=defaults_note(report) + f"\n![Accuracy and first-token KL against the recompute ratio]({stem}.png)\n")
+        write_results(
+            args.out,
+            stem,
+            "Answer quality" + ("" if stem == "quality" else f": {report['config']['model']}"),
+            text,
+            report,
+            command=f"`python -m benchmarks quality{options}`.",
+            extra=defaults_note(report) + f"\n![Accuracy and first-token KL against the recompute ratio]({stem}.png)\n",
+        )
         plot(report, Path(args.out) / f"{stem}.png")
     if args.json:
         print(json.dumps(report["modes"]))

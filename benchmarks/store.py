@@ -26,11 +26,12 @@ import torch
 
 from blend_integrations.config import BlendConfig
 from blend_integrations.engines import load_engine
-from tests.fixtures.local_models import cached_model_dir
 from blend_integrations.store import ChunkStore
 from blend_integrations.store.layered import LayerReader
-from . import add_model_arguments, shuffled_prompts, write_results
+from tests.fixtures.local_models import cached_model_dir
 from tests.fixtures.redis_server import RedisServer
+
+from . import add_model_arguments, shuffled_prompts, write_results
 from .ttft import make_chunks
 
 RATIO = 0.15
@@ -97,8 +98,9 @@ def bandwidth(tiers: Tiers, keys: list[str], repeats: int) -> dict:
 
 def run(args) -> dict:
     torch.manual_seed(0)
-    model_dir = cached_model_dir(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                                 num_kv_heads=args.kv_heads)
+    model_dir = cached_model_dir(
+        num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads
+    )
     work = Path(tempfile.mkdtemp(prefix="blend-bench-store-"))
     redis = None
     try:
@@ -116,10 +118,15 @@ def run(args) -> dict:
 
 def measure(args, model_dir, tiers: Tiers) -> dict:
     base = BlendConfig(check_layers=(1,), recompute_ratio=RATIO)
-    configs = {"whole": base, "pipelined": base.replace(pipelined_loading=True),
-               "controller": base.replace(pipelined_loading=True, loading_controller=True)}
-    engines = {name: load_engine(model_dir, store=tiers.warm, dtype=args.dtype, device=args.device, config=config)
-               for name, config in configs.items()}
+    configs = {
+        "whole": base,
+        "pipelined": base.replace(pipelined_loading=True),
+        "controller": base.replace(pipelined_loading=True, loading_controller=True),
+    }
+    engines = {
+        name: load_engine(model_dir, store=tiers.warm, dtype=args.dtype, device=args.device, config=config)
+        for name, config in configs.items()
+    }
     whole = engines["whole"]
     L = whole.layers.num_layers
     chunks = make_chunks(whole.tokenizer, args.chunks, args.chunk_tokens)
@@ -166,10 +173,15 @@ def measure(args, model_dir, tiers: Tiers) -> dict:
     return {
         "config": {
             "model": f"llama, {L} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, random weights",
-            "dtype": whole.dtype_name, "device": str(whole.device), "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
-            "prompt_tokens": gens["full"][-1].usage.prompt_tokens, "ratio": RATIO, "repeats": args.repeats,
+            "dtype": whole.dtype_name,
+            "device": str(whole.device),
+            "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
+            "prompt_tokens": gens["full"][-1].usage.prompt_tokens,
+            "ratio": RATIO,
+            "repeats": args.repeats,
             "redis": "redis-server on loopback" if tiers.remote else "not installed: skipped",
-            "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "torch_threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
             "date": time.strftime("%Y-%m-%d"),
         },
         "bandwidth": bandwidth(tiers, keys, max(1, args.repeats)),
@@ -190,8 +202,10 @@ def render(report: dict) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for name, r in report["bandwidth"].items():
-        lines.append(f"| {name} | {r['chunk_mb']:.1f} | {r['read_ms_median']:.2f} | {r['mb_per_s']:.0f} | "
-                     f"{r['store_estimate_mb_per_s']:.0f} |")
+        lines.append(
+            f"| {name} | {r['chunk_mb']:.1f} | {r['read_ms_median']:.2f} | {r['mb_per_s']:.0f} | "
+            f"{r['store_estimate_mb_per_s']:.0f} |"
+        )
     lines += [
         "",
         f"Time to first token (the ratio is {cfg['ratio']} unless the controller chose another):",
@@ -201,9 +215,13 @@ def render(report: dict) -> str:
     ]
     for name, r in report["ttft"].items():
         c = r.get("controller")
-        chosen = "" if c is None else (
-            f"{min(c['ratio']):.3f}-{max(c['ratio']):.3f} | {min(c['chunks_recomputed'])}-{max(c['chunks_recomputed'])} | "
-            f"{c['est_load_ms']:.0f} / {c['est_compute_ms']:.0f}"
+        chosen = (
+            ""
+            if c is None
+            else (
+                f"{min(c['ratio']):.3f}-{max(c['ratio']):.3f} | {min(c['chunks_recomputed'])}-{max(c['chunks_recomputed'])} | "
+                f"{c['est_load_ms']:.0f} / {c['est_compute_ms']:.0f}"
+            )
         )
         lines.append(
             f"| {name} | {r['ttft_ms']:.0f} | {r['ttft_min_ms']:.0f}-{r['ttft_max_ms']:.0f} | {r['speedup']:.2f}x | "
@@ -215,10 +233,15 @@ def render(report: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks store", description=__doc__.splitlines()[0])
     add_model_arguments(p)
-    p.add_argument("--quick", action="store_true",
-                   help="a 4-layer model, 3 chunks of 64 tokens, 1 round; nothing written unless --out is given")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 4-layer model, 3 chunks of 64 tokens, 1 round; nothing written unless --out is given",
+    )
     p.add_argument("--json", action="store_true", help="also print the report as one JSON line at the end")
-    p.add_argument("--out", default=None, help="directory for store.md and store.json ('' to skip; default docs/results)")
+    p.add_argument(
+        "--out", default=None, help="directory for store.md and store.json ('' to skip; default docs/results)"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.heads, args.kv_heads = 4, 128, 4, 2
@@ -228,8 +251,13 @@ def main(argv=None) -> None:
     table = render(report)
     print(table)
     if out:
-        write_results(out, "store", "Chunk store tiers: read bandwidth, time to first token, the loading controller",
-                      table, report)
+        write_results(
+            out,
+            "store",
+            "Chunk store tiers: read bandwidth, time to first token, the loading controller",
+            table,
+            report,
+        )
     if args.json:
         print(json.dumps(report))
 

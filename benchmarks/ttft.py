@@ -21,8 +21,9 @@ import torch
 
 from blend_integrations.config import BlendConfig
 from blend_integrations.engines import load_engine
-from tests.fixtures.local_models import sample_text
 from blend_integrations.store import ChunkStore
+from tests.fixtures.local_models import sample_text
+
 from . import MODEL_HELP, add_model_arguments, bench_model, compute_ceiling, shuffled_prompts, write_results
 
 
@@ -40,20 +41,24 @@ def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> l
 
 def run(args) -> dict:
     torch.manual_seed(0)
-    model_dir, label, suffix = bench_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                                      kv_heads=args.kv_heads)
+    model_dir, label, suffix = bench_model(
+        args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads
+    )
     store_dir = tempfile.mkdtemp(prefix="blend-bench-store-")
     check_layer = 1
-    engine = load_engine(model_dir, store=ChunkStore(store_dir), dtype=args.dtype, device=args.device,
-                         config=BlendConfig(check_layers=(check_layer,)))
+    engine = load_engine(
+        model_dir,
+        store=ChunkStore(store_dir),
+        dtype=args.dtype,
+        device=args.device,
+        config=BlendConfig(check_layers=(check_layer,)),
+    )
     L = engine.layers.num_layers
     chunks = make_chunks(engine.tokenizer, args.chunks, args.chunk_tokens)
     engine.warm(chunks, progress=True)
     prompt = shuffled_prompts(chunks)
 
-    cases = [("full", "full", None), ("reuse", "reuse", None)] + [
-        (f"blend@{r:.2f}", "blend", r) for r in args.ratios
-    ]
+    cases = [("full", "full", None), ("reuse", "reuse", None)] + [(f"blend@{r:.2f}", "blend", r) for r in args.ratios]
     # The same blend with every chunk read from disk (no in-process memory tier).
     cases.append(("blend@0.15 (disk)", "blend", 0.15))
     stores = {name: engine.store for name, _, _ in cases}
@@ -76,10 +81,16 @@ def run(args) -> dict:
         row["of_ceiling"] = row["speedup"] / row["ceiling"]
     return {
         "config": {
-            "model": label, "results": "ttft" + suffix,
-            "dtype": engine.dtype_name, "device": str(engine.device), "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
-            "prompt_tokens": results["full"]["prompt_tokens"], "check_layer": check_layer, "repeats": args.repeats,
-            "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "model": label,
+            "results": "ttft" + suffix,
+            "dtype": engine.dtype_name,
+            "device": str(engine.device),
+            "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
+            "prompt_tokens": results["full"]["prompt_tokens"],
+            "check_layer": check_layer,
+            "repeats": args.repeats,
+            "torch_threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
             "date": time.strftime("%Y-%m-%d"),
         },
         "results": results,
@@ -133,10 +144,17 @@ def plot(report: dict, path: Path) -> None:
     names = list(results)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     medians = [results[n]["ttft_ms"] for n in names]
-    spans = [[m - results[n]["ttft_min_ms"] for n, m in zip(names, medians)],
-             [results[n]["ttft_max_ms"] - m for n, m in zip(names, medians)]]
-    left.bar(range(len(names)), medians, yerr=spans, capsize=3,
-             color=["tab:gray" if n == "full" else "tab:blue" for n in names])
+    spans = [
+        [m - results[n]["ttft_min_ms"] for n, m in zip(names, medians)],
+        [results[n]["ttft_max_ms"] - m for n, m in zip(names, medians)],
+    ]
+    left.bar(
+        range(len(names)),
+        medians,
+        yerr=spans,
+        capsize=3,
+        color=["tab:gray" if n == "full" else "tab:blue" for n in names],
+    )
     left.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     left.set_ylabel("time to first token (ms)")
     left.set_title("TTFT per mode (median, min-max)")
@@ -172,10 +190,16 @@ def main(argv=None) -> None:
     print(table)
     if args.out:
         stem = report["config"]["results"]
-        out = write_results(args.out, stem, "Time to first token: full prefill vs reuse vs blend", table, report,
-                            command=f"`python -m benchmarks ttft{' --model ' + args.model if args.model else ''}`"
-                            + (" (`make bench` runs it)." if not args.model else "."),
-                            extra=f"\n![TTFT per mode, and speedup against the computed share]({stem}.png)\n")
+        out = write_results(
+            args.out,
+            stem,
+            "Time to first token: full prefill vs reuse vs blend",
+            table,
+            report,
+            command=f"`python -m benchmarks ttft{' --model ' + args.model if args.model else ''}`"
+            + (" (`make bench` runs it)." if not args.model else "."),
+            extra=f"\n![TTFT per mode, and speedup against the computed share]({stem}.png)\n",
+        )
         plot(report, out / f"{stem}.png")
 
 

@@ -24,6 +24,7 @@ import time
 from blend_integrations.engines import load_engine
 from blend_integrations.prompt import BlendPrompt, tokenize_prompt
 from blend_integrations.store import ChunkStore
+
 from . import MODEL_HELP, bench_model, compute_ceiling, write_results
 from .ttft import make_chunks
 
@@ -35,8 +36,14 @@ def run(args) -> dict:
     model_dir, label, suffix = bench_model(args.model, layers=args.layers)
     rng = random.Random(0)
     max_len = 4096
-    engine = load_engine(model_dir, backend="vllm", store=ChunkStore(tempfile.mkdtemp(prefix="blend-vllm-bench-")),
-                         max_model_len=max_len, kv_cache_gib=args.kv_cache_gib, max_num_seqs=max(64, args.requests))
+    engine = load_engine(
+        model_dir,
+        backend="vllm",
+        store=ChunkStore(tempfile.mkdtemp(prefix="blend-vllm-bench-")),
+        max_model_len=max_len,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=max(64, args.requests),
+    )
     corpus = make_chunks(engine.tokenizer, args.corpus, args.chunk_tokens)
     engine.warm(corpus, progress=True)
 
@@ -48,8 +55,16 @@ def run(args) -> dict:
     import vllm
     from vllm.inputs import TokensPrompt
 
-    plain = vllm.LLM(model=model_dir, dtype="float32", max_model_len=max_len, enable_prefix_caching=True,
-                     enforce_eager=True, block_size=32, max_num_batched_tokens=max_len, seed=0)
+    plain = vllm.LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=max_len,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        block_size=32,
+        max_num_batched_tokens=max_len,
+        seed=0,
+    )
     one_token = vllm.SamplingParams(max_tokens=1, temperature=0)
 
     def prefix_cached_ttft(p: BlendPrompt) -> float:
@@ -106,20 +121,33 @@ def run(args) -> dict:
         u = usage[name]
         mode = next(mode for n, mode, _ in cases if n == name)
         best = compute_ceiling(mode, u.prompt_tokens, u.cached_tokens, u.recomputed_tokens, layers, check_layer)
-        return {"cached_tokens": u.cached_tokens, "recomputed_tokens": u.recomputed_tokens, "ceiling": best,
-                "of_ceiling": full / statistics.median(ttft[name]) / best}
+        return {
+            "cached_tokens": u.cached_tokens,
+            "recomputed_tokens": u.recomputed_tokens,
+            "ceiling": best,
+            "of_ceiling": full / statistics.median(ttft[name]) / best,
+        }
 
     return {
         "config": {
-            "model": f"{label}, float32, CPU", "results": "vllm" + suffix,
-            "vllm": vllm.__version__, "prompt_tokens": prompt_tokens,
+            "model": f"{label}, float32, CPU",
+            "results": "vllm" + suffix,
+            "vllm": vllm.__version__,
+            "prompt_tokens": prompt_tokens,
             "chunks": f"{args.chunks} x {args.chunk_tokens} tokens from a corpus of {args.corpus}",
-            "repeats": args.repeats, "requests": args.requests, "output_tokens": args.output_tokens,
-            "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+            "repeats": args.repeats,
+            "requests": args.requests,
+            "output_tokens": args.output_tokens,
+            "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d"),
         },
         "ttft": {
-            name: {"median_ms": 1000 * statistics.median(v), "min_ms": 1000 * min(v),
-                   "speedup": full / statistics.median(v), **ceiling(name)}
+            name: {
+                "median_ms": 1000 * statistics.median(v),
+                "min_ms": 1000 * min(v),
+                "speedup": full / statistics.median(v),
+                **ceiling(name),
+            }
             for name, v in ttft.items()
         },
         "throughput": throughput,
@@ -180,5 +208,11 @@ def main(argv=None) -> None:
     print(text)
     if args.out:
         model = f" --model {args.model}" if args.model else ""
-        write_results(args.out, report["config"]["results"], "vLLM engine: TTFT and throughput", text, report,
-                      command=f"`python -m benchmarks vllm{model}`" + ("." if model else " (`make bench` runs it)."))
+        write_results(
+            args.out,
+            report["config"]["results"],
+            "vLLM engine: TTFT and throughput",
+            text,
+            report,
+            command=f"`python -m benchmarks vllm{model}`" + ("." if model else " (`make bench` runs it)."),
+        )

@@ -33,8 +33,9 @@ def separated(texts: Sequence[str]) -> str:
     return BLEND_SEPARATOR + BLEND_SEPARATOR.join(texts) + BLEND_SEPARATOR if texts else ""
 
 
-def render_chat(turns: Sequence[dict], tokenizer, separator: str, *, tools: list[dict] | None = None,
-                reply_prefix: str = "") -> TokenizedPrompt:
+def render_chat(
+    turns: Sequence[dict], tokenizer, separator: str, *, tools: list[dict] | None = None, reply_prefix: str = ""
+) -> TokenizedPrompt:
     """Render ``turns`` (template message dicts whose ``content`` is a list of
     ``Part``) through the tokenizer's chat template. Chunks stand in the
     template as unique placeholders, the rendered text is split around them,
@@ -67,8 +68,15 @@ def text_prompt(text: str, tokenizer) -> TokenizedPrompt | str:
     return tokenize_parts(parts, tokenizer) if len(parts) > 1 else text
 
 
-def rag_prompt(documents: Sequence[str], question: str, tokenizer, separator: str, *,
-               system: str | None = RAG_SYSTEM_PROMPT, question_template: str = RAG_QUESTION) -> TokenizedPrompt:
+def rag_prompt(
+    documents: Sequence[str],
+    question: str,
+    tokenizer,
+    separator: str,
+    *,
+    system: str | None = RAG_SYSTEM_PROMPT,
+    question_template: str = RAG_QUESTION,
+) -> TokenizedPrompt:
     """A retrieval question through the model's chat template: a system turn,
     then a user turn with every document a chunk and the question
     (``question_template``, ``"Question: {question}"``) last. The layout the

@@ -72,7 +72,7 @@ class BlendConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
-    def replace(self, **changes) -> "BlendConfig":
+    def replace(self, **changes) -> BlendConfig:
         return dataclasses.replace(self, **changes)
 
     def check_schedule(self, recompute_ratio: float | None = None) -> list[tuple[int, float]]:
@@ -90,6 +90,10 @@ def check_mode(mode: str, *, name: str = "mode") -> str:
 
 def check_ratio(recompute_ratio: float, *, name: str = "recompute_ratio") -> float:
     """A finite number in [0, 1] (NaN and infinities fail the range check)."""
-    if isinstance(recompute_ratio, bool) or not isinstance(recompute_ratio, (int, float)) or not 0.0 <= recompute_ratio <= 1.0:
+    if (
+        isinstance(recompute_ratio, bool)
+        or not isinstance(recompute_ratio, (int, float))
+        or not 0.0 <= recompute_ratio <= 1.0
+    ):
         raise ValueError(f"{name} must be a number in [0, 1], got {recompute_ratio!r:.60}")
     return float(recompute_ratio)

@@ -118,8 +118,10 @@ class BlendModelBase(BaseModel):
             return self
         target = self.base_url or self.model
         if target is None:
-            raise ValueError("give model= (a local path, hub id or server URL), base_url= (a blend server's URL) "
-                             "or engine= (a loaded Engine)")
+            raise ValueError(
+                "give model= (a local path, hub id or server URL), base_url= (a blend server's URL) "
+                "or engine= (a loaded Engine)"
+            )
         store, kwargs = self.store, dict(self.model_kwargs)
         if self.backend == "server":  # the server keeps its own store
             if self.timeout is not None:
@@ -128,8 +130,9 @@ class BlendModelBase(BaseModel):
                 kwargs.setdefault("api_key", self.api_key.get_secret_value())
         elif store is None:
             store = ChunkStore(self.store_path)
-        self.engine = load_engine(target, backend=self.backend, store=store, config=self.config or BlendConfig(),
-                                  **kwargs)
+        self.engine = load_engine(
+            target, backend=self.backend, store=store, config=self.config or BlendConfig(), **kwargs
+        )
         return self
 
     def _call_settings(self, options: dict, stop: list[str] | None = None) -> dict:

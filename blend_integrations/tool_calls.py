@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 FORMATS = ("hermes", "mistral", "mistral-args", "llama3")
 
@@ -130,7 +130,9 @@ def _bad_json(raw: str, error: Exception) -> BadToolCall:
 
 
 def _reply(content: str, calls: list) -> Reply:
-    return Reply(content, [c for c in calls if isinstance(c, ToolCall)], [c for c in calls if isinstance(c, BadToolCall)])
+    return Reply(
+        content, [c for c in calls if isinstance(c, ToolCall)], [c for c in calls if isinstance(c, BadToolCall)]
+    )
 
 
 def _parse_hermes(text: str) -> Reply:
@@ -138,7 +140,9 @@ def _parse_hermes(text: str) -> Reply:
     if start == -1:
         return Reply(text)
     calls = []
-    for raw in re.findall(re.escape(_HERMES_OPEN) + r"(.*?)(?:" + re.escape(_HERMES_CLOSE) + r"|$)", text[start:], re.DOTALL):
+    for raw in re.findall(
+        re.escape(_HERMES_OPEN) + r"(.*?)(?:" + re.escape(_HERMES_CLOSE) + r"|$)", text[start:], re.DOTALL
+    ):
         try:
             calls.append(_call(json.loads(raw)))
         except json.JSONDecodeError as e:
@@ -172,7 +176,7 @@ def _parse_mistral(body: str, marked: bool) -> Reply | None:
                 calls += [_call(v) for v in (value if isinstance(value, list) else [value])]
             continue
         name = _NAME.match(piece.strip())
-        rest = piece.strip()[name.end():].lstrip() if name else ""
+        rest = piece.strip()[name.end() :].lstrip() if name else ""
         rest = rest.removeprefix("[ARGS]")
         try:
             args, end = _decoder.raw_decode(rest.lstrip())
@@ -229,8 +233,14 @@ class ReplyStream:
         if self.fmt == "hermes":
             at = text.find(_HERMES_OPEN)
             if at == -1:  # hold a tail that may become the marker
-                at = next((len(text) - n for n in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1)
-                           if text.endswith(_HERMES_OPEN[:n])), len(text))
+                at = next(
+                    (
+                        len(text) - n
+                        for n in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1)
+                        if text.endswith(_HERMES_OPEN[:n])
+                    ),
+                    len(text),
+                )
             return len(text[:at].rstrip())  # whitespace before a call is not content
         if self.forced or self._may_open(text.lstrip()):
             return 0
@@ -245,5 +255,5 @@ class ReplyStream:
             return True
         # a Mistral call whose marker was dropped: "name{...}" or "name[ARGS]{...}"
         name = _NAME.match(body)
-        rest = body[name.end():].lstrip() if name else ""
+        rest = body[name.end() :].lstrip() if name else ""
         return self.fmt.startswith("mistral") and name is not None and (not rest or rest[0] in "{[")

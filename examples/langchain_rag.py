@@ -29,16 +29,20 @@ def main() -> None:
 
     # documents here are short: the splitter keeps each one whole
     chunks = RecursiveCharacterTextSplitter(chunk_size=3000, chunk_overlap=0).split_documents(load_documents(DATA))
-    chat = ChatBlend(model=args.model or default_model(), backend=args.backend, store_path=args.store,
-                     max_tokens=args.max_tokens)
+    chat = ChatBlend(
+        model=args.model or default_model(), backend=args.backend, store_path=args.store, max_tokens=args.max_tokens
+    )
     # Ingestion: the chunk KV of every piece is computed once and stored.
     chunks = BlendCacheWarmer(chat, show_progress=True).transform_documents(chunks)
     retriever = InMemoryVectorStore.from_documents(chunks, LangChainMiniLM()).as_retriever(search_kwargs={"k": 4})
 
-    compare(create_blend_rag_chain(retriever, chat.bind(mode="full")).invoke,
-            create_blend_rag_chain(retriever, chat).invoke,
-            retrieved=lambda r: [d.metadata["source"] for d in r["documents"]],
-            answer=lambda r: r["answer"].content, stats=lambda r: r["answer"].response_metadata)
+    compare(
+        create_blend_rag_chain(retriever, chat.bind(mode="full")).invoke,
+        create_blend_rag_chain(retriever, chat).invoke,
+        retrieved=lambda r: [d.metadata["source"] for d in r["documents"]],
+        answer=lambda r: r["answer"].content,
+        stats=lambda r: r["answer"].response_metadata,
+    )
 
 
 if __name__ == "__main__":

@@ -21,20 +21,25 @@ from blend_integrations.llama_index import BlendCacheWarmer, BlendLLM, as_blend_
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
 
-    llm = BlendLLM(args.model or default_model(), backend=args.backend, store_path=args.store,
-                   max_tokens=args.max_tokens)
+    llm = BlendLLM(
+        args.model or default_model(), backend=args.backend, store_path=args.store, max_tokens=args.max_tokens
+    )
     embed_model = LlamaIndexMiniLM()
     # Ingestion: split, embed, and compute every node's chunk KV once.
-    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=1024, chunk_overlap=0), embed_model,
-                                                  BlendCacheWarmer(llm)])
+    pipeline = IngestionPipeline(
+        transformations=[SentenceSplitter(chunk_size=1024, chunk_overlap=0), embed_model, BlendCacheWarmer(llm)]
+    )
     nodes = pipeline.run(documents=SimpleDirectoryReader(str(DATA)).load_data(), show_progress=True)
     index = VectorStoreIndex(nodes, embed_model=embed_model)
 
     full = BlendLLM(engine=llm.engine, max_tokens=args.max_tokens, mode="full")
-    compare(as_blend_query_engine(index, full, similarity_top_k=4).query,
-            as_blend_query_engine(index, llm, similarity_top_k=4).query,
-            retrieved=lambda r: [n.node.metadata["file_name"] for n in r.source_nodes],
-            answer=lambda r: r.response, stats=lambda r: r.metadata["blend"])
+    compare(
+        as_blend_query_engine(index, full, similarity_top_k=4).query,
+        as_blend_query_engine(index, llm, similarity_top_k=4).query,
+        retrieved=lambda r: [n.node.metadata["file_name"] for n in r.source_nodes],
+        answer=lambda r: r.response,
+        stats=lambda r: r.metadata["blend"],
+    )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ class MiniLM:
         tokenizer, model = _load()
         vectors: list[list[float]] = []
         for i in range(0, len(texts), self.batch_size):
-            batch = tokenizer(texts[i:i + self.batch_size], padding=True, truncation=True, max_length=256,
-                              return_tensors="pt")
+            batch = tokenizer(
+                texts[i : i + self.batch_size], padding=True, truncation=True, max_length=256, return_tensors="pt"
+            )
             hidden = model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).float()
             pooled = (hidden * mask).sum(1) / mask.sum(1)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from blend_integrations.quality.metrics import contains
 
@@ -33,16 +34,25 @@ def default_model() -> str:
 
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--model", help="checkpoint directory, GGUF file or hub id (Llama, Mistral, Qwen2, Qwen3 "
-                        "families); default: SmolLM2-135M-Instruct")
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory, GGUF file or hub id (Llama, Mistral, Qwen2, Qwen3 "
+        "families); default: SmolLM2-135M-Instruct",
+    )
     parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
     parser.add_argument("--store", help="chunk store directory (default: the user cache)")
     parser.add_argument("--max-tokens", type=int, default=32)
     return parser.parse_args()
 
 
-def compare(full: Callable[[str], Any], blend: Callable[[str], Any], *, retrieved: Callable[[Any], list[str]],
-            answer: Callable[[Any], str], stats: Callable[[Any], dict]) -> None:
+def compare(
+    full: Callable[[str], Any],
+    blend: Callable[[str], Any],
+    *,
+    retrieved: Callable[[Any], list[str]],
+    answer: Callable[[Any], str],
+    stats: Callable[[Any], dict],
+) -> None:
     """Ask QUESTION with full prefill and with blend, four rounds taking turns
     (the first warms up, TTFT is the median of the others), and print the
     last round's answers. ``retrieved``, ``answer`` and ``stats`` read a
@@ -56,9 +66,13 @@ def compare(full: Callable[[str], Any], blend: Callable[[str], Any], *, retrieve
     print(f"retrieved: {retrieved(last)}")
     print(f"answer (blend): {answer_blend.strip()!r}")
     print(f"answer (full):  {answer_full.strip()!r}")
-    print(f"prompt tokens {numbers['prompt_tokens']}, read from the chunk cache {numbers['cached_tokens']} "
-          f"({numbers['chunks_hit']}/{numbers['chunks_hit'] + numbers['chunks_missed']} chunks), "
-          f"recomputed {numbers['recomputed_tokens']}")
-    print(f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)")
+    print(
+        f"prompt tokens {numbers['prompt_tokens']}, read from the chunk cache {numbers['cached_tokens']} "
+        f"({numbers['chunks_hit']}/{numbers['chunks_hit'] + numbers['chunks_missed']} chunks), "
+        f"recomputed {numbers['recomputed_tokens']}"
+    )
+    print(
+        f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)"
+    )
     right = {name: contains(text, EXPECTED) == 1.0 for name, text in (("blend", answer_blend), ("full", answer_full))}
     print(f"expected answer: {EXPECTED!r}; blend right: {right['blend']}, full right: {right['full']}")

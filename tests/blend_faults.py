@@ -48,8 +48,9 @@ class FaultInjection(BlendWorkerExtension):
             if not _holds(job.token_ids, list(chunk_ids)):
                 return BlendConnector._run(connector, job, forward_context)
             wrong = dataclasses.replace(job.plan, mode="full", chunks=())
-            BlendConnector._run(connector, dataclasses.replace(job, token_ids=job.token_ids[::-1], plan=wrong),
-                                forward_context)
+            BlendConnector._run(
+                connector, dataclasses.replace(job, token_ids=job.token_ids[::-1], plan=wrong), forward_context
+            )
             raise torch.OutOfMemoryError("injected fault: out of memory in the blend pass")
 
         connector._run = failing

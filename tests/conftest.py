@@ -9,11 +9,17 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from blend_integrations import BlendConfig, ChunkStore, load_engine  # noqa: E402
-from tests.fixtures.local_models import build_model, sample_text  # noqa: E402
+from blend_integrations import BlendConfig, ChunkStore, load_engine
+from tests.fixtures.local_models import build_model, sample_text
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 512, "rope_theta": 10000.0}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+}
 
 
 @pytest.fixture(scope="session")
@@ -92,14 +98,22 @@ def vllm_engine(model_dirs, store, redis_server):
     Its store is the session store's directory with the session's Redis server as its remote tier,
     reached as a user with a password, so that the password's way into vLLM's processes is used too.
     """
-    redis_server.client().acl_setuser("blend", enabled=True, passwords=[f"+{VLLM_REDIS_PASSWORD}"],
-                                      keys=["*"], categories=["+@all"])
+    redis_server.client().acl_setuser(
+        "blend", enabled=True, passwords=[f"+{VLLM_REDIS_PASSWORD}"], keys=["*"], categories=["+@all"]
+    )
     remote = f"redis://blend:{VLLM_REDIS_PASSWORD}@127.0.0.1:{redis_server.port}/0"
     # A small KV cache (96 blocks of 32 tokens) so that concurrent requests get preempted for real.
     # Its worker extension can also inject faults into the blend pass (tests/blend_faults.py).
-    engine = load_engine(model_dirs("llama"), backend="vllm", store=ChunkStore(store.path, remote=remote),
-                         max_model_len=2048, kv_cache_gib=1, num_gpu_blocks_override=96, disable_log_stats=False,
-                         worker_extension_cls="blend_faults.FaultInjection")
+    engine = load_engine(
+        model_dirs("llama"),
+        backend="vllm",
+        store=ChunkStore(store.path, remote=remote),
+        max_model_len=2048,
+        kv_cache_gib=1,
+        num_gpu_blocks_override=96,
+        disable_log_stats=False,
+        worker_extension_cls="blend_faults.FaultInjection",
+    )
     yield engine
     engine.close()
 
@@ -113,8 +127,12 @@ def blend_server(model_dirs, store):
     behind an API key (``blend_server.api_key``), as a shared server would run."""
     from tests.fixtures.blend_server import BlendServer
 
-    server = BlendServer(model_dirs("llama"), store=store.path, log=store.path.parent / "server.log",
-                         args=["--max-model-len", "2048", "--kv-cache-gib", "1", "--api-key", BLEND_SERVER_KEY])
+    server = BlendServer(
+        model_dirs("llama"),
+        store=store.path,
+        log=store.path.parent / "server.log",
+        args=["--max-model-len", "2048", "--kv-cache-gib", "1", "--api-key", BLEND_SERVER_KEY],
+    )
     server.api_key = BLEND_SERVER_KEY
     with server:
         yield server

@@ -23,30 +23,208 @@ from blend_integrations.chat import rag_prompt
 from blend_integrations.config import BlendConfig
 from blend_integrations.prompt import TokenizedPrompt
 
-FIRST_NAMES = (
-    "Mara Jonas Ilse Tomas Nadia Oskar Lena Pavel Ines Hugo Greta Milan Sofia Anton Vera Emil Clara Felix Rosa Leon "
-    "Alma Viktor Nora Basil Edith Rafael Livia Gustav Ada Marco Hanna Dmitri Irene Otto Lucia Ivan Petra Karl Elsa Ruben"
-).split()
-LAST_NAMES = (
-    "Okafor Lindqvist Moreau Halvorsen Castell Brandt Novak Ferreira Adeyemi Kowalski Marsh Quint Dahl Rossi Varga "
-    "Ilves Soto Barlow Keane Holm Petrov Nakamura Osei Vidal Strand Falk Mendes Ashby Kerr Lund Orsini Blom Crane "
-    "Haddad Ives Jaeger Lorca Mbeki Nilsen Pryce Reyes Sauer Tamm Ueda Wolde Yilmaz Zeller Arden Bexley Corvin"
-).split()
-CITIES = (
-    "Lenholm Skarre Vell Tessaly Brimford Oskvik Duren Marlow Caldera Fenwick Gallow Harwick Istra Jorvik Kestrel "
-    "Lydgate Morrow Norwick Ostrava Penhallow Quarry Redwater Solvik Tarrant Umber Varnes Westmoor Yarrow Zennor "
-    "Ashgrove Bellmere Cinder Dunmore Elsdon Fallow Glenrock Hollins Irongate"
-).split()
-COMPANY_STEMS = (
-    "Harbor Tessel Northwind Granite Bluefin Copperline Amber Silverleaf Ironbridge Kestrel Lantern Meridian Oakridge "
-    "Pinecrest Quillon Riverstone Saltmarsh Thornbury Upland Vantage Willow Yellowpine Brightwater Coldspring "
-    "Driftwood Emberly Foxglove Goldcrest Hawthorn Juniper Larkspur Moorland Nettle Orchard Palisade Ravenhill"
-).split()
-COMPANY_KINDS = "Works Mills Foundry Shipping Press Textiles Brewery Instruments Glassworks Traders".split()
-PROFESSIONS = (
-    "engineer chemist sailor printer weaver architect surveyor merchant physician teacher carpenter geologist "
-    "brewer glassmaker clockmaker banker"
-).split()
+FIRST_NAMES = [
+    "Mara",
+    "Jonas",
+    "Ilse",
+    "Tomas",
+    "Nadia",
+    "Oskar",
+    "Lena",
+    "Pavel",
+    "Ines",
+    "Hugo",
+    "Greta",
+    "Milan",
+    "Sofia",
+    "Anton",
+    "Vera",
+    "Emil",
+    "Clara",
+    "Felix",
+    "Rosa",
+    "Leon",
+    "Alma",
+    "Viktor",
+    "Nora",
+    "Basil",
+    "Edith",
+    "Rafael",
+    "Livia",
+    "Gustav",
+    "Ada",
+    "Marco",
+    "Hanna",
+    "Dmitri",
+    "Irene",
+    "Otto",
+    "Lucia",
+    "Ivan",
+    "Petra",
+    "Karl",
+    "Elsa",
+    "Ruben",
+]
+LAST_NAMES = [
+    "Okafor",
+    "Lindqvist",
+    "Moreau",
+    "Halvorsen",
+    "Castell",
+    "Brandt",
+    "Novak",
+    "Ferreira",
+    "Adeyemi",
+    "Kowalski",
+    "Marsh",
+    "Quint",
+    "Dahl",
+    "Rossi",
+    "Varga",
+    "Ilves",
+    "Soto",
+    "Barlow",
+    "Keane",
+    "Holm",
+    "Petrov",
+    "Nakamura",
+    "Osei",
+    "Vidal",
+    "Strand",
+    "Falk",
+    "Mendes",
+    "Ashby",
+    "Kerr",
+    "Lund",
+    "Orsini",
+    "Blom",
+    "Crane",
+    "Haddad",
+    "Ives",
+    "Jaeger",
+    "Lorca",
+    "Mbeki",
+    "Nilsen",
+    "Pryce",
+    "Reyes",
+    "Sauer",
+    "Tamm",
+    "Ueda",
+    "Wolde",
+    "Yilmaz",
+    "Zeller",
+    "Arden",
+    "Bexley",
+    "Corvin",
+]
+CITIES = [
+    "Lenholm",
+    "Skarre",
+    "Vell",
+    "Tessaly",
+    "Brimford",
+    "Oskvik",
+    "Duren",
+    "Marlow",
+    "Caldera",
+    "Fenwick",
+    "Gallow",
+    "Harwick",
+    "Istra",
+    "Jorvik",
+    "Kestrel",
+    "Lydgate",
+    "Morrow",
+    "Norwick",
+    "Ostrava",
+    "Penhallow",
+    "Quarry",
+    "Redwater",
+    "Solvik",
+    "Tarrant",
+    "Umber",
+    "Varnes",
+    "Westmoor",
+    "Yarrow",
+    "Zennor",
+    "Ashgrove",
+    "Bellmere",
+    "Cinder",
+    "Dunmore",
+    "Elsdon",
+    "Fallow",
+    "Glenrock",
+    "Hollins",
+    "Irongate",
+]
+COMPANY_STEMS = [
+    "Harbor",
+    "Tessel",
+    "Northwind",
+    "Granite",
+    "Bluefin",
+    "Copperline",
+    "Amber",
+    "Silverleaf",
+    "Ironbridge",
+    "Kestrel",
+    "Lantern",
+    "Meridian",
+    "Oakridge",
+    "Pinecrest",
+    "Quillon",
+    "Riverstone",
+    "Saltmarsh",
+    "Thornbury",
+    "Upland",
+    "Vantage",
+    "Willow",
+    "Yellowpine",
+    "Brightwater",
+    "Coldspring",
+    "Driftwood",
+    "Emberly",
+    "Foxglove",
+    "Goldcrest",
+    "Hawthorn",
+    "Juniper",
+    "Larkspur",
+    "Moorland",
+    "Nettle",
+    "Orchard",
+    "Palisade",
+    "Ravenhill",
+]
+COMPANY_KINDS = [
+    "Works",
+    "Mills",
+    "Foundry",
+    "Shipping",
+    "Press",
+    "Textiles",
+    "Brewery",
+    "Instruments",
+    "Glassworks",
+    "Traders",
+]
+PROFESSIONS = [
+    "engineer",
+    "chemist",
+    "sailor",
+    "printer",
+    "weaver",
+    "architect",
+    "surveyor",
+    "merchant",
+    "physician",
+    "teacher",
+    "carpenter",
+    "geologist",
+    "brewer",
+    "glassmaker",
+    "clockmaker",
+    "banker",
+]
 
 _SUBJECT_FILLER = (
     "{s} is often mentioned in the old records of the region.",
@@ -87,6 +265,7 @@ _FILLER = (
     "The church bells could be heard across the whole valley.",
     "An annual fair brought musicians, merchants and acrobats to the town.",
 )
+
 
 @dataclass
 class Company:
@@ -156,15 +335,18 @@ class World:
         people = rng.sample([f"{f} {last}" for f in FIRST_NAMES for last in LAST_NAMES], n_people)
         self.people = [Person(p, rng.choice(CITIES), rng.choice(PROFESSIONS)) for p in people]
         stems = rng.sample(COMPANY_STEMS, n_companies)
-        self.companies = [Company(f"{s} {rng.choice(COMPANY_KINDS)}", rng.choice(people), rng.choice(CITIES),
-                                  rng.randint(1801, 1999)) for s in stems]
+        self.companies = [
+            Company(f"{s} {rng.choice(COMPANY_KINDS)}", rng.choice(people), rng.choice(CITIES), rng.randint(1801, 1999))
+            for s in stems
+        ]
 
     def person(self, name: str) -> Person:
         return next(p for p in self.people if p.name == name)
 
 
-def _question(rng: random.Random, world: World, company: Company, hops: int,
-              founder_doc: bool = True) -> tuple[str, str, str, list[str], list[tuple[str, str]]]:
+def _question(
+    rng: random.Random, world: World, company: Company, hops: int, founder_doc: bool = True
+) -> tuple[str, str, str, list[str], list[tuple[str, str]]]:
     """(question, answer, kind, names of the evidence documents in hop order,
     (sentence, what it states) per hop) about ``company``; questions about its
     founder need ``founder_doc``."""
@@ -176,23 +358,38 @@ def _question(rng: random.Random, world: World, company: Company, hops: int,
     if kind == "founder":
         return f"Who founded {company.name}?", company.founder, kind, [company.name], [(founded, founder.name)]
     if kind == "based":
-        return (f"In which city is {company.name} based?", company.city, kind, [company.name],
-                [(based, company.city)])
+        return (f"In which city is {company.name} based?", company.city, kind, [company.name], [(based, company.city)])
     if kind == "born":
         return f"In which city was {founder.name} born?", founder.city, kind, [founder.name], [(born, founder.city)]
     if kind == "founder_born":
-        return (f"In which city was the founder of {company.name} born?", founder.city, kind,
-                [company.name, founder.name], [(founded, founder.name), (born, founder.city)])
-    return (f"What was the profession of the founder of {company.name}?", founder.profession, kind,
-            [company.name, founder.name], [(founded, founder.name), (worked, founder.profession)])
+        return (
+            f"In which city was the founder of {company.name} born?",
+            founder.city,
+            kind,
+            [company.name, founder.name],
+            [(founded, founder.name), (born, founder.city)],
+        )
+    return (
+        f"What was the profession of the founder of {company.name}?",
+        founder.profession,
+        kind,
+        [company.name, founder.name],
+        [(founded, founder.name), (worked, founder.profession)],
+    )
 
 
 # The question templates of ``_question``, each with its subject (the company or
 # person the question names), most specific first.
-_QUESTION_SUBJECT = tuple(re.compile(t) for t in (
-    r"Who founded (.+)\?", r"In which city is (.+) based\?", r"In which city was the founder of (.+) born\?",
-    r"What was the profession of the founder of (.+)\?", r"In which city was (.+) born\?",
-))
+_QUESTION_SUBJECT = tuple(
+    re.compile(t)
+    for t in (
+        r"Who founded (.+)\?",
+        r"In which city is (.+) based\?",
+        r"In which city was the founder of (.+) born\?",
+        r"What was the profession of the founder of (.+)\?",
+        r"In which city was (.+) born\?",
+    )
+)
 
 
 def question_subject(question: str) -> str:
@@ -204,8 +401,14 @@ def question_subject(question: str) -> str:
     raise ValueError(f"not a generated question: {question!r}")
 
 
-def make_example(rng: random.Random, *, hops: int, n_docs: tuple[int, int] = (6, 10),
-                 doc_tokens: tuple[int, int] = (100, 500), follow_ups: int = 0) -> Example:
+def make_example(
+    rng: random.Random,
+    *,
+    hops: int,
+    n_docs: tuple[int, int] = (6, 10),
+    doc_tokens: tuple[int, int] = (100, 500),
+    follow_ups: int = 0,
+) -> Example:
     """One question with ``n_docs`` documents (shuffled); its facts and the
     distractors' are drawn from ``rng``. ``follow_ups``: further questions
     about the same documents (for training: more answers per prompt)."""

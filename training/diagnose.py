@@ -21,8 +21,10 @@ import torch
 from .data import Example, make_examples
 from .train import STAGES, attention_rows, encode, forward_capturing, look_targets
 
-SHAPES = {name: {k: stage[k] for k in ("n_docs", "doc_tokens")}
-          for name, stage in zip(("short", "mid", "full"), STAGES, strict=True)}
+SHAPES = {
+    name: {k: stage[k] for k in ("n_docs", "doc_tokens")}
+    for name, stage in zip(("short", "mid", "full"), STAGES, strict=True)
+}
 HELD_OUT_SEED = 10_000  # training's held-out examples
 
 
@@ -39,33 +41,43 @@ def inspect_example(model, tokenizer, example: Example, top: int = 4) -> dict:
     writes: dict[str, torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.self_attn.register_forward_hook(
-            lambda _m, _a, out, i=i: writes.__setitem__(f"attn{i}", out[0][0])))
+        hooks.append(
+            layer.self_attn.register_forward_hook(lambda _m, _a, out, i=i: writes.__setitem__(f"attn{i}", out[0][0]))
+        )
         hooks.append(layer.mlp.register_forward_hook(lambda _m, _a, out, i=i: writes.__setitem__(f"mlp{i}", out[0])))
     try:
-        _, inputs = forward_capturing(model, torch.tensor([ids], device=model.device),
-                                      {look.layer % num_layers for look in looks.values()} | {num_layers - 1})
+        _, inputs = forward_capturing(
+            model,
+            torch.tensor([ids], device=model.device),
+            {look.layer % num_layers for look in looks.values()} | {num_layers - 1},
+        )
     finally:
         for hook in hooks:
             hook.remove()
 
     def rows(layer: int, queries: list[int]) -> torch.Tensor:
         seen = inputs[layer % num_layers]
-        return attention_rows(model.model.layers[layer].self_attn, seen["hidden_states"],
-                              seen["position_embeddings"], queries)
+        return attention_rows(
+            model.model.layers[layer].self_attn, seen["hidden_states"], seen["position_embeddings"], queries
+        )
 
     masses = {}
     for name, look in looks.items():
         attention = rows(look.layer, [query for query, _ in look.rows])
         heads = attention if look.heads is None else attention[list(look.heads)]
-        masses[name] = statistics.fmean(float(heads[:, i, sources].sum(-1).mean())
-                                        for i, (_, sources) in enumerate(look.rows))
+        masses[name] = statistics.fmean(
+            float(heads[:, i, sources].sum(-1).mean()) for i, (_, sources) in enumerate(look.rows)
+        )
     query, sources = looks["answer"].rows[0]  # the first question's answering position, the fact's value
     last = rows(-1, [query])[:, 0].mean(0)
-    attended = [(float(last[p]), tokenizer.decode(ids[max(0, p - 6):p]), tokenizer.decode([ids[p]]))
-                for p in last.topk(min(top, len(ids))).indices.tolist()]
-    norms = {where: {block: round(float(out[p].norm()), 1) for block, out in writes.items()}
-             for where, p in (("answering", query), ("value", sources[0]))}
+    attended = [
+        (float(last[p]), tokenizer.decode(ids[max(0, p - 6) : p]), tokenizer.decode([ids[p]]))
+        for p in last.topk(min(top, len(ids))).indices.tolist()
+    ]
+    norms = {
+        where: {block: round(float(out[p].norm()), 1) for block, out in writes.items()}
+        for where, p in (("answering", query), ("value", sources[0]))
+    }
     return {"masses": masses, "on_fact": float(last[sources].sum()), "attended": attended, "write_norms": norms}
 
 
@@ -101,7 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\nmedian norm of what each block writes:")
     for where in ("answering", "value"):
         blocks = sorted({block for w, block in norms if w == where}, key=lambda b: (int(b.lstrip("atnmlp")), b))
-        print(f"  at the {where} position: " + ", ".join(f"{b} {statistics.median(norms[where, b]):.1f}" for b in blocks))
+        print(
+            f"  at the {where} position: " + ", ".join(f"{b} {statistics.median(norms[where, b]):.1f}" for b in blocks)
+        )
 
 
 if __name__ == "__main__":

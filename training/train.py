@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from tests.fixtures.local_models import train_tokenizer
+
 from .data import (
     Example,
     corpus_text,
@@ -44,8 +45,14 @@ from .data import (
 )
 
 EMBEDDING_STD = 0.1
-ARCH = {"num_layers": 4, "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 768,
-        "rope_theta": 1e6}
+ARCH = {
+    "num_layers": 4,
+    "hidden_size": 256,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "intermediate_size": 768,
+    "rope_theta": 1e6,
+}
 # rope_theta: a head can only match content (a name in the question with the same
 # name in a document) on the dimensions that RoPE turns slowly over the distance
 # between them. At theta 10000 with 32-dimensional heads, one pair of dimensions
@@ -73,8 +80,9 @@ def encode(example: Example, tokenizer) -> tuple[list[int], list[int]]:
         reply = tokenizer.encode(" " + answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         ids, mask = ids + reply, mask + [1] * len(reply)
         if next_question is not None:
-            turn = tokenizer.encode(f"\n<|user|>\nQuestion: {next_question}</s>\n<|assistant|>\n",
-                                    add_special_tokens=False)
+            turn = tokenizer.encode(
+                f"\n<|user|>\nQuestion: {next_question}</s>\n<|assistant|>\n", add_special_tokens=False
+            )
             ids, mask = ids + turn, mask + [0] * len(turn)
     return ids, mask
 
@@ -101,11 +109,19 @@ def build_model(tokenizer, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=ARCH["hidden_size"], intermediate_size=ARCH["intermediate_size"],
-        num_hidden_layers=ARCH["num_layers"], num_attention_heads=ARCH["num_heads"],
-        num_key_value_heads=ARCH["num_kv_heads"], head_dim=ARCH["hidden_size"] // ARCH["num_heads"],
-        max_position_embeddings=8192, rope_theta=ARCH["rope_theta"], bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=ARCH["hidden_size"],
+        intermediate_size=ARCH["intermediate_size"],
+        num_hidden_layers=ARCH["num_layers"],
+        num_attention_heads=ARCH["num_heads"],
+        num_key_value_heads=ARCH["num_kv_heads"],
+        head_dim=ARCH["hidden_size"] // ARCH["num_heads"],
+        max_position_embeddings=8192,
+        rope_theta=ARCH["rope_theta"],
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -130,8 +146,13 @@ def copy_init(attention, config) -> None:
     basis, _ = torch.linalg.qr(torch.randn(hidden, hidden))  # orthonormal columns
     values = basis[:, : kv_heads * head_dim].T  # v = values @ x
     attention.v_proj.weight.copy_(values)
-    out = torch.cat([values[(h // group) * head_dim:(h // group + 1) * head_dim].T / group
-                     for h in range(config.num_attention_heads)], dim=1)
+    out = torch.cat(
+        [
+            values[(h // group) * head_dim : (h // group + 1) * head_dim].T / group
+            for h in range(config.num_attention_heads)
+        ],
+        dim=1,
+    )
     attention.o_proj.weight.copy_(out)
 
 
@@ -139,8 +160,12 @@ def forward_capturing(model, x: torch.Tensor, layers: set[int]):
     """Run ``model`` on ``x``: (its output, {layer: the keyword inputs of that
     layer's attention}), for computing attention rows (``attention_rows``)."""
     inputs: dict[int, dict] = {layer: {} for layer in layers}
-    hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(
-        lambda _m, _a, kwargs, seen=seen: seen.update(kwargs), with_kwargs=True) for i, seen in inputs.items()]
+    hooks = [
+        model.model.layers[i].self_attn.register_forward_pre_hook(
+            lambda _m, _a, kwargs, seen=seen: seen.update(kwargs), with_kwargs=True
+        )
+        for i, seen in inputs.items()
+    ]
     try:
         return model(input_ids=x), inputs
     finally:
@@ -148,10 +173,17 @@ def forward_capturing(model, x: torch.Tensor, layers: set[int]):
             hook.remove()
 
 
-def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
-            looks: dict[str, Look] | None = None, weights: dict[str, float] | None = None,
-            probe: torch.nn.Linear | None = None, subjects: list[tuple[int, int, int]] | None = None,
-            subject_weight: float = 0.0) -> torch.Tensor:
+def loss_of(
+    model,
+    ids: list[int],
+    answer_mask: list[int],
+    lm_weight: float,
+    looks: dict[str, Look] | None = None,
+    weights: dict[str, float] | None = None,
+    probe: torch.nn.Linear | None = None,
+    subjects: list[tuple[int, int, int]] | None = None,
+    subject_weight: float = 0.0,
+) -> torch.Tensor:
     """Answer tokens' loss, plus ``lm_weight`` times the language-model loss,
     plus, for each kind of ``looks`` (see ``look_targets``), its weight times
     minus the log of the attention its heads put on its sources, and times the
@@ -171,11 +203,16 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
         loss = loss + subject_weight * subject_probe_loss(model, probe, inputs[last], subjects)
     for name, look in looks.items():
         seen = inputs[look.layer % (last + 1)]
-        attention = attention_rows(model.model.layers[look.layer].self_attn, seen["hidden_states"],
-                                   seen["position_embeddings"], [query for query, _ in look.rows])
+        attention = attention_rows(
+            model.model.layers[look.layer].self_attn,
+            seen["hidden_states"],
+            seen["position_embeddings"],
+            [query for query, _ in look.rows],
+        )
         heads = attention if look.heads is None else attention[list(look.heads)]
-        terms = [-torch.log(heads[:, i, sources].sum(-1).clamp(min=1e-9)).mean()
-                 for i, (_, sources) in enumerate(look.rows)]
+        terms = [
+            -torch.log(heads[:, i, sources].sum(-1).clamp(min=1e-9)).mean() for i, (_, sources) in enumerate(look.rows)
+        ]
         loss = loss + weights[name] * torch.stack(terms).mean()
         # What the heads add must name the token they look at, on its own: a
         # look is only useful to the next layers if its output carries what it
@@ -191,8 +228,9 @@ def loss_of(model, ids: list[int], answer_mask: list[int], lm_weight: float,
     return loss
 
 
-def subject_probe_loss(model, probe: torch.nn.Linear, last_inputs: dict,
-                       rows: list[tuple[int, int, int]]) -> torch.Tensor:
+def subject_probe_loss(
+    model, probe: torch.nn.Linear, last_inputs: dict, rows: list[tuple[int, int, int]]
+) -> torch.Tensor:
     """Cross-entropy of the subject's first and last token, read by ``probe``
     (one code for queries and keys) and the tied unembedding from the last
     layer's normalized input at ``rows`` (``subject_rows``). Copies that
@@ -244,8 +282,9 @@ def look_targets(example: Example, tokenizer, ids: list[int], answer_mask: list[
     before it (induction: "Ada" -> the "Okafor" after an earlier "Ada")."""
     rows = range(max(POSITION_HEADS.values()), len(ids))
     sampled = rows[:: max(1, len(rows) // POSITION_ROWS)]
-    looks = {f"position{back}": Look(0, (head,), [(j, [j - back]) for j in sampled])
-             for head, back in POSITION_HEADS.items()}
+    looks = {
+        f"position{back}": Look(0, (head,), [(j, [j - back]) for j in sampled]) for head, back in POSITION_HEADS.items()
+    }
     subject = [Look(SUBJECT_LAYER, (head,), []) for head in SUBJECT_HEADS]
     bridge, copy = Look(BRIDGE_LAYER, BRIDGE_HEADS, []), Look(-1, None, [])
     asked = [(example.question, example.answer, example.facts)]
@@ -295,7 +334,7 @@ def tokens_of(tokenizer, words: str) -> list[int]:
 
 def find(ids: list[int], part: list[int], before: int) -> list[int]:
     """Start positions of ``part`` in ``ids[:before]``."""
-    return [j for j in range(before - len(part) + 1) if ids[j:j + len(part)] == part]
+    return [j for j in range(before - len(part) + 1) if ids[j : j + len(part)] == part]
 
 
 def value_positions(ids: list[int], tokenizer, sentence: str, value: str, before: int) -> list[int]:
@@ -356,8 +395,10 @@ def teacher_forced_accuracy(model, examples: list[Example], tokenizer) -> dict:
 
 def model_card(summary: dict) -> str:
     a, acc = summary["arch"], summary["held_out_teacher_forced"]
-    stages = "; ".join(f"{lo}-{hi} documents of {tlo}-{thi} tokens from step {start}"
-                       for (lo, hi), (tlo, thi), start in summary["stages"])
+    stages = "; ".join(
+        f"{lo}-{hi} documents of {tlo}-{thi} tokens from step {start}"
+        for (lo, hi), (tlo, thi), start in summary["stages"]
+    )
     return f"""# Reader model
 
 A small Llama-style decoder trained in this repository to answer questions from
@@ -429,10 +470,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--lm-weight", type=float, default=0.2)
     parser.add_argument("--look-weight", type=float, default=1.0, help="weight of the last layer's look loss (0: off)")
-    parser.add_argument("--circuit-weight", type=float, default=1.0,
-                        help="weight of each look loss of the first three layers (0: off)")
-    parser.add_argument("--subject-weight", type=float, default=1.0,
-                        help="weight of the subject probe loss at the last layer's input (0: off)")
+    parser.add_argument(
+        "--circuit-weight", type=float, default=1.0, help="weight of each look loss of the first three layers (0: off)"
+    )
+    parser.add_argument(
+        "--subject-weight",
+        type=float,
+        default=1.0,
+        help="weight of the subject probe loss at the last layer's input (0: off)",
+    )
     parser.add_argument("--follow-ups", type=int, default=12, help="extra questions per training prompt")
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -445,18 +491,34 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = args.out / "checkpoint.pt"
     resume = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
-    settings = {k: getattr(args, k) for k in ("steps", "tokens_per_step", "lr", "lm_weight", "look_weight",
-                                               "circuit_weight", "subject_weight", "follow_ups", "vocab", "seed")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "steps",
+            "tokens_per_step",
+            "lr",
+            "lm_weight",
+            "look_weight",
+            "circuit_weight",
+            "subject_weight",
+            "follow_ups",
+            "vocab",
+            "seed",
+        )
+    }
     if resume and resume["settings"] != settings:
-        raise SystemExit(f"{checkpoint} was written with other settings ({resume['settings']}); "
-                         "use another output directory or delete the checkpoint")
+        raise SystemExit(
+            f"{checkpoint} was written with other settings ({resume['settings']}); "
+            "use another output directory or delete the checkpoint"
+        )
     tokenizer = train_reader_tokenizer(args.out, args.vocab, args.seed)
     model = build_model(tokenizer, args.seed).to(args.device)
     params = sum(p.numel() for p in model.parameters())
     # training only, not part of the model (see subject_probe_loss)
     probe = torch.nn.Linear(ARCH["hidden_size"], 2 * ARCH["hidden_size"], bias=False).to(args.device)
-    optimizer = torch.optim.AdamW([*model.parameters(), *probe.parameters()], lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.01)
+    optimizer = torch.optim.AdamW(
+        [*model.parameters(), *probe.parameters()], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
     held_out = make_examples(64, seed=args.seed + 10_000)  # never trained on: other seeds
     rng = random.Random(args.seed + 1)
     state = {"step": 0, "stage": 0, "stage_starts": [0], "tokens": 0, "examples": 0, "minutes": 0.0, "log": []}
@@ -483,8 +545,17 @@ def main(argv: list[str] | None = None) -> None:
             ids, mask = encode(ex, tokenizer)
             looks = look_targets(ex, tokenizer, ids, mask)
             weights = {name: args.look_weight if name == "answer" else args.circuit_weight for name in looks}
-            loss = loss_of(model, ids, mask, args.lm_weight, looks, weights,
-                           probe, subject_rows(ex, tokenizer, ids, mask), args.subject_weight)
+            loss = loss_of(
+                model,
+                ids,
+                mask,
+                args.lm_weight,
+                looks,
+                weights,
+                probe,
+                subject_rows(ex, tokenizer, ids, mask),
+                args.subject_weight,
+            )
             (loss * len(ids) / args.tokens_per_step).backward()
             step_tokens += len(ids)
             losses.append(loss.item())
@@ -494,16 +565,23 @@ def main(argv: list[str] | None = None) -> None:
         step = state["step"] = step + 1
         state["tokens"] += step_tokens
         if step % 25 == 0:
-            entry = {"step": step, "minutes": round(state["minutes"], 1), "lr": round(lr, 6),
-                     "loss": round(sum(losses) / len(losses), 4), "stage": state["stage"], "tokens": state["tokens"]}
+            entry = {
+                "step": step,
+                "minutes": round(state["minutes"], 1),
+                "lr": round(lr, 6),
+                "loss": round(sum(losses) / len(losses), 4),
+                "stage": state["stage"],
+                "tokens": state["tokens"],
+            }
             if step % 100 == 0:
                 in_stage = make_examples(64, seed=args.seed + 20_000 + step, **shape)
                 entry.update({f"stage_{k}": v for k, v in teacher_forced_accuracy(model, in_stage, tokenizer).items()})
                 if step % 500 == 0:
                     entry.update(teacher_forced_accuracy(model, held_out, tokenizer))
                 last = state["stage"] == len(STAGES) - 1
-                if not last and (entry.get("stage_acc_1hop", 0) >= GATE
-                                 or step >= STAGES[state["stage"]]["until"] * args.steps):
+                if not last and (
+                    entry.get("stage_acc_1hop", 0) >= GATE or step >= STAGES[state["stage"]]["until"] * args.steps
+                ):
                     state["stage"] += 1
                     state["stage_starts"].append(step)
                     entry["next_stage"] = state["stage"]
@@ -512,10 +590,18 @@ def main(argv: list[str] | None = None) -> None:
         state["minutes"] += (time.perf_counter() - step_started) / 60
         if step % 100 == 0 or step == args.stop_after:
             model.save_pretrained(str(args.out), safe_serialization=True)  # weights to look at
-            torch.save({"settings": settings, "model": model.state_dict(), "probe": probe.state_dict(),
-                        "optimizer": optimizer.state_dict(), "rng": rng.getstate(),
-                        "torch_rng": torch.get_rng_state(), "state": state},
-                       checkpoint.with_suffix(".tmp"))
+            torch.save(
+                {
+                    "settings": settings,
+                    "model": model.state_dict(),
+                    "probe": probe.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "rng": rng.getstate(),
+                    "torch_rng": torch.get_rng_state(),
+                    "state": state,
+                },
+                checkpoint.with_suffix(".tmp"),
+            )
             checkpoint.with_suffix(".tmp").replace(checkpoint)  # a run killed mid-save keeps the last one
         if step == args.stop_after:
             print(f"stopped after step {step}; run the same command again to go on", flush=True)
@@ -524,15 +610,31 @@ def main(argv: list[str] | None = None) -> None:
     final = teacher_forced_accuracy(model, held_out, tokenizer)
     model.save_pretrained(str(args.out), safe_serialization=True)
     checkpoint.unlink(missing_ok=True)
-    summary = {"params": params, "steps": state["step"], "examples": state["examples"], "tokens": state["tokens"],
-               "minutes": round(state["minutes"], 1), "threads": args.threads, "device": args.device, "seed": args.seed,
-               "arch": ARCH, "vocab": len(tokenizer), "lr": args.lr, "lm_weight": args.lm_weight,
-               "look_weight": args.look_weight, "circuit_weight": args.circuit_weight,
-               "subject_weight": args.subject_weight, "tokens_per_step": args.tokens_per_step,
-               "follow_ups": args.follow_ups, "held_out_teacher_forced": final, "gate": GATE,
-               "embedding_std": EMBEDDING_STD,
-               "stages": [[STAGES[i]["n_docs"], STAGES[i]["doc_tokens"], start]
-                          for i, start in enumerate(state["stage_starts"])]}
+    summary = {
+        "params": params,
+        "steps": state["step"],
+        "examples": state["examples"],
+        "tokens": state["tokens"],
+        "minutes": round(state["minutes"], 1),
+        "threads": args.threads,
+        "device": args.device,
+        "seed": args.seed,
+        "arch": ARCH,
+        "vocab": len(tokenizer),
+        "lr": args.lr,
+        "lm_weight": args.lm_weight,
+        "look_weight": args.look_weight,
+        "circuit_weight": args.circuit_weight,
+        "subject_weight": args.subject_weight,
+        "tokens_per_step": args.tokens_per_step,
+        "follow_ups": args.follow_ups,
+        "held_out_teacher_forced": final,
+        "gate": GATE,
+        "embedding_std": EMBEDDING_STD,
+        "stages": [
+            [STAGES[i]["n_docs"], STAGES[i]["doc_tokens"], start] for i, start in enumerate(state["stage_starts"])
+        ],
+    }
     log = state["log"]
     (args.out / "training.json").write_text(json.dumps({"summary": summary, "log": log}, indent=1))
     (args.out / "README.md").write_text(model_card(summary))

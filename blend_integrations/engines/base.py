@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
-import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence, TypedDict
+from typing import TypedDict
 
 from typing_extensions import Unpack
 
@@ -52,8 +53,12 @@ class Generation:
         dict: the integrations put it in their responses' metadata), plus
         ``loading`` (a dict of ``LoadingStats``) when the loading controller
         ran and ``fallback`` when the prompt was computed in full instead of blended."""
-        stats = {"mode": self.mode, "finish_reason": self.finish_reason, "ttft_s": self.ttft_s,
-                 **dataclasses.asdict(self.usage)}
+        stats = {
+            "mode": self.mode,
+            "finish_reason": self.finish_reason,
+            "ttft_s": self.ttft_s,
+            **dataclasses.asdict(self.usage),
+        }
         if self.loading is not None:
             stats["loading"] = dataclasses.asdict(self.loading)
         if self.fallback is not None:
@@ -97,7 +102,7 @@ class GenerationStream:
     _deltas: Iterator[str]
     generation: Generation | None = field(default=None)
 
-    def __iter__(self) -> "GenerationStream":
+    def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> str:
@@ -118,7 +123,7 @@ class GenerationStream:
 class AsyncGenerationStream:
     """Async iteration over an engine's ``stream``, run in a worker thread."""
 
-    def __init__(self, engine: "Engine", prompt, kwargs: dict) -> None:
+    def __init__(self, engine: Engine, prompt, kwargs: dict) -> None:
         self._engine, self._prompt, self._kwargs = engine, prompt, kwargs
         self._stream: GenerationStream | None = None
         self._deltas: asyncio.Queue | None = None
@@ -133,7 +138,7 @@ class AsyncGenerationStream:
             raise RuntimeError("the stream is not exhausted yet: iterate over it first")
         return self.generation
 
-    def __aiter__(self) -> "AsyncGenerationStream":
+    def __aiter__(self) -> AsyncGenerationStream:
         return self
 
     async def __anext__(self) -> str:
@@ -226,10 +231,12 @@ class Engine(ABC):
         check_sampling(max_tokens, temperature, top_p, logprobs)
         ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return Request(self.tokenize(prompt), max_tokens, temperature, top_p, stops, seed, mode, ratio, logprobs, started)
+        return Request(
+            self.tokenize(prompt), max_tokens, temperature, top_p, stops, seed, mode, ratio, logprobs, started
+        )
 
     @abstractmethod
-    def _run(self, request: "Request", stream: GenerationStream) -> Iterator[str]:
+    def _run(self, request: Request, stream: GenerationStream) -> Iterator[str]:
         """Yield text deltas and set ``stream.generation`` at the end."""
 
     def generate_many(self, prompts: Sequence[PromptInput], **kwargs) -> list[Generation]:
@@ -240,7 +247,7 @@ class Engine(ABC):
         """``generate`` without blocking the event loop."""
         return await asyncio.to_thread(self.generate, prompt, **kwargs)
 
-    def astream(self, prompt: PromptInput, **kwargs) -> "AsyncGenerationStream":
+    def astream(self, prompt: PromptInput, **kwargs) -> AsyncGenerationStream:
         """``stream`` without blocking the event loop: text deltas as they
         come; ``generation`` is set once it is exhausted."""
         return AsyncGenerationStream(self, prompt, kwargs)

@@ -15,7 +15,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from typing_extensions import Unpack
 
@@ -23,7 +23,6 @@ from ..config import BlendConfig
 from ..prompt import BlendPrompt, PromptInput, TextOrIds
 from .base import Engine, GenerateOptions, Generation, GenerationStream, Request, Usage
 from .vllm_contract import blend_results, kv_transfer_params
-
 
 API_KEY_ENV = "BLEND_API_KEY"
 
@@ -89,8 +88,11 @@ class ServerEngine(Engine):
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
             if exc.code == 401:
-                hint = ("pass api_key= (or set $BLEND_API_KEY) with the server's key" if not self._api_key
-                        else "the api_key given is not one of the server's keys")
+                hint = (
+                    "pass api_key= (or set $BLEND_API_KEY) with the server's key"
+                    if not self._api_key
+                    else "the api_key given is not one of the server's keys"
+                )
                 raise ServerError(f"{method} {path} failed with HTTP 401 (unauthorized): {hint}", 401) from exc
             raise ServerError(f"{method} {path} failed with HTTP {exc.code}: {detail}", exc.code) from exc
         except urllib.error.URLError as exc:
@@ -145,10 +147,13 @@ class ServerEngine(Engine):
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
         stream.generation = Generation(
-            text="".join(text), token_ids=[], prompt_token_ids=list(req.prompt.token_ids),
+            text="".join(text),
+            token_ids=[],
+            prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if finish == "length" else "stop",
             ttft_s=ttft if ttft is not None else time.perf_counter() - req.started,
-            usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=n_tokens), mode=req.mode,
+            usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=n_tokens),
+            mode=req.mode,
             total_s=time.perf_counter() - req.started,
         )
 
@@ -169,9 +174,16 @@ class ServerEngine(Engine):
             ]
         elapsed = time.perf_counter() - req.started
         return Generation(
-            text=choice["text"], token_ids=list(choice.get("token_ids") or []), prompt_token_ids=list(req.prompt.token_ids),
+            text=choice["text"],
+            token_ids=list(choice.get("token_ids") or []),
+            prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            ttft_s=elapsed, mode=req.mode, logprobs=lp, total_s=elapsed, loading=loading, fallback=fallback,
+            ttft_s=elapsed,
+            mode=req.mode,
+            logprobs=lp,
+            total_s=elapsed,
+            loading=loading,
+            fallback=fallback,
             usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=resp["usage"]["completion_tokens"], **blend),
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -101,7 +101,9 @@ class TransformersEngine(Engine):
             generator = None
             if req.temperature > 0:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+                generator.manual_seed(
+                    req.seed if req.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+                )
             n_prompt = len(tp)
             max_tokens = min(req.max_tokens, self.context_length - n_prompt)
             cache = KVCache.allocate(self.layers, n_prompt + max_tokens)
@@ -147,9 +149,16 @@ class TransformersEngine(Engine):
                     chunks_recomputed=stats.chunks_recomputed,
                 )
                 stream.generation = Generation(
-                    text=text.text, token_ids=out_ids, prompt_token_ids=list(tp.token_ids), finish_reason=finish,
-                    ttft_s=ttft, usage=usage, mode=req.mode, logprobs=out_logprobs,
-                    total_s=time.perf_counter() - req.started, loading=stats.loading,
+                    text=text.text,
+                    token_ids=out_ids,
+                    prompt_token_ids=list(tp.token_ids),
+                    finish_reason=finish,
+                    ttft_s=ttft,
+                    usage=usage,
+                    mode=req.mode,
+                    logprobs=out_logprobs,
+                    total_s=time.perf_counter() - req.started,
+                    loading=stats.loading,
                 )
             finally:
                 # Missed chunks are computed with the standalone recipe after the

@@ -111,8 +111,9 @@ class BlendWorkerMetadata(KVConnectorWorkerMetadata):
         # The workers of one engine blend in lockstep: the slowest sets the pace.
         theirs = other.rates if isinstance(other, BlendWorkerMetadata) else {}
         failed = other.failed if isinstance(other, BlendWorkerMetadata) else {}
-        return BlendWorkerMetadata({k: _slowest(v, theirs.get(k)) for k, v in self.rates.items()},
-                                   {**failed, **self.failed})
+        return BlendWorkerMetadata(
+            {k: _slowest(v, theirs.get(k)) for k, v in self.rates.items()}, {**failed, **self.failed}
+        )
 
 
 def _slowest(mine: float | None, theirs: float | None) -> float | None:
@@ -185,10 +186,11 @@ class BlendConnector(KVConnectorBase_V1):
                 if not spans:
                     raise PromptError(
                         f"the prompt has no chunk between two separators {params.separator!r:.40} "
-                        "(kv_transfer_params.blend.separator)")
+                        "(kv_transfer_params.blend.separator)"
+                    )
                 params = params.with_spans(spans, prompt_len)
             return params
-        except Exception as exc:  # noqa: BLE001 - a rule broken, or a bug: either way, compute in full
+        except Exception as exc:
             why = str(exc) if isinstance(exc, PromptError) else f"reading the blend parameters failed: {exc!r}"
             self._fall_back(rid, why)
             return None
@@ -231,10 +233,19 @@ class BlendConnector(KVConnectorBase_V1):
         try:
             # The plan looks every chunk up (promise): the usage reported at the end is the plan's.
             assert params.chunk_spans is not None  # blend_params found the spans of a separator
-            plan = make_plan(ids, params.chunk_spans, mode=params.mode, ratio=params.ratio, config=self.config,
-                             keys=self.keys, store=self.store, num_layers=self.num_layers, rates=self._rates,
-                             promise=True)
-        except Exception as exc:  # noqa: BLE001 - e.g. the store failed: the worker fails the job, vLLM recomputes
+            plan = make_plan(
+                ids,
+                params.chunk_spans,
+                mode=params.mode,
+                ratio=params.ratio,
+                config=self.config,
+                keys=self.keys,
+                store=self.store,
+                num_layers=self.num_layers,
+                rates=self._rates,
+                promise=True,
+            )
+        except Exception as exc:
             why = f"planning the blend pass failed: {exc!r}"
             self._fall_back(req_id, why)
             return BlendJob(req_id, ids, None, list(block_ids), error=why)
@@ -273,8 +284,9 @@ class BlendConnector(KVConnectorBase_V1):
                     "(`vllm serve ... --load-format blend`); load_engine(..., backend='vllm') does this"
                 )
             decoder = VLLMDecoder(model)
-            self.blender = Blender(decoder, self.store, self.config, fingerprint=self.keys.fingerprint,
-                                   bos_token_id=self.keys.bos_token_id)
+            self.blender = Blender(
+                decoder, self.store, self.config, fingerprint=self.keys.fingerprint, bos_token_id=self.keys.bos_token_id
+            )
             self._layer_names = decoder.attention_layer_names()
         return self.blender
 
@@ -291,7 +303,7 @@ class BlendConnector(KVConnectorBase_V1):
                     continue
                 try:
                     self._run(job, forward_context)
-                except Exception as exc:  # noqa: BLE001 - one request's failure must not kill the engine
+                except Exception as exc:
                     why = f"the blend pass failed: {type(exc).__name__}: {exc}"
                     logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
                     self._fail(job, why)
@@ -343,9 +355,10 @@ class BlendConnector(KVConnectorBase_V1):
             stats = self._unsaved.pop()
             try:
                 self.blender.save_missed(stats)
-            except Exception:  # noqa: BLE001 - saving is best effort, the engine goes on
-                logger.exception("saving %d missed chunk(s) failed; they are computed again when next used",
-                                 len(stats.missed))
+            except Exception:
+                logger.exception(
+                    "saving %d missed chunk(s) failed; they are computed again when next used", len(stats.missed)
+                )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # the blend pass is synchronous

@@ -71,8 +71,9 @@ def check_vllm_version(version: str) -> None:
         )
 
 
-def blend_engine_args(*, store: ChunkStore, config: BlendConfig, max_model_len: int, on_gpu: bool,
-                      dtype: str = "auto") -> dict:
+def blend_engine_args(
+    *, store: ChunkStore, config: BlendConfig, max_model_len: int, on_gpu: bool, dtype: str = "auto"
+) -> dict:
     """The vLLM engine arguments blending needs, by vLLM's argument names: the
     embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
     dtype "auto" is float32 on CPU, bfloat16 on CUDA, as for the transformers engine."""
@@ -134,8 +135,13 @@ def connector_store_args(extra: dict) -> dict:
     """The ``ChunkStore`` arguments (path, limits, assumed read bandwidths, Redis tier) that
     ``kv_connector_extra_config`` gives; what is missing keeps its default."""
     args = {"path": extra.get("store_path")}
-    for name in ("size_limit_bytes", "memory_limit_bytes", "remote_size_limit_bytes", "remote_timeout_s",
-                 "read_bandwidth"):
+    for name in (
+        "size_limit_bytes",
+        "memory_limit_bytes",
+        "remote_size_limit_bytes",
+        "remote_timeout_s",
+        "read_bandwidth",
+    ):
         if f"store_{name}" in extra:
             args[name] = extra[f"store_{name}"]
     if "store_remote" not in extra:
@@ -179,7 +185,7 @@ class BlendParams:
     num_tokens: int | None = None
     separator: str | None = None
 
-    def with_spans(self, spans: list[tuple[int, int]], prompt_len: int) -> "BlendParams":
+    def with_spans(self, spans: list[tuple[int, int]], prompt_len: int) -> BlendParams:
         """The separator's chunks, found in the prompt's tokens, checked as if sent."""
         return parse_blend_params({"mode": self.mode, "ratio": self.ratio, "chunk_spans": spans}, prompt_len)
 
@@ -200,12 +206,16 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
     if not isinstance(raw, dict):
         raise BlendParamsError(
             f"kv_transfer_params.blend must be an object with mode and chunk_spans (or separator), "
-            f"got {type(raw).__name__}", "kv_transfer_params.blend")
+            f"got {type(raw).__name__}",
+            "kv_transfer_params.blend",
+        )
     unknown = sorted(str(k) for k in raw if k not in FIELDS)
     if unknown:
         raise BlendParamsError(
             f"kv_transfer_params.blend has unknown field(s) {', '.join(repr(k[:40]) for k in unknown[:5])}; "
-            f"the fields are {', '.join(FIELDS)}", "kv_transfer_params.blend")
+            f"the fields are {', '.join(FIELDS)}",
+            "kv_transfer_params.blend",
+        )
     if "mode" not in raw:
         raise BlendParamsError(f"{_field('mode')} is missing; it must be one of {', '.join(MODES)}", _field("mode"))
     try:
@@ -221,37 +231,53 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
         if spans is not None or num_tokens is not None:
             raise BlendParamsError(
                 f"give {_field('chunk_spans')} (with num_tokens) or {_field('separator')}, not both: "
-                "with a separator the server finds the chunks itself", _field("separator"))
+                "with a separator the server finds the chunks itself",
+                _field("separator"),
+            )
         if not isinstance(separator, str) or not separator or len(separator) > MAX_SEPARATOR_CHARS:
             raise BlendParamsError(
                 f"{_field('separator')} must be a non-empty string of at most {MAX_SEPARATOR_CHARS} characters, "
-                f"got {separator!r:.60}", _field("separator"))
+                f"got {separator!r:.60}",
+                _field("separator"),
+            )
         return BlendParams(mode, ratio, separator=separator)
     if spans is None:
         raise BlendParamsError(
             "kv_transfer_params.blend needs chunk_spans (where each chunk lies in the prompt's tokens) or "
-            "separator (the text between chunks)", _field("chunk_spans"))
+            "separator (the text between chunks)",
+            _field("chunk_spans"),
+        )
     if isinstance(spans, list) and not spans:
         raise BlendParamsError(
             f"{_field('chunk_spans')} is empty: send no kv_transfer_params.blend for a prompt without chunks",
-            _field("chunk_spans"))
+            _field("chunk_spans"),
+        )
     if isinstance(spans, list) and len(spans) > MAX_CHUNKS:
-        raise BlendParamsError(f"{_field('chunk_spans')} has {len(spans)} spans; at most {MAX_CHUNKS} are allowed",
-                               _field("chunk_spans"))
+        raise BlendParamsError(
+            f"{_field('chunk_spans')} has {len(spans)} spans; at most {MAX_CHUNKS} are allowed", _field("chunk_spans")
+        )
     if num_tokens is not None and (not _int(num_tokens) or num_tokens < 1):
-        raise BlendParamsError(f"{_field('num_tokens')} must be a positive integer, got {num_tokens!r:.60}",
-                               _field("num_tokens"))
+        raise BlendParamsError(
+            f"{_field('num_tokens')} must be a positive integer, got {num_tokens!r:.60}", _field("num_tokens")
+        )
     if prompt_len is not None and num_tokens is not None and num_tokens >= prompt_len:
         raise BlendParamsError(
             f"{_field('num_tokens')} is {num_tokens} but the prompt has {prompt_len} tokens: vLLM computes at least "
-            "the prompt's last token itself, so num_tokens must be below the prompt's length", _field("num_tokens"))
+            "the prompt's last token itself, so num_tokens must be below the prompt's length",
+            _field("num_tokens"),
+        )
     # Spans end by num_tokens when it is given; otherwise num_tokens is their end,
     # which must leave the prompt's last token to vLLM.
     limit = num_tokens if num_tokens is not None else (prompt_len - 1 if prompt_len is not None else sys.maxsize)
     try:
-        checked = check_chunk_spans(spans, limit, name=_field("chunk_spans"),
-                                    limit_name=f"num_tokens ({num_tokens})" if num_tokens is not None else
-                                    f"{limit} (the prompt has {prompt_len} tokens, and vLLM computes the last one itself)")
+        checked = check_chunk_spans(
+            spans,
+            limit,
+            name=_field("chunk_spans"),
+            limit_name=f"num_tokens ({num_tokens})"
+            if num_tokens is not None
+            else f"{limit} (the prompt has {prompt_len} tokens, and vLLM computes the last one itself)",
+        )
     except PromptError as exc:
         raise BlendParamsError(str(exc), _field("chunk_spans")) from None
     return BlendParams(mode, ratio, tuple(checked), num_tokens if num_tokens is not None else checked[-1][1])
@@ -278,8 +304,12 @@ def kv_transfer_params(req: Request) -> dict | None:
             f"the prompt ends with chunk {len(tp.chunk_spans) - 1}: vLLM computes the prompt's last token itself, "
             "so at least one token must follow the last chunk (a suffix, or a non-empty separator)"
         )
-    blend = {"mode": req.mode, "ratio": req.recompute_ratio, "chunk_spans": [list(s) for s in tp.chunk_spans],
-             "num_tokens": tp.chunk_spans[-1][1]}
+    blend = {
+        "mode": req.mode,
+        "ratio": req.recompute_ratio,
+        "chunk_spans": [list(s) for s in tp.chunk_spans],
+        "num_tokens": tp.chunk_spans[-1][1],
+    }
     parse_blend_params(blend, len(tp))
     return {"blend": blend}
 
@@ -297,7 +327,4 @@ def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str |
     full instead of blended, if it was."""
     params = params or {}
     loading = params.get("blend_loading")
-    return (params.get("blend") or {}, LoadingStats(**loading) if loading else None,
-            params.get("blend_fallback"))
-
-
+    return (params.get("blend") or {}, LoadingStats(**loading) if loading else None, params.get("blend_fallback"))

@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from ..config import BlendConfig
 from ..models import check_supported
@@ -30,6 +30,7 @@ from .vllm_contract import (
     check_vllm_version,
     kv_transfer_params,
 )
+
 
 @contextlib.contextmanager
 def _environ(values: dict[str, str]):
@@ -82,7 +83,10 @@ class VLLMEngine(Engine):
             # The CPU backend reserves its KV cache from host RAM, in GiB.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
         args = blend_engine_args(
-            store=self.store, config=self.config, on_gpu=on_gpu, dtype=dtype,
+            store=self.store,
+            config=self.config,
+            on_gpu=on_gpu,
+            dtype=dtype,
             max_model_len=max_model_len or int(hf_config.max_position_embeddings),
         )
         self.dtype_name = args["dtype"]
@@ -141,19 +145,15 @@ class VLLMEngine(Engine):
         self._wake.set()
         self._stepper.join(timeout=30)
         with self._lock:
-            try:
+            with contextlib.suppress(Exception):  # the engine is already gone
                 self.llm.collective_rpc("blend_flush")
-            except Exception:  # engine already gone
-                pass
             shutdown = getattr(self.llm.llm_engine, "engine_core", None)
             if shutdown is not None and hasattr(shutdown, "shutdown"):
                 shutdown.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     # -- chunks ---------------------------------------------------------
     def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:
@@ -237,10 +237,17 @@ class VLLMEngine(Engine):
             blend, loading, fallback = blend_results(out.kv_transfer_params)
             usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
             stream.generation = Generation(
-                text="".join(text), token_ids=ids, prompt_token_ids=list(tp.token_ids),
+                text="".join(text),
+                token_ids=ids,
+                prompt_token_ids=list(tp.token_ids),
                 finish_reason="length" if completion.finish_reason == "length" else "stop",
-                ttft_s=ttft if ttft is not None else time.perf_counter() - t0, usage=usage, mode=mode,
-                logprobs=logprobs, total_s=time.perf_counter() - t0, loading=loading, fallback=fallback,
+                ttft_s=ttft if ttft is not None else time.perf_counter() - t0,
+                usage=usage,
+                mode=mode,
+                logprobs=logprobs,
+                total_s=time.perf_counter() - t0,
+                loading=loading,
+                fallback=fallback,
             )
         finally:
             if not finished:

@@ -9,5 +9,17 @@ from .layers import LayerModel, rotate
 from .plan import ChunkKeys, ChunkPlan, PrefillPlan, make_plan
 from .walk import KVCache, ReusedSpan, WalkStats, forward
 
-__all__ = ["Blender", "ChunkKeys", "ChunkPlan", "KVCache", "LayerModel", "PrefillPlan", "PrefillStats", "ReusedSpan",
-           "WalkStats", "forward", "make_plan", "rotate"]
+__all__ = [
+    "Blender",
+    "ChunkKeys",
+    "ChunkPlan",
+    "KVCache",
+    "LayerModel",
+    "PrefillPlan",
+    "PrefillStats",
+    "ReusedSpan",
+    "WalkStats",
+    "forward",
+    "make_plan",
+    "rotate",
+]

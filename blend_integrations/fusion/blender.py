@@ -10,8 +10,8 @@ standalone recipe.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -56,12 +56,26 @@ class Blender:
         # Token-layers per second of this model's walk, measured on every prefill.
         self.compute_rate = Rate()
 
-    def plan(self, token_ids: Sequence[int], chunk_spans: Sequence[tuple[int, int]], *, mode: str,
-             recompute_ratio: float | None = None) -> PrefillPlan:
+    def plan(
+        self,
+        token_ids: Sequence[int],
+        chunk_spans: Sequence[tuple[int, int]],
+        *,
+        mode: str,
+        recompute_ratio: float | None = None,
+    ) -> PrefillPlan:
         """``make_plan`` with this Blender's store, model and measured rates."""
-        return make_plan(token_ids, chunk_spans, mode=mode, ratio=recompute_ratio, config=self.config,
-                         keys=self.keys, store=self.store, num_layers=self.model.num_layers,
-                         rates=measured_rates(self.store, self.compute_rate))
+        return make_plan(
+            token_ids,
+            chunk_spans,
+            mode=mode,
+            ratio=recompute_ratio,
+            config=self.config,
+            keys=self.keys,
+            store=self.store,
+            num_layers=self.model.num_layers,
+            rates=measured_rates(self.store, self.compute_rate),
+        )
 
     def _expect(self, n: int):
         m = self.model
@@ -94,7 +108,7 @@ class Blender:
         stats = PrefillStats(loading=plan.loading)
         loaded = []  # (start, end, key, ids, ChunkKV or LayerReader) of the chunks reused
         for chunk in plan.chunks:
-            ids = list(token_ids[chunk.start:chunk.end])
+            ids = list(token_ids[chunk.start : chunk.end])
             if chunk.action == MISS:
                 stats.missed[chunk.key] = ids
             elif chunk.action == COMPUTE:
@@ -108,8 +122,7 @@ class Blender:
         schedule = self.config.check_schedule(plan.ratio) if plan.mode == "blend" else None
         first = cache.length
         while True:
-            out, walk = self._walk(cache, token_ids, loaded, schedule=schedule, logits=logits,
-                                   promised=plan.promised)
+            out, walk = self._walk(cache, token_ids, loaded, schedule=schedule, logits=logits, promised=plan.promised)
             if walk is not None:
                 break
             # A chunk failed to read or verify after its bytes may have been
@@ -131,16 +144,26 @@ class Blender:
         sink = self.config.sink_tokens
         loader = LayerLoader([source for *_, source in loaded if isinstance(source, LayerReader)])
         reused = [
-            ReusedSpan(start + sink, source.kv[:, :, :, sink:],
-                       loader.ready(source) if isinstance(source, LayerReader) else None)
+            ReusedSpan(
+                start + sink,
+                source.kv[:, :, :, sink:],
+                loader.ready(source) if isinstance(source, LayerReader) else None,
+            )
             for start, end, _, _, source in loaded
             if end - start > sink
         ]
         out = walk = None
         try:
             with loader:
-                out, walk = self._forward(cache, token_ids, reused=reused, schedule=schedule,
-                                          deviation=self.config.deviation, logits=logits, loader=loader)
+                out, walk = self._forward(
+                    cache,
+                    token_ids,
+                    reused=reused,
+                    schedule=schedule,
+                    deviation=self.config.deviation,
+                    logits=logits,
+                    loader=loader,
+                )
         except LoadFailed:
             pass  # settled below
         except BaseException:

@@ -22,8 +22,8 @@ the ratio (``token_layers``).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 Schedule = Callable[[float], list[tuple[int, float]]]  # ratio -> [(check layer, share)], as BlendConfig.check_schedule
 
@@ -107,8 +107,9 @@ def plan(
     return Plan(ratio, load, total_load, compute(reused, ratio))
 
 
-def decide(tiers: Sequence[str], tokens: Sequence[int], load_s: Sequence[float], *, floor: float,
-           **options) -> tuple[Plan, LoadingStats]:
+def decide(
+    tiers: Sequence[str], tokens: Sequence[int], load_s: Sequence[float], *, floor: float, **options
+) -> tuple[Plan, LoadingStats]:
     """``plan`` for stored chunks found in ``tiers`` (see ``plan`` for the rest),
     and its decisions as the ``LoadingStats`` a generation reports. Both
     engines decide through here: the transformers engine's ``Blender`` and
@@ -116,8 +117,12 @@ def decide(tiers: Sequence[str], tokens: Sequence[int], load_s: Sequence[float],
     p = plan(tokens, load_s, floor=floor, **options)
     found = Counter(tiers)
     return p, LoadingStats(
-        recompute_ratio=p.ratio, ratio_floor=floor,
-        chunks_memory=found["memory"], chunks_disk=found["disk"], chunks_remote=found["remote"],
-        chunks_recomputed=p.load.count(False), est_load_ms=1000 * p.load_s,
+        recompute_ratio=p.ratio,
+        ratio_floor=floor,
+        chunks_memory=found["memory"],
+        chunks_disk=found["disk"],
+        chunks_remote=found["remote"],
+        chunks_recomputed=p.load.count(False),
+        est_load_ms=1000 * p.load_s,
         est_compute_ms=None if p.compute_s is None else 1000 * p.compute_s,
     )

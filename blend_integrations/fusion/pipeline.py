@@ -85,7 +85,7 @@ class LayerLoader:
                     with self._cond:
                         self.errors[reader] = e
 
-    def __enter__(self) -> "LayerLoader":
+    def __enter__(self) -> LayerLoader:
         if self.readers:
             self._thread.start()
         return self

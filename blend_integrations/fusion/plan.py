@@ -23,8 +23,9 @@ that is not found when read counts as a miss.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ..config import BlendConfig
 from ..store import ChunkStore, chunk_key
@@ -44,8 +45,9 @@ class ChunkKeys:
     bos_token_id: int | None  # the BOS the tokenizer adds, part of the standalone recipe
 
     def __call__(self, token_ids: Sequence[int]) -> str:
-        return chunk_key(fingerprint=self.fingerprint, dtype=self.dtype, token_ids=token_ids,
-                         bos_token_id=self.bos_token_id)
+        return chunk_key(
+            fingerprint=self.fingerprint, dtype=self.dtype, token_ids=token_ids, bos_token_id=self.bos_token_id
+        )
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,8 @@ def measured_rates(store: ChunkStore, compute: Rate | None) -> dict[str, float |
     bandwidth in bytes/s, and "compute", the walk's token-layers per second
     (None until measured)."""
     return {tier: rate.value for tier, rate in store.read_rates.items()} | {
-        "compute": compute.value if compute is not None else None}
+        "compute": compute.value if compute is not None else None
+    }
 
 
 def _bandwidth(rates: dict[str, float | None], tier: str) -> float:
@@ -138,8 +141,12 @@ def make_plan(
             [tier for _, tier, _ in found],
             [max(0, spans[i][1] - spans[i][0] - config.sink_tokens) for i, _, _ in found],
             [nbytes / _bandwidth(rates, tier) for _, tier, nbytes in found],
-            num_tokens=len(token_ids), num_layers=num_layers, schedule=config.check_schedule,
-            floor=floor, throughput=rates["compute"], overlapped=config.pipelined_loading,
+            num_tokens=len(token_ids),
+            num_layers=num_layers,
+            schedule=config.check_schedule,
+            floor=floor,
+            throughput=rates["compute"],
+            overlapped=config.pipelined_loading,
         )
         floor = decided.ratio
         for (i, _, _), load in zip(found, decided.load):

@@ -17,8 +17,8 @@ Attention of active queries uses an exact causal mask by absolute position
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ class KVCache:
     length: int = 0
 
     @classmethod
-    def allocate(cls, model: LayerModel, capacity: int) -> "KVCache":
+    def allocate(cls, model: LayerModel, capacity: int) -> KVCache:
         shape = (model.num_kv_heads, capacity, model.head_dim)
         make = lambda: torch.empty(shape, dtype=model.dtype, device=model.device)  # noqa: E731
         return cls([make() for _ in range(model.num_layers)], [make() for _ in range(model.num_layers)])

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.llms import LLM
-from langchain_core.language_models import LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
@@ -59,8 +59,10 @@ def _turn(message: BaseMessage) -> dict:
     """One message as a chat-template turn (the OpenAI-style dicts HF templates read)."""
     turn = {"role": ROLES.get(message.type, message.type), "content": _content_parts(message.content)}
     if isinstance(message, AIMessage) and message.tool_calls:
-        turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
-                              for c in message.tool_calls]
+        turn["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+            for c in message.tool_calls
+        ]
     if isinstance(message, ToolMessage):
         turn["tool_call_id"] = message.tool_call_id
         if message.name:
@@ -68,8 +70,14 @@ def _turn(message: BaseMessage) -> dict:
     return turn
 
 
-def messages_to_prompt(messages: Sequence[BaseMessage], tokenizer, separator: str, *,
-                       tools: list[dict] | None = None, reply_prefix: str = "") -> TokenizedPrompt:
+def messages_to_prompt(
+    messages: Sequence[BaseMessage],
+    tokenizer,
+    separator: str,
+    *,
+    tools: list[dict] | None = None,
+    reply_prefix: str = "",
+) -> TokenizedPrompt:
     """Render messages through the model's own chat template with every chunk
     (chunk block or BLEND_SEPARATOR piece) kept a separate, alone-tokenized part.
     ``tools``: OpenAI-style tool schemas; ``reply_prefix``: text the reply starts with."""
@@ -118,7 +126,9 @@ class BlendLLM(_BlendModel, LLM):
     def _prompt(self, prompt: str) -> TokenizedPrompt | str:
         return text_prompt(prompt, self.engine.tokenizer)
 
-    def _call(self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> str:
+    def _call(
+        self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs
+    ) -> str:
         return self.engine.generate(self._prompt(prompt), **self._call_settings(kwargs, stop)).text
 
     def _info(self, gen: Generation) -> dict:
@@ -127,18 +137,30 @@ class BlendLLM(_BlendModel, LLM):
     def _result(self, gens: list[Generation]) -> LLMResult:
         return LLMResult(generations=[[LCGeneration(text=g.text, generation_info=self._info(g))] for g in gens])
 
-    def _generate(self, prompts: list[str], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> LLMResult:
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs,
+    ) -> LLMResult:
         settings = self._call_settings(kwargs, stop)
         return self._result(self.engine.generate_many([self._prompt(p) for p in prompts], **settings))
 
-    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> LLMResult:
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs,
+    ) -> LLMResult:
         settings = self._call_settings(kwargs, stop)
         gens = await asyncio.gather(*(self.engine.agenerate(self._prompt(p), **settings) for p in prompts))
         return self._result(list(gens))
 
-    def _stream(self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[GenerationChunk]:
+    def _stream(
+        self, prompt: str, stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs
+    ) -> Iterator[GenerationChunk]:
         stream = self.engine.stream(self._prompt(prompt), **self._call_settings(kwargs, stop))
         for delta in stream:
             chunk = GenerationChunk(text=delta)
@@ -147,7 +169,13 @@ class BlendLLM(_BlendModel, LLM):
             yield chunk
         yield GenerationChunk(text="", generation_info=self._info(stream.result()))
 
-    async def _astream(self, prompt: str, stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[GenerationChunk]:
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs,
+    ) -> AsyncIterator[GenerationChunk]:
         stream = self.engine.astream(self._prompt(prompt), **self._call_settings(kwargs, stop))
         async for delta in stream:
             chunk = GenerationChunk(text=delta)
@@ -158,7 +186,7 @@ class BlendLLM(_BlendModel, LLM):
 
 
 def _tool_choice(choice: Any, tools: list[dict]) -> str:
-    """"auto", "none", "any", or the name of the tool the reply must call."""
+    """ "auto", "none", "any", or the name of the tool the reply must call."""
     names = [t["function"]["name"] for t in tools]
     if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}} or {"name": ...}
         choice = choice.get("function", choice).get("name", choice)
@@ -170,8 +198,10 @@ def _tool_choice(choice: Any, tools: list[dict]) -> str:
         return names[0] if len(names) == 1 else "any"
     if isinstance(choice, str) and choice in names:
         return choice
-    raise ValueError(f"tool_choice must be 'auto', 'none', 'any', 'required' or one of the bound tools "
-                     f"({', '.join(names)}), got {choice!r:.80}")
+    raise ValueError(
+        f"tool_choice must be 'auto', 'none', 'any', 'required' or one of the bound tools "
+        f"({', '.join(names)}), got {choice!r:.80}"
+    )
 
 
 class ChatBlend(_BlendModel, BaseChatModel):
@@ -186,8 +216,13 @@ class ChatBlend(_BlendModel, BaseChatModel):
     def _llm_type(self) -> str:
         return "blend-chat"
 
-    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
-                   tool_choice: str | dict | bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: str | dict | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools for chat templates that render them. ``tool_choice``:
         "auto" (default, the model decides), "none", "any"/"required" (some
         tool) or a tool's name; a forced call is made by starting the reply
@@ -203,12 +238,16 @@ class ChatBlend(_BlendModel, BaseChatModel):
         fmt = tool_calls.detect_format(template)
         if fmt is None:
             what = "renders no tools" if "tools" not in template else "writes tool calls in a format not parsed here"
-            raise ValueError(f"the chat template of {self.engine.model_name} {what}; tool calling needs a template "
-                             f"in one of the formats {', '.join(tool_calls.FORMATS)} (set tool_call_format= "
-                             "if the template uses one of them but is not recognised)")
+            raise ValueError(
+                f"the chat template of {self.engine.model_name} {what}; tool calling needs a template "
+                f"in one of the formats {', '.join(tool_calls.FORMATS)} (set tool_call_format= "
+                "if the template uses one of them but is not recognised)"
+            )
         return fmt
 
-    def _request(self, messages: list[BaseMessage], kwargs: dict) -> tuple[TokenizedPrompt, tool_calls.ReplyStream | None]:
+    def _request(
+        self, messages: list[BaseMessage], kwargs: dict
+    ) -> tuple[TokenizedPrompt, tool_calls.ReplyStream | None]:
         """The prompt, and (with tools) the parser of the reply."""
         tools = [convert_to_openai_tool(t) for t in kwargs.pop("tools", None) or []]
         choice = _tool_choice(kwargs.pop("tool_choice", None), tools) if tools else "none"
@@ -216,8 +255,9 @@ class ChatBlend(_BlendModel, BaseChatModel):
             return messages_to_prompt(messages, self.engine.tokenizer, self.engine.config.separator), None
         fmt = self._tool_format()
         prefix = "" if choice == "auto" else tool_calls.prefill(fmt, None if choice == "any" else choice)
-        prompt = messages_to_prompt(messages, self.engine.tokenizer, self.engine.config.separator,
-                                    tools=tools, reply_prefix=prefix)
+        prompt = messages_to_prompt(
+            messages, self.engine.tokenizer, self.engine.config.separator, tools=tools, reply_prefix=prefix
+        )
         return prompt, tool_calls.ReplyStream(fmt, forced=bool(prefix), prefix=prefix)
 
     def _result(self, gen: Generation, replies: tool_calls.ReplyStream | None) -> ChatResult:
@@ -225,32 +265,63 @@ class ChatBlend(_BlendModel, BaseChatModel):
         if replies is not None:
             replies.feed(gen.text)
             reply = replies.finish()[1]
-            content, calls = reply.content, {
-                "tool_calls": [tool_call(name=c.name, args=c.arguments, id=c.id) for c in reply.calls],
-                "invalid_tool_calls": [invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
-                                       for c in reply.bad],
-            }
-        message = AIMessage(content=content, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen), **calls)
+            content, calls = (
+                reply.content,
+                {
+                    "tool_calls": [tool_call(name=c.name, args=c.arguments, id=c.id) for c in reply.calls],
+                    "invalid_tool_calls": [
+                        invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error) for c in reply.bad
+                    ],
+                },
+            )
+        message = AIMessage(
+            content=content, usage_metadata=self._usage(gen), response_metadata=self._metadata(gen), **calls
+        )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _final(self, gen: Generation, reply: tool_calls.Reply | None) -> AIMessageChunk:
         # the calls go as chunks; LangChain builds tool_calls/invalid_tool_calls from them
-        chunks = [] if reply is None else (
-            [tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i) for i, c in enumerate(reply.calls)]
-            + [tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=len(reply.calls) + i)
-               for i, c in enumerate(reply.bad)])
-        return AIMessageChunk(content="", usage_metadata=self._usage(gen), response_metadata=self._metadata(gen),
-                              tool_call_chunks=chunks, chunk_position="last")
+        chunks = (
+            []
+            if reply is None
+            else (
+                [
+                    tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
+                    for i, c in enumerate(reply.calls)
+                ]
+                + [
+                    tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=len(reply.calls) + i)
+                    for i, c in enumerate(reply.bad)
+                ]
+            )
+        )
+        return AIMessageChunk(
+            content="",
+            usage_metadata=self._usage(gen),
+            response_metadata=self._metadata(gen),
+            tool_call_chunks=chunks,
+            chunk_position="last",
+        )
 
     # Not built from _stream with LangChain's generate_from_stream: merging streamed chunks rebuilds
     # tool calls from their text, which drops an invalid call's error and can read a cut-off call as valid.
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs,
+    ) -> ChatResult:
         prompt, replies = self._request(messages, kwargs)
         return self._result(self.engine.generate(prompt, **self._call_settings(kwargs, stop)), replies)
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs,
+    ) -> ChatResult:
         prompt, replies = self._request(messages, kwargs)
         return self._result(await self.engine.agenerate(prompt, **self._call_settings(kwargs, stop)), replies)
 
@@ -265,8 +336,13 @@ class ChatBlend(_BlendModel, BaseChatModel):
             yield ChatGenerationChunk(message=AIMessageChunk(content=tail))
         yield ChatGenerationChunk(message=self._final(gen, reply))
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs,
+    ) -> Iterator[ChatGenerationChunk]:
         prompt, replies = self._request(messages, kwargs)
         stream = self.engine.stream(prompt, **self._call_settings(kwargs, stop))
         for delta in stream:
@@ -279,8 +355,13 @@ class ChatBlend(_BlendModel, BaseChatModel):
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         prompt, replies = self._request(messages, kwargs)
         stream = self.engine.astream(prompt, **self._call_settings(kwargs, stop))
         async for delta in stream:

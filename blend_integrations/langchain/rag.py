@@ -4,8 +4,9 @@ documents over as chunks, and a cache warmer (the same signature as LlamaIndex's
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from operator import itemgetter
-from typing import Any, Sequence
+from typing import Any
 
 from langchain_core.documents import BaseDocumentTransformer, Document
 from langchain_core.messages import HumanMessage
@@ -21,7 +22,9 @@ from .chat import BlendLLM, ChatBlend, chunk_block, format_docs
 DEFAULT_PROMPT = ChatPromptTemplate.from_messages([("system", RAG_SYSTEM_PROMPT), ("human", RAG_QUESTION)])
 
 
-def create_blend_rag_chain(retriever: Runnable, llm: ChatBlend | BlendLLM, prompt: ChatPromptTemplate | None = None) -> Runnable:
+def create_blend_rag_chain(
+    retriever: Runnable, llm: ChatBlend | BlendLLM, prompt: ChatPromptTemplate | None = None
+) -> Runnable:
     """question (a string or ``{"question": ...}``) -> ``{"question", "documents", "answer"}``.
 
     The retrieved ``Document``s go to the model as chunks directly: content
@@ -50,7 +53,11 @@ def create_blend_rag_chain(retriever: Runnable, llm: ChatBlend | BlendLLM, promp
         if not humans:
             raise ValueError("the prompt needs a human message for the documents to go in")
         i = humans[-1]
-        text = messages[i].content if isinstance(messages[i].content, list) else [{"type": "text", "text": messages[i].content}]
+        text = (
+            messages[i].content
+            if isinstance(messages[i].content, list)
+            else [{"type": "text", "text": messages[i].content}]
+        )
         messages[i] = HumanMessage(content=[chunk_block(d) for d in docs] + text)
         return messages
 
@@ -69,8 +76,14 @@ class BlendCacheWarmer(BaseDocumentTransformer):
     documents. LlamaIndex's ``BlendCacheWarmer`` takes the same arguments
     (``model=`` and ``progress=`` are the deprecated names of these two)."""
 
-    def __init__(self, llm: ChatBlend | BlendLLM | Engine | None = None, *, show_progress: bool | None = None,
-                 model: ChatBlend | BlendLLM | Engine | None = None, progress: bool | None = None) -> None:
+    def __init__(
+        self,
+        llm: ChatBlend | BlendLLM | Engine | None = None,
+        *,
+        show_progress: bool | None = None,
+        model: ChatBlend | BlendLLM | Engine | None = None,
+        progress: bool | None = None,
+    ) -> None:
         if model is not None:
             llm = renamed("model", "llm", model)
         if progress is not None:

@@ -31,7 +31,9 @@ def _turn(message: ChatMessage) -> dict:
     parts: list[Part] = []
     for block in message.blocks:
         if not isinstance(block, TextBlock):
-            raise PromptError(f"a blend model reads text only, got a {type(block).__name__} in a {message.role.value} message")
+            raise PromptError(
+                f"a blend model reads text only, got a {type(block).__name__} in a {message.role.value} message"
+            )
         parts += split_text(block.text)
     return {"role": message.role.value, "content": parts}
 
@@ -73,9 +75,14 @@ class BlendLLM(BlendModelBase, LLM):
         tokenized alone. ``system_prompt=None``: the ``system_prompt`` field."""
         if not chunks:
             raise PromptError("no chunks given: pass at least one text (an empty retrieval has nothing to blend)")
-        return rag_prompt(chunks, query, self.engine.tokenizer, self.engine.config.separator,
-                          system=system_prompt if system_prompt is not None else self.system_prompt,
-                          question_template="{question}")
+        return rag_prompt(
+            chunks,
+            query,
+            self.engine.tokenizer,
+            self.engine.config.separator,
+            system=system_prompt if system_prompt is not None else self.system_prompt,
+            question_template="{question}",
+        )
 
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> TokenizedPrompt:
         if self.system_prompt and not any(m.role == MessageRole.SYSTEM for m in messages):
@@ -103,8 +110,9 @@ class BlendLLM(BlendModelBase, LLM):
         for delta in stream:
             text += delta
             yield CompletionResponse(text=text, delta=delta)
-        yield CompletionResponse(text=text, delta="", raw=stream.result(),
-                                 additional_kwargs={"blend": stream.result().stats()})
+        yield CompletionResponse(
+            text=text, delta="", raw=stream.result(), additional_kwargs={"blend": stream.result().stats()}
+        )
 
     async def _astream(self, prompt: TokenizedPrompt | str, kwargs: dict) -> AsyncIterator[CompletionResponse]:
         stream = self.engine.astream(prompt, **self._call_settings(kwargs))
@@ -112,13 +120,18 @@ class BlendLLM(BlendModelBase, LLM):
         async for delta in stream:
             text += delta
             yield CompletionResponse(text=text, delta=delta)
-        yield CompletionResponse(text=text, delta="", raw=stream.result(),
-                                 additional_kwargs={"blend": stream.result().stats()})
+        yield CompletionResponse(
+            text=text, delta="", raw=stream.result(), additional_kwargs={"blend": stream.result().stats()}
+        )
 
     @staticmethod
     def _as_chat(r: CompletionResponse) -> ChatResponse:
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text), delta=r.delta, raw=r.raw,
-                            additional_kwargs=r.additional_kwargs)
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text),
+            delta=r.delta,
+            raw=r.raw,
+            additional_kwargs=r.additional_kwargs,
+        )
 
     # -- LlamaIndex LLM API ---------------------------------------------------------
 
@@ -160,19 +173,23 @@ class BlendLLM(BlendModelBase, LLM):
 
     # -- chunks given explicitly ----------------------------------------------------
 
-    def complete_chunks(self, chunks: Sequence[str], query: str, *, system_prompt: str | None = None,
-                        **kwargs: Any) -> CompletionResponse:
+    def complete_chunks(
+        self, chunks: Sequence[str], query: str, *, system_prompt: str | None = None, **kwargs: Any
+    ) -> CompletionResponse:
         """Answer ``query`` from ``chunks`` (retrieved texts, each its own chunk)."""
         return self._complete(self.chunks_prompt(chunks, query, system_prompt), kwargs)
 
-    def stream_complete_chunks(self, chunks: Sequence[str], query: str, *, system_prompt: str | None = None,
-                               **kwargs: Any) -> CompletionResponseGen:
+    def stream_complete_chunks(
+        self, chunks: Sequence[str], query: str, *, system_prompt: str | None = None, **kwargs: Any
+    ) -> CompletionResponseGen:
         return self._stream(self.chunks_prompt(chunks, query, system_prompt), kwargs)
 
-    async def acomplete_chunks(self, chunks: Sequence[str], query: str, *, system_prompt: str | None = None,
-                               **kwargs: Any) -> CompletionResponse:
+    async def acomplete_chunks(
+        self, chunks: Sequence[str], query: str, *, system_prompt: str | None = None, **kwargs: Any
+    ) -> CompletionResponse:
         return await self._acomplete(self.chunks_prompt(chunks, query, system_prompt), kwargs)
 
-    def astream_complete_chunks(self, chunks: Sequence[str], query: str, *, system_prompt: str | None = None,
-                                **kwargs: Any) -> CompletionResponseAsyncGen:
+    def astream_complete_chunks(
+        self, chunks: Sequence[str], query: str, *, system_prompt: str | None = None, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
         return self._astream(self.chunks_prompt(chunks, query, system_prompt), kwargs)

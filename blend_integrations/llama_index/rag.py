@@ -37,9 +37,16 @@ class BlendSynthesizer(BaseSynthesizer):
     ``prompt_tokens``, ``cached_tokens``, ``recomputed_tokens``, ``ttft_s`` and
     more (for a streaming response it is filled once the stream is consumed)."""
 
-    def __init__(self, llm: BlendLLM, *, system_prompt: str | None = RAG_SYSTEM_PROMPT,
-                 query_template: str = DEFAULT_QUERY_TEMPLATE, streaming: bool = False,
-                 callback_manager: CallbackManager | None = None, **generation: Any) -> None:
+    def __init__(
+        self,
+        llm: BlendLLM,
+        *,
+        system_prompt: str | None = RAG_SYSTEM_PROMPT,
+        query_template: str = DEFAULT_QUERY_TEMPLATE,
+        streaming: bool = False,
+        callback_manager: CallbackManager | None = None,
+        **generation: Any,
+    ) -> None:
         if not isinstance(llm, BlendLLM):
             raise TypeError(f"BlendSynthesizer needs a blend_integrations BlendLLM, got {type(llm).__name__}")
         if "{query_str}" not in query_template:
@@ -90,25 +97,41 @@ class BlendSynthesizer(BaseSynthesizer):
             if r.delta:
                 yield r.delta
 
-    def synthesize(self, query: QueryType, nodes: list[NodeWithScore],
-                   additional_source_nodes: Sequence[NodeWithScore] | None = None, **kwargs: Any) -> RESPONSE_TYPE:
+    def synthesize(
+        self,
+        query: QueryType,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **kwargs: Any,
+    ) -> RESPONSE_TYPE:
         stats: dict = {}
         response = super().synthesize(query, nodes, additional_source_nodes, blend_stats=stats, **kwargs)
         response.metadata = {**(response.metadata or {}), "blend": stats}
         return response
 
-    async def asynthesize(self, query: QueryType, nodes: list[NodeWithScore],
-                          additional_source_nodes: Sequence[NodeWithScore] | None = None, **kwargs: Any) -> RESPONSE_TYPE:
+    async def asynthesize(
+        self,
+        query: QueryType,
+        nodes: list[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None = None,
+        **kwargs: Any,
+    ) -> RESPONSE_TYPE:
         stats: dict = {}
         response = await super().asynthesize(query, nodes, additional_source_nodes, blend_stats=stats, **kwargs)
         response.metadata = {**(response.metadata or {}), "blend": stats}
         return response
 
 
-def as_blend_query_engine(index_or_retriever: Any, llm: BlendLLM, *, streaming: bool = False,
-                          system_prompt: str | None = RAG_SYSTEM_PROMPT, query_template: str = DEFAULT_QUERY_TEMPLATE,
-                          node_postprocessors: list[BaseNodePostprocessor] | None = None,
-                          **retriever_kwargs: Any) -> RetrieverQueryEngine:
+def as_blend_query_engine(
+    index_or_retriever: Any,
+    llm: BlendLLM,
+    *,
+    streaming: bool = False,
+    system_prompt: str | None = RAG_SYSTEM_PROMPT,
+    query_template: str = DEFAULT_QUERY_TEMPLATE,
+    node_postprocessors: list[BaseNodePostprocessor] | None = None,
+    **retriever_kwargs: Any,
+) -> RetrieverQueryEngine:
     """A query engine over an index (``retriever_kwargs``, e.g. ``similarity_top_k``,
     go to ``index.as_retriever``) or a retriever, answering with ``BlendSynthesizer``."""
     if isinstance(index_or_retriever, BaseRetriever):

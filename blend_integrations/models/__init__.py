@@ -2,4 +2,4 @@
 
 from .hf import SUPPORTED_MODEL_TYPES, HFDecoder, UnsupportedModelError, check_supported
 
-__all__ = ["HFDecoder", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "check_supported"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "HFDecoder", "UnsupportedModelError", "check_supported"]

@@ -37,8 +37,10 @@ def gguf_file(path: str | os.PathLike) -> Path | None:
     if path.is_dir() and not (path / "config.json").exists():
         found = sorted(path.glob("*.gguf"))
         if len(found) > 1:
-            raise GGUFError(f"{str(path)!r} holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); "
-                            "pass the path of the one to load")
+            raise GGUFError(
+                f"{str(path)!r} holds {len(found)} GGUF files ({', '.join(p.name for p in found)}); "
+                "pass the path of the one to load"
+            )
         return found[0] if found else None
     return None
 
@@ -73,12 +75,13 @@ def converted_dir(path: str | os.PathLike, *, cache: str | os.PathLike | None = 
     if (out / DONE).is_file():
         return out
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        import gguf  # noqa: F401 - transformers' loader needs it; say which extra to install
         import accelerate  # noqa: F401
+        import gguf  # noqa: F401 - transformers' loader needs it; say which extra to install
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
-        raise ImportError(f"loading a GGUF checkpoint needs the gguf extra: pip install 'blend_integrations[gguf]' "
-                          f"({exc})") from exc
+        raise ImportError(
+            f"loading a GGUF checkpoint needs the gguf extra: pip install 'blend_integrations[gguf]' ({exc})"
+        ) from exc
     folder, name = str(source.parent), source.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)

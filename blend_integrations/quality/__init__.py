@@ -15,5 +15,6 @@ def reader_model_dir() -> Path:
     if not (READER_DIR / "model.safetensors").exists():
         raise FileNotFoundError(
             f"the reader model is missing from {READER_DIR}; train it with "
-            f"`python -m training.train {READER_DIR}` in a checkout of the repository")
+            f"`python -m training.train {READER_DIR}` in a checkout of the repository"
+        )
     return READER_DIR

@@ -14,17 +14,17 @@ from .keys import RECIPE_VERSION, chunk_key, model_fingerprint
 from .stats import StoreStats
 
 __all__ = [
-    "ChunkStore",
-    "Location",
-    "TIERS",
     "DEFAULT_READ_BANDWIDTH",
-    "ChunkKV",
-    "StoreStats",
-    "CorruptEntryError",
-    "chunk_key",
-    "model_fingerprint",
     "RECIPE_VERSION",
+    "REMOTE_ENV",
+    "TIERS",
+    "ChunkKV",
+    "ChunkStore",
+    "CorruptEntryError",
+    "Location",
+    "StoreStats",
+    "chunk_key",
     "default_store_path",
     "default_store_remote",
-    "REMOTE_ENV",
+    "model_fingerprint",
 ]

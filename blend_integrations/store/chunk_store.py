@@ -159,16 +159,13 @@ class ChunkStore:
         if remote_size_limit_bytes is not None and (
             type(remote_size_limit_bytes) is not int or remote_size_limit_bytes <= 0
         ):
-            raise ValueError(
-                f"remote_size_limit_bytes must be a positive int or None, got {remote_size_limit_bytes!r}"
-            )
+            raise ValueError(f"remote_size_limit_bytes must be a positive int or None, got {remote_size_limit_bytes!r}")
         if not isinstance(remote_timeout_s, (int, float)) or not remote_timeout_s > 0:
             raise ValueError(f"remote_timeout_s must be a positive number, got {remote_timeout_s!r}")
         if isinstance(remote_retry_s, bool) or not isinstance(remote_retry_s, (int, float)) or remote_retry_s < 0:
             raise ValueError(f"remote_retry_s must be a non-negative number, got {remote_retry_s!r}")
         if type(remote_backfill_max_keys) is not int or remote_backfill_max_keys < 0:
-            raise ValueError(
-                f"remote_backfill_max_keys must be a non-negative int, got {remote_backfill_max_keys!r}")
+            raise ValueError(f"remote_backfill_max_keys must be a non-negative int, got {remote_backfill_max_keys!r}")
         from_env = remote is None
         if from_env:
             remote = default_store_remote()
@@ -197,9 +194,18 @@ class ChunkStore:
         # Top tier first: the order reads look in and hits are copied up.
         self._memory = MemoryTier(memory_limit_bytes, report=self._report, rate=self.read_rates["memory"])
         self._disk = DiskTier(self.path, size_limit_bytes, report=self._report, rate=self.read_rates["disk"])
-        self._remote = None if client is None else RemoteTier(
-            client, backfill_source=self._disk.read_bytes, retry_s=remote_retry_s,
-            backfill_max_keys=remote_backfill_max_keys, report=self._report, rate=self.read_rates["remote"])
+        self._remote = (
+            None
+            if client is None
+            else RemoteTier(
+                client,
+                backfill_source=self._disk.read_bytes,
+                retry_s=remote_retry_s,
+                backfill_max_keys=remote_backfill_max_keys,
+                report=self._report,
+                rate=self.read_rates["remote"],
+            )
+        )
         self._tiers: tuple[Tier, ...] = tuple(t for t in (self._memory, self._disk, self._remote) if t is not None)
         _live_stores.add(self)
 
@@ -223,10 +229,7 @@ class ChunkStore:
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
         if expect is not None and len(expect) != 5:
-            raise ValueError(
-                "expect must be (num_layers, num_kv_heads, num_tokens, head_dim, dtype), "
-                f"got {expect!r}"
-            )
+            raise ValueError(f"expect must be (num_layers, num_kv_heads, num_tokens, head_dim, dtype), got {expect!r}")
         found = self._lookup(key, expect, layered=False)
         assert not isinstance(found, LayerReader)  # whole reads only
         return found
@@ -368,8 +371,10 @@ class ChunkStore:
 
     def __repr__(self) -> str:
         s = self.stats
-        remote = "" if self.remote is None else (
-            f"remote={redact(self.remote)!r}, remote_size_limit_bytes={self.remote_size_limit_bytes}, "
+        remote = (
+            ""
+            if self.remote is None
+            else (f"remote={redact(self.remote)!r}, remote_size_limit_bytes={self.remote_size_limit_bytes}, ")
         )
         return (
             f"ChunkStore(path={str(self.path)!r}, size_limit_bytes={self.size_limit_bytes}, "

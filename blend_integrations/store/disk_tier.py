@@ -82,8 +82,7 @@ class _BytesOnlyDisk(diskcache.Disk):
             return bytes(value)
         kind = {MODE_RAW: "a raw non-bytes value", MODE_TEXT: "text", MODE_PICKLE: "a pickle"}
         raise CorruptEntryError(
-            f"value stored as {kind.get(mode, f'mode {mode}')}, not raw bytes "
-            "(refused, never unpickled)"
+            f"value stored as {kind.get(mode, f'mode {mode}')}, not raw bytes (refused, never unpickled)"
         )
 
     def get(self, key, raw):
@@ -135,8 +134,9 @@ class DiskTier(Tier):
             try:
                 size = os.fstat(value.fileno()).st_size
                 # The file is this entry's alone and never rewritten in place: a short read is damage.
-                return LayerReader(self.name, key, expect, size, file_reader(value), value.close,
-                                   short_read_is_damage=True)
+                return LayerReader(
+                    self.name, key, expect, size, file_reader(value), value.close, short_read_is_damage=True
+                )
             except OSError as e:
                 value.close()
                 self._read_failed(key, e)
@@ -157,7 +157,8 @@ class DiskTier(Tier):
         # caller's recompute-and-put replaces the entry if it is bad.
         self.report.count(errors=1)
         self.report.warn_once(
-            key, f"disk tier read failed ({type(error).__name__}: {error}); treating it as a disk miss")
+            key, f"disk tier read failed ({type(error).__name__}: {error}); treating it as a disk miss"
+        )
 
     def read_bytes(self, key: str) -> bytes | None:
         """The bytes as stored (diskcache reads a file whole), not decoded:
@@ -221,7 +222,10 @@ class DiskTier(Tier):
         log = logger.warning if first else logger.debug
         log(
             "chunk store %s: disk write of key %s... failed (%s: %s); not stored on disk%s",
-            self.report.label, key[:16], type(error).__name__, error,
+            self.report.label,
+            key[:16],
+            type(error).__name__,
+            error,
             " (further write failures are logged at DEBUG)" if first else "",
         )
 

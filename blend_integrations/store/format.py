@@ -51,9 +51,7 @@ _DTYPE_NAMES = (
     "float8_e4m3fn",
     "float8_e5m2",
 )
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
 _NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 
 
@@ -66,9 +64,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAME_OF[dtype]
     except KeyError:
-        raise ValueError(
-            f"unsupported KV dtype {dtype}; supported: {', '.join(DTYPES)}"
-        ) from None
+        raise ValueError(f"unsupported KV dtype {dtype}; supported: {', '.join(DTYPES)}") from None
 
 
 # eq=False: the generated __eq__ would compare tensors elementwise and then
@@ -95,8 +91,7 @@ class ChunkKV:
             raise TypeError(f"ChunkKV.kv must be a torch.Tensor, got {type(kv).__name__}")
         if kv.dim() != 5 or kv.shape[1] != 2:
             raise ValueError(
-                "ChunkKV.kv must have shape [num_layers, 2, num_kv_heads, num_tokens, "
-                f"head_dim], got {tuple(kv.shape)}"
+                f"ChunkKV.kv must have shape [num_layers, 2, num_kv_heads, num_tokens, head_dim], got {tuple(kv.shape)}"
             )
         dtype_name(kv.dtype)  # raises for unsupported dtypes
         if kv.device.type != "cpu" or not kv.is_contiguous() or kv.requires_grad:
@@ -127,10 +122,7 @@ class ChunkKV:
         return self.kv.numel() * self.kv.element_size()
 
     def __repr__(self) -> str:
-        return (
-            f"ChunkKV(key={self.key[:16]!r}..., shape={tuple(self.kv.shape)}, "
-            f"dtype={dtype_name(self.dtype)})"
-        )
+        return f"ChunkKV(key={self.key[:16]!r}..., shape={tuple(self.kv.shape)}, dtype={dtype_name(self.dtype)})"
 
 
 def _require_little_endian() -> None:
@@ -220,9 +212,7 @@ class Layout:
                 f"shape {shape} of {name} needs {math.prod(shape) * itemsize} bytes but payload has {self.payload_bytes}"
             )
         if key != expected_key:
-            raise CorruptEntryError(
-                f"foreign entry: holds key {key[:16]}..., expected {expected_key[:16]}..."
-            )
+            raise CorruptEntryError(f"foreign entry: holds key {key[:16]}..., expected {expected_key[:16]}...")
         return key, dtype, shape
 
 
@@ -237,16 +227,12 @@ def read_layout(head: memoryview, n: int) -> Layout:
     if magic != MAGIC:
         raise CorruptEntryError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}); not a chunk KV entry")
     if version != FORMAT_VERSION:
-        raise CorruptEntryError(
-            f"unknown format version {version} (this code reads version {FORMAT_VERSION})"
-        )
+        raise CorruptEntryError(f"unknown format version {version} (this code reads version {FORMAT_VERSION})")
     if header_len > _MAX_HEADER_BYTES:
         raise CorruptEntryError(f"implausible header length {header_len}")
     payload_start = _PREFIX.size + header_len
     if payload_start + _CRC.size > n:
-        raise CorruptEntryError(
-            f"truncated entry: {n} bytes, but the header alone needs {payload_start + _CRC.size}"
-        )
+        raise CorruptEntryError(f"truncated entry: {n} bytes, but the header alone needs {payload_start + _CRC.size}")
     try:
         header = json.loads(bytes(head[_PREFIX.size : payload_start]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
@@ -308,9 +294,7 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
     (stored_crc,) = _CRC.unpack_from(mv, n - _CRC.size)
     actual_crc = zlib.crc32(mv[: n - _CRC.size])
     if actual_crc != stored_crc:
-        raise CorruptEntryError(
-            f"checksum mismatch (stored crc32 {stored_crc:08x}, computed {actual_crc:08x})"
-        )
+        raise CorruptEntryError(f"checksum mismatch (stored crc32 {stored_crc:08x}, computed {actual_crc:08x})")
     key, dtype, shape = layout.check(expected_key)
     payload_start, payload_bytes = layout.payload_start, layout.payload_bytes
     numel = math.prod(shape)

@@ -14,8 +14,8 @@ import os
 import struct
 import sys
 from array import array
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 # Chunk KV recipe, version 1: the chunk is prefilled standalone as
 # ``[BOS] + chunk`` at positions 0..n (BOS at 0, the chunk's tokens at 1..n),
@@ -34,7 +34,7 @@ _FP_DOMAIN = b"blend_integrations/model-fingerprint/v1"
 _KEY_DOMAIN = b"blend_integrations/chunk-key/v1"
 
 
-def _field(h: "hashlib._Hash", data: bytes) -> None:
+def _field(h: hashlib._Hash, data: bytes) -> None:
     """Feed one length-prefixed field so concatenations can't collide."""
     h.update(struct.pack("<Q", len(data)))
     h.update(data)
@@ -71,8 +71,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     config = root / "config.json"
     if not config.is_file():
         raise FileNotFoundError(
-            f"model_fingerprint: no config.json in {str(root)!r}; "
-            "pass the local directory of a downloaded checkpoint"
+            f"model_fingerprint: no config.json in {str(root)!r}; pass the local directory of a downloaded checkpoint"
         )
     weights = sorted(
         (p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()),
@@ -80,8 +79,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     )
     if not weights:
         raise FileNotFoundError(
-            f"model_fingerprint: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) "
-            f"in {str(root)!r}"
+            f"model_fingerprint: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in {str(root)!r}"
         )
 
     h = hashlib.sha256()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -44,8 +44,17 @@ class LayerReader:
     that did not complete. ``nbytes`` and ``seconds`` add up the reads.
     """
 
-    def __init__(self, tier: str, key: str, expect, size: int, read_into: ReadInto, close: Callable[[], None] | None,
-                 *, short_read_is_damage: bool) -> None:
+    def __init__(
+        self,
+        tier: str,
+        key: str,
+        expect,
+        size: int,
+        read_into: ReadInto,
+        close: Callable[[], None] | None,
+        *,
+        short_read_is_damage: bool,
+    ) -> None:
         self.tier, self.key, self.size = tier, key, size
         self._read_into = read_into
         self._close: Callable[[], None] | None = close  # None: nothing to close
@@ -68,8 +77,11 @@ class LayerReader:
         self.head = bytes(head)
         self._payload_start = layout.payload_start
         self._buffer = bytearray(layout.payload_bytes)
-        self.kv = torch.frombuffer(self._buffer, dtype=dtype).view(shape) if layout.payload_bytes else (
-            torch.empty(shape, dtype=dtype))
+        self.kv = (
+            torch.frombuffer(self._buffer, dtype=dtype).view(shape)
+            if layout.payload_bytes
+            else (torch.empty(shape, dtype=dtype))
+        )
         self.num_layers = shape[0]
         self._layer_bytes = layout.payload_bytes // max(1, self.num_layers)
         self._crc = zlib.crc32(head)
@@ -102,8 +114,9 @@ class LayerReader:
         self._read(self.size - CRC_BYTES, memoryview(stored))
         self.close()
         if crc_of(bytes(stored)) != self._crc:
-            raise CorruptEntryError(f"checksum mismatch (stored crc32 {crc_of(bytes(stored)):08x}, "
-                                    f"computed {self._crc:08x})")
+            raise CorruptEntryError(
+                f"checksum mismatch (stored crc32 {crc_of(bytes(stored)):08x}, computed {self._crc:08x})"
+            )
         self.verified = True
 
     def encoded(self) -> bytes:

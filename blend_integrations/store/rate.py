@@ -9,11 +9,11 @@ import threading
 class Rate:
     """Exponentially weighted mean of ``amount / seconds`` over real operations.
 
-    Amounts and seconds are averaged separately and divided, so a large
-    operation weighs more than a small one whose fixed costs dominate. Until
-    the first measurement the rate is ``initial`` (None: unknown); the first
-    measurement replaces it, each later one moves the means by ``weight``.
-Callers check ``initial`` (ChunkStore's ``read_bandwidth``).
+        Amounts and seconds are averaged separately and divided, so a large
+        operation weighs more than a small one whose fixed costs dominate. Until
+        the first measurement the rate is ``initial`` (None: unknown); the first
+        measurement replaces it, each later one moves the means by ``weight``.
+    Callers check ``initial`` (ChunkStore's ``read_bandwidth``).
     """
 
     def __init__(self, initial: float | None = None, *, weight: float = 0.25) -> None:

@@ -57,7 +57,9 @@ end
 """
 
 # KEYS: LRU, SIZES, TOTAL, CLOCK, value key; ARGV: value prefix, member, data, limit (-1: none)
-_PUT = _FORGET + """
+_PUT = (
+    _FORGET
+    + """
 local member, size, limit = ARGV[2], string.len(ARGV[3]), tonumber(ARGV[4])
 local old = tonumber(redis.call('HGET', KEYS[2], member) or 0)
 redis.call('SET', KEYS[5], ARGV[3])
@@ -72,9 +74,12 @@ while limit >= 0 and total > limit do
 end
 return total
 """
+)
 
 # KEYS: LRU, SIZES, TOTAL, CLOCK, value key; ARGV: value prefix, member
-_GET = _FORGET + """
+_GET = (
+    _FORGET
+    + """
 local data = redis.call('GET', KEYS[5])
 if data then
   redis.call('ZADD', KEYS[1], 'XX', redis.call('INCR', KEYS[4]), ARGV[2])
@@ -83,6 +88,7 @@ end
 forget(ARGV[2])  -- gone behind our back: keep the index and the count right
 return false
 """
+)
 
 # KEYS: LRU, CLOCK; ARGV: member (a read in parts, with GETRANGE, ends with this)
 _TOUCH = """
@@ -91,10 +97,13 @@ return 0
 """
 
 # KEYS: LRU, SIZES, TOTAL; ARGV: value prefix, members...
-_FORGET_ALL = _FORGET + """
+_FORGET_ALL = (
+    _FORGET
+    + """
 for i = 2, #ARGV do forget(ARGV[i]) end
 return 0
 """
+)
 
 # KEYS: LRU, SIZES, TOTAL, CLOCK; ARGV: value prefix
 _CLEAR = """
@@ -160,8 +169,13 @@ class RedisClient:
         self._client = redis.Redis.from_url(self.url, **self._options)
         self._scripts = {
             name: self._client.register_script(text)
-            for name, text in (("put", _PUT), ("get", _GET), ("touch", _TOUCH), ("forget", _FORGET_ALL),
-                               ("clear", _CLEAR))
+            for name, text in (
+                ("put", _PUT),
+                ("get", _GET),
+                ("touch", _TOUCH),
+                ("forget", _FORGET_ALL),
+                ("clear", _CLEAR),
+            )
         }
 
     def get(self, key: str) -> bytes | None:
@@ -171,8 +185,7 @@ class RedisClient:
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` under ``key``, then evict down to the size limit."""
         limit = -1 if self.size_limit_bytes is None else self.size_limit_bytes
-        self._scripts["put"](keys=[LRU, SIZES, TOTAL, CLOCK, VALUE_PREFIX + key],
-                             args=[VALUE_PREFIX, key, data, limit])
+        self._scripts["put"](keys=[LRU, SIZES, TOTAL, CLOCK, VALUE_PREFIX + key], args=[VALUE_PREFIX, key, data, limit])
 
     def delete(self, key: str) -> None:
         self._scripts["forget"](keys=[LRU, SIZES, TOTAL], args=[VALUE_PREFIX, key])

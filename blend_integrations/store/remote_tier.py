@@ -42,9 +42,16 @@ class RemoteTier(Tier):
 
     name = "remote"
 
-    def __init__(self, client: RedisClient, *, backfill_source: Callable[[str], bytes | None],
-                 retry_s: float = REMOTE_RETRY_S, backfill_max_keys: int = REMOTE_BACKFILL_MAX_KEYS,
-                 report: Report, rate: Rate) -> None:
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        backfill_source: Callable[[str], bytes | None],
+        retry_s: float = REMOTE_RETRY_S,
+        backfill_max_keys: int = REMOTE_BACKFILL_MAX_KEYS,
+        report: Report,
+        rate: Rate,
+    ) -> None:
         super().__init__(report, rate)
         self.client = client
         self.size_limit_bytes = client.size_limit_bytes
@@ -161,7 +168,12 @@ class RemoteTier(Tier):
             log(
                 "chunk store %s: Redis %s: %s failed (%s: %s); using the local tiers only, "
                 "trying Redis again in %g s%s",
-                self.report.label, redact(self.client.url), action, type(e).__name__, e, self.retry_s,
+                self.report.label,
+                redact(self.client.url),
+                action,
+                type(e).__name__,
+                e,
+                self.retry_s,
                 " (further Redis errors are logged at DEBUG)" if first else "",
             )
             return _SKIPPED
@@ -170,11 +182,16 @@ class RemoteTier(Tier):
             backfill = len(self._backfill_keys) if self._backfill_thread is None else 0
             if backfill:  # started under the lock, so close() never sees an unstarted thread
                 self._backfill_thread = threading.Thread(
-                    target=self._backfill, name="chunk-store-backfill", daemon=True)
+                    target=self._backfill, name="chunk-store-backfill", daemon=True
+                )
                 self._backfill_thread.start()
         if back:
-            logger.info("chunk store %s: Redis %s answers again%s", self.report.label, redact(self.client.url),
-                        f"; writing the {backfill} entries put meanwhile to it" if backfill else "")
+            logger.info(
+                "chunk store %s: Redis %s answers again%s",
+                self.report.label,
+                redact(self.client.url),
+                f"; writing the {backfill} entries put meanwhile to it" if backfill else "",
+            )
         return result
 
     def _queue_backfill(self, key: str, *, oldest: bool = False) -> None:

@@ -55,7 +55,7 @@ class Tier(ABC):
         an entry that can be read layer by layer (the header read and
         checked). Raises ``CorruptEntryError`` for a damaged or foreign entry."""
 
-    def finish(self, key: str, error: BaseException | None) -> None:
+    def finish(self, key: str, error: BaseException | None) -> None:  # noqa: B027 - optional, so not abstract
         """A layered read of ``key`` from this tier ended, with ``error``
         unless it was read whole and verified. Nothing to do by default."""
 
@@ -102,8 +102,9 @@ class Tier(ABC):
 
 def mismatch(entry: ChunkKV, expect: Expect) -> str | None:
     """Why ``entry`` doesn't match ``expect``, or None if it does."""
-    return geometry_mismatch((entry.num_layers, entry.num_kv_heads, entry.num_tokens, entry.head_dim, entry.dtype),
-                             expect)
+    return geometry_mismatch(
+        (entry.num_layers, entry.num_kv_heads, entry.num_tokens, entry.head_dim, entry.dtype), expect
+    )
 
 
 def decode_checked(key: str, data, expect: Expect, *, adopt: bool) -> Hit:

@@ -16,26 +16,58 @@ from tests.fixtures.local_models import CHAT_TEMPLATE
 # (format, generated text, expected content, expected calls [(name, args)], expected bad call names)
 CASES = [
     ("hermes", "Paris is sunny today.", "Paris is sunny today.", [], []),
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     "Let me check.", [("get_weather", {"city": "Paris"})], []),
-    ("hermes", '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
-     '<tool_call>{"name": "b", "arguments": "{\\"y\\": [2, 3]}"}</tool_call>', "", [("a", {"x": 1}), ("b", {"y": [2, 3]})], []),
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "Let me check.",
+        [("get_weather", {"city": "Paris"})],
+        [],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": "{\\"y\\": [2, 3]}"}</tool_call>',
+        "",
+        [("a", {"x": 1}), ("b", {"y": [2, 3]})],
+        [],
+    ),
     ("hermes", '<tool_call>{"name": "a", "arguments": {"x": 1</tool_call>', "", [], ["a"]),
     ("hermes", '<tool_call>{"arguments": {}}</tool_call>', "", [], [None]),
     ("hermes", "a < b and <tool but no call", "a < b and <tool but no call", [], []),
-    ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]', "",
-     [("a", {"x": 1}), ("b", {})], []),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+        "",
+        [("a", {"x": 1}), ("b", {})],
+        [],
+    ),
     ("mistral", '[{"name": "a", "arguments": {"x": 1}}]', "", [("a", {"x": 1})], []),  # marker dropped by decoding
     ("mistral", "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", [], []),
     ("mistral", '[TOOL_CALLS][{"name": "a", "argum', "", [], [None]),
-    ("mistral-args", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]b[ARGS]{}', "",
-     [("get_weather", {"city": "Paris"}), ("b", {})], []),
+    (
+        "mistral-args",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]b[ARGS]{}',
+        "",
+        [("get_weather", {"city": "Paris"}), ("b", {})],
+        [],
+    ),
     ("mistral-args", 'get_weather{"city": "Paris"}', "", [("get_weather", {"city": "Paris"})], []),
     ("mistral-args", "Paris is nice", "Paris is nice", [], []),
-    ("mistral-args", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ", "", [], ["get_weather"]),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})], []),
-    ("llama3", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"q": "x"}}', "",
-     [("a", {}), ("b", {"q": "x"})], []),
+    ("mistral-args", '[TOOL_CALLS]get_weather[ARGS]{"city": ', "", [], ["get_weather"]),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [("get_weather", {"city": "Paris"})],
+        [],
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"q": "x"}}',
+        "",
+        [("a", {}), ("b", {"q": "x"})],
+        [],
+    ),
     ("llama3", "{not json, just braces}", "{not json, just braces}", [], []),
     ("llama3", "<|python_tag|>{not json", "", [], [None]),
     ("llama3", "The answer is 4.", "The answer is 4.", [], []),
@@ -63,7 +95,9 @@ def test_streamed_reply_never_shows_a_call_as_content(fmt, text, content, calls,
 
 
 def test_ids_from_the_model_are_kept_and_others_are_unique():
-    reply = tool_calls.parse('[{"name": "a", "arguments": {}, "id": "abc123XYZ"}, {"name": "b", "arguments": {}}]', "mistral")
+    reply = tool_calls.parse(
+        '[{"name": "a", "arguments": {}, "id": "abc123XYZ"}, {"name": "b", "arguments": {}}]', "mistral"
+    )
     assert reply.calls[0].id == "abc123XYZ"
     other = tool_calls.parse('{"name": "b", "parameters": {}}', "llama3").calls[0].id
     assert reply.calls[1].id.startswith("call_") and reply.calls[1].id != other
@@ -84,8 +118,14 @@ def test_forced_reply_starts_with_the_prefill(fmt):
 
 def test_format_detection():
     assert tool_calls.detect_format(CHAT_TEMPLATE) == "hermes"
-    assert tool_calls.detect_format("{% if tools %}{{ '[AVAILABLE_TOOLS]' }}{% endif %}[TOOL_CALLS]{{ c | tojson }}") == "mistral"
-    assert tool_calls.detect_format("{% for t in tools %}[TOOL_CALLS]{{ c.name }}[ARGS]{{ c.arguments }}{% endfor %}") == "mistral-args"
+    assert (
+        tool_calls.detect_format("{% if tools %}{{ '[AVAILABLE_TOOLS]' }}{% endif %}[TOOL_CALLS]{{ c | tojson }}")
+        == "mistral"
+    )
+    assert (
+        tool_calls.detect_format("{% for t in tools %}[TOOL_CALLS]{{ c.name }}[ARGS]{{ c.arguments }}{% endfor %}")
+        == "mistral-args"
+    )
     assert tool_calls.detect_format("{% if tools %}<|python_tag|>{% endif %}{{ 'ipython' }}") == "llama3"
     assert tool_calls.detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert tool_calls.detect_format("{% if tools %}<function_call>{% endif %}") is None
@@ -94,6 +134,7 @@ def test_format_detection():
 
 
 # -- ChatBlend on the real engines ----------------------------------------------------------
+
 
 def get_weather(city: str) -> str:
     """Today's weather in a city."""
@@ -114,9 +155,13 @@ def history(docs):
     return [
         SystemMessage("Answer from the documents; call tools when needed."),
         HumanMessage(content=[chunk_block(d) for d in docs] + [{"type": "text", "text": "Weather in the city?"}]),
-        AIMessage([{"type": "text", "text": "Checking."},
-                   {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Oslo"}}],
-                  tool_calls=[{"name": "get_weather", "args": {"city": "Oslo"}, "id": "c1", "type": "tool_call"}]),
+        AIMessage(
+            [
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Oslo"}},
+            ],
+            tool_calls=[{"name": "get_weather", "args": {"city": "Oslo"}, "id": "c1", "type": "tool_call"}],
+        ),
         ToolMessage("sunny", tool_call_id="c1", name="get_weather"),
     ]
 
@@ -126,16 +171,31 @@ def test_tools_and_tool_history_render_through_the_template_with_chunks_kept(eng
     schemas = chat.bind_tools([get_weather, add]).kwargs["tools"]
     assert [s["function"]["name"] for s in schemas] == ["get_weather", "add"]
     tp = messages_to_prompt(history(docs), engine.tokenizer, "\n\n", tools=schemas)
-    assert [tp.chunk_ids(i) for i in range(len(docs))] == [engine.tokenizer.encode(d, add_special_tokens=False) for d in docs]
-    expected = engine.tokenizer.apply_chat_template([
-        {"role": "system", "content": "Answer from the documents; call tools when needed."},
-        {"role": "user", "content": "\n\n".join([*docs, "Weather in the city?"])},
-        {"role": "assistant", "content": "Checking.",
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": "sunny"},
-    ], tools=schemas, tokenize=False, add_generation_prompt=True)
+    assert [tp.chunk_ids(i) for i in range(len(docs))] == [
+        engine.tokenizer.encode(d, add_special_tokens=False) for d in docs
+    ]
+    expected = engine.tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "Answer from the documents; call tools when needed."},
+            {"role": "user", "content": "\n\n".join([*docs, "Weather in the city?"])},
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+                ],
+            },
+            {"role": "tool", "content": "sunny"},
+        ],
+        tools=schemas,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert engine.tokenizer.decode(tp.token_ids) == expected
-    assert '"name": "add"' in expected and '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in expected
+    assert (
+        '"name": "add"' in expected
+        and '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in expected
+    )
 
 
 def test_forced_tool_call_comes_back_parsed_from_the_engine(any_engine, docs):
@@ -146,8 +206,9 @@ def test_forced_tool_call_comes_back_parsed_from_the_engine(any_engine, docs):
     message = forced.invoke(messages)
     # the engine's own reply after the forced opening, parsed
     prefix = tool_calls.prefill("hermes", "get_weather")
-    prompt = messages_to_prompt(messages, any_engine.tokenizer, any_engine.config.separator,
-                                tools=forced.kwargs["tools"], reply_prefix=prefix)
+    prompt = messages_to_prompt(
+        messages, any_engine.tokenizer, any_engine.config.separator, tools=forced.kwargs["tools"], reply_prefix=prefix
+    )
     raw = any_engine.generate(prompt, max_tokens=24).text
     expected = tool_calls.parse(prefix + raw, "hermes", forced=True)
     assert message.content == expected.content == ""
@@ -185,7 +246,12 @@ def test_tool_errors(engine, monkeypatch):
     with pytest.raises(ValueError, match=r"tool_choice must be .* bound tools \(get_weather, add\), got 'weather'"):
         chat.bind_tools([get_weather, add], tool_choice="weather")
     assert chat.bind_tools([get_weather], tool_choice="any").kwargs["tool_choice"] == "get_weather"
-    assert chat.bind_tools([get_weather, add], tool_choice={"type": "function", "function": {"name": "add"}}).kwargs["tool_choice"] == "add"
+    assert (
+        chat.bind_tools([get_weather, add], tool_choice={"type": "function", "function": {"name": "add"}}).kwargs[
+            "tool_choice"
+        ]
+        == "add"
+    )
     with pytest.raises(ValueError, match="tool_call_format must be one of"):
         ChatBlend(engine=engine, tool_call_format="xml").bind_tools([add])
     monkeypatch.setattr(engine.tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -201,6 +267,10 @@ def test_tool_call_arguments_round_trip_through_history(engine):
     text = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     reply = tool_calls.parse(text, "hermes")
     message = AIMessage("", tool_calls=[{"name": c.name, "args": c.arguments, "id": c.id} for c in reply.calls])
-    rendered = engine.tokenizer.decode(messages_to_prompt([HumanMessage("1+2?"), message], engine.tokenizer, "\n\n",
-                                                          tools=[]).token_ids)
-    assert text in rendered and json.loads(text[len("<tool_call>"):-len("</tool_call>")])["arguments"] == {"a": 1, "b": 2}
+    rendered = engine.tokenizer.decode(
+        messages_to_prompt([HumanMessage("1+2?"), message], engine.tokenizer, "\n\n", tools=[]).token_ids
+    )
+    assert text in rendered and json.loads(text[len("<tool_call>") : -len("</tool_call>")])["arguments"] == {
+        "a": 1,
+        "b": 2,
+    }

@@ -30,7 +30,7 @@ def test_full_matches_plain_hf_greedy(engine, docs):
     gen = engine.generate(BlendPrompt("You answer questions.", docs, QUESTION), max_tokens=16, mode="full", logprobs=2)
     prompt = torch.tensor([gen.prompt_token_ids])
     with torch.no_grad():
-        ref = engine.hf_model.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1]:].tolist()
+        ref = engine.hf_model.generate(prompt, max_new_tokens=16, do_sample=False)[0, prompt.shape[1] :].tolist()
     assert gen.token_ids == ref[: len(gen.token_ids)]
     assert len(gen.token_ids) == 16 or gen.finish_reason == "stop"
     assert chosen(gen) == pytest.approx(hf_logprobs(engine, gen.prompt_token_ids, gen.token_ids), abs=1e-4)
@@ -151,7 +151,9 @@ def test_gradual_filtering_and_sink_tokens(engines, docs):
 def test_different_models_and_dtypes_never_share_entries(engines, docs):
     a, b, a16 = engines("llama"), engines("llama_seed1"), engines("llama", "bfloat16")
     ids = a.tokenizer.encode(docs[0], add_special_tokens=False)
-    assert a.tokenizer.encode(docs[0], add_special_tokens=False) == b.tokenizer.encode(docs[0], add_special_tokens=False)
+    assert a.tokenizer.encode(docs[0], add_special_tokens=False) == b.tokenizer.encode(
+        docs[0], add_special_tokens=False
+    )
     assert len({a.chunk_key(ids), b.chunk_key(ids), a16.chunk_key(ids)}) == 3
     a.warm(docs)
     prompt = BlendPrompt("Read.", docs, QUESTION)

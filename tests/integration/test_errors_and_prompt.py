@@ -21,7 +21,9 @@ def test_chunks_are_tokenized_alone_and_spans_mark_them(engine):
         assert tp.chunk_ids(i) == alone
         start, _ = tp.chunk_spans[i]
         assert tp.token_ids[start - len(sep) : start] == sep
-    assert tp.token_ids[-len(tok.encode("Answer:", add_special_tokens=False)) :] == tok.encode("Answer:", add_special_tokens=False)
+    assert tp.token_ids[-len(tok.encode("Answer:", add_special_tokens=False)) :] == tok.encode(
+        "Answer:", add_special_tokens=False
+    )
 
 
 def test_from_text_splits_on_the_separator():

@@ -33,31 +33,9 @@ from blend_integrations.store import (
 )
 from blend_integrations.store.format import decode, encode
 from blend_integrations.store.keys import _window_offsets
+from tests.fixtures.entries import make_entry, make_kv, same, val_files
 
 KEY = "ab" * 32
-
-
-def make_kv(seed: int = 0, *, layers=2, heads=2, tokens=5, head_dim=8, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(layers, 2, heads, tokens, head_dim, generator=g).to(dtype)
-
-
-def make_entry(i: int = 0, *, nbytes: int | None = None, dtype=torch.float32) -> ChunkKV:
-    """Deterministic entry number ``i``; ``nbytes`` picks num_tokens to size it."""
-    if nbytes is None:
-        return ChunkKV(key=f"key-{i:04d}-" + "0" * 50, kv=make_kv(i, dtype=dtype))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    tokens = max(1, nbytes // (2 * 2 * 2 * 8 * itemsize))
-    return ChunkKV(key=f"key-{i:04d}-" + "0" * 50, kv=make_kv(i, tokens=tokens, dtype=dtype))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view for bit-exact comparison (NaN-safe, -0.0-aware)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def same(a: ChunkKV, b: ChunkKV) -> bool:
-    return a.key == b.key and a.kv.dtype == b.kv.dtype and a.kv.shape == b.kv.shape and torch.equal(bits(a.kv), bits(b.kv))
 
 
 def rewrite_header(data: bytes, **changes) -> bytes:
@@ -74,10 +52,6 @@ def rewrite_header(data: bytes, **changes) -> bytes:
 
 def with_crc(body: bytes) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
-
-
-def val_files(path: Path) -> list[Path]:
-    return sorted(path.rglob("*.val"))
 
 
 # --------------------------------------------------------------------------
@@ -242,7 +216,7 @@ def test_model_fingerprint_samples_large_files(tmp_path):
 
     offsets = _window_offsets(size)
     assert len(offsets) == 64 and offsets[0] == 0 and offsets[-1] == size - 4096
-    assert 64 * 4096 < size  # so only part of the file is read
+    assert size > 64 * 4096  # so only part of the file is read
 
     def fp_with_byte_flipped(pos: int) -> str:
         changed = bytearray(blob)
@@ -415,8 +389,17 @@ def _corruptions(store: ChunkStore, tmp_path: Path, entry: ChunkKV):
 @pytest.mark.parametrize("nbytes", [None, 100_000], ids=["inline", "file"])
 @pytest.mark.parametrize(
     "kind",
-    ["flipped byte", "truncated", "foreign", "garbage", "plain diskcache pickle",
-     "malicious pickle", "big pickle", "int", "text"],
+    [
+        "flipped byte",
+        "truncated",
+        "foreign",
+        "garbage",
+        "plain diskcache pickle",
+        "malicious pickle",
+        "big pickle",
+        "int",
+        "text",
+    ],
 )
 def test_corrupt_entry_dropped(tmp_path, caplog, kind, nbytes):
     entry = make_entry(3, nbytes=nbytes)
@@ -475,8 +458,13 @@ def test_corrupt_file_on_disk(tmp_path, caplog):
 def test_wrong_expect_is_dropped(tmp_path, tier):
     entry = make_entry(5)  # layers=2, heads=2, tokens=5, head_dim=8, float32
     right = (2, 2, 5, 8, torch.float32)
-    wrongs = [(3, 2, 5, 8, torch.float32), (2, 1, 5, 8, torch.float32), (2, 2, 6, 8, torch.float32),
-              (2, 2, 5, 16, torch.float32), (2, 2, 5, 8, torch.bfloat16)]
+    wrongs = [
+        (3, 2, 5, 8, torch.float32),
+        (2, 1, 5, 8, torch.float32),
+        (2, 2, 6, 8, torch.float32),
+        (2, 2, 5, 16, torch.float32),
+        (2, 2, 5, 8, torch.bfloat16),
+    ]
     with ChunkStore(tmp_path, memory_limit_bytes=2**20 if tier == "memory" else 0) as store:
         for n, wrong in enumerate(wrongs, 1):
             store.put(entry)
@@ -527,7 +515,9 @@ def full_filesystem(tmp_path):
 
     mount = tmp_path / "small-fs"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if result.returncode != 0:  # the RLIMIT_FSIZE test above still covers failed writes
         pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
     try:
@@ -604,10 +594,7 @@ def test_two_processes_same_path(tmp_path):
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
     n_keys, rounds = 12, 3
-    procs = [
-        ctx.Process(target=_writer_reader, args=(str(tmp_path), w, n_keys, rounds, start, out))
-        for w in range(2)
-    ]
+    procs = [ctx.Process(target=_writer_reader, args=(str(tmp_path), w, n_keys, rounds, start, out)) for w in range(2)]
     for p in procs:
         p.start()
     start.set()

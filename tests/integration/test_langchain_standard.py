@@ -10,7 +10,7 @@ Tool calling is on. The tests that need the model to *choose* a tool and write
 arguments that match its schema are expected to fail: the test model has random
 weights, so after the forced opening of a call it writes noise, which comes back
 as an invalid tool call. They are strict xfails, so they fail loudly if they
-ever pass. The parser and the engine path are tested in tests/test_tool_calls.py;
+ever pass. The parser and the engine path are tested in tests/integration/test_tool_calls.py;
 the rest of the tool tests (histories with tool calls and tool messages, error
 status, few-shot examples) pass here.
 """
@@ -30,7 +30,7 @@ from tests.fixtures.local_models import build_model
 CANNOT_FOLLOW_A_SCHEMA = pytest.mark.xfail(
     strict=True,
     reason="the test model has random weights and cannot follow a tool schema; "
-    "parsing and the engine path are tested in tests/test_tool_calls.py",
+    "parsing and the engine path are tested in tests/integration/test_tool_calls.py",
 )
 OUTPUT_VERSIONS = pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
 SCHEMA_TYPES = pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])

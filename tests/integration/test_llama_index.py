@@ -19,7 +19,7 @@ from blend_integrations.llama_index import BlendCacheWarmer, BlendLLM, BlendSynt
 from blend_integrations.prompt import PromptError
 
 # The local embeddings live with the examples, not in the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from local_embeddings import LlamaIndexMiniLM
 
 STATS = {"prompt_tokens", "cached_tokens", "recomputed_tokens", "ttft_s"}
@@ -46,22 +46,24 @@ def token_count(engine, texts) -> int:
 
 def test_query_engine_reordered_nodes_are_cached_and_ratio_one_is_full(any_engine, docs):
     index = make_index(docs)
-    engine = as_blend_query_engine(index, BlendLLM(engine=any_engine, max_tokens=8, recompute_ratio=1.0),
-                                   similarity_top_k=len(docs))
+    engine = as_blend_query_engine(
+        index, BlendLLM(engine=any_engine, max_tokens=8, recompute_ratio=1.0), similarity_top_k=len(docs)
+    )
     # a node's own text is its nearest neighbour: each query puts another node first
     first, second = engine.query(docs[0]), engine.query(docs[-1])
     assert llm_texts(first)[0].endswith(docs[0]) and llm_texts(second)[0].endswith(docs[-1])
     assert llm_texts(first) != llm_texts(second) and sorted(llm_texts(first)) == sorted(llm_texts(second))
     assert all(t.startswith("source: doc") for t in llm_texts(first))  # metadata is part of each chunk
 
-    assert STATS <= set(first.metadata["blend"]) and first.metadata["blend"]["chunks_hit"] == 0
+    assert set(first.metadata["blend"]) >= STATS and first.metadata["blend"]["chunks_hit"] == 0
     stats = second.metadata["blend"]
     assert stats["cached_tokens"] == token_count(any_engine, llm_texts(second)) > 0
     assert stats["chunks_hit"] == len(docs) and stats["ttft_s"] > 0
     assert stats["prompt_tokens"] > stats["cached_tokens"]
 
-    full = as_blend_query_engine(index, BlendLLM(engine=any_engine, max_tokens=8, mode="full"),
-                                 similarity_top_k=len(docs)).query(docs[-1])
+    full = as_blend_query_engine(
+        index, BlendLLM(engine=any_engine, max_tokens=8, mode="full"), similarity_top_k=len(docs)
+    ).query(docs[-1])
     assert llm_texts(full) == llm_texts(second)
     assert full.response == second.response and full.metadata["blend"]["cached_tokens"] == 0
 
@@ -94,7 +96,11 @@ def test_llm_api_sync_async_and_streaming(any_engine, docs):
     llm = BlendLLM(engine=any_engine, max_tokens=10)
     meta = llm.metadata
     assert (meta.context_window, meta.num_output, meta.model_name, meta.is_chat_model) == (
-        any_engine.context_length, 10, any_engine.model_name, True)
+        any_engine.context_length,
+        10,
+        any_engine.model_name,
+        True,
+    )
 
     prompt = "Read." + separated(docs) + "Question: which city?"
     done = llm.complete(prompt)
@@ -103,8 +109,10 @@ def test_llm_api_sync_async_and_streaming(any_engine, docs):
     assert "".join(r.delta for r in streamed) == streamed[-1].text == done.text
     assert streamed[-1].additional_kwargs["blend"]["cached_tokens"] == done.additional_kwargs["blend"]["cached_tokens"]
 
-    messages = [ChatMessage(role=MessageRole.SYSTEM, content="Answer from the documents."),
-                ChatMessage(role=MessageRole.USER, content=separated(docs) + "Which city?")]
+    messages = [
+        ChatMessage(role=MessageRole.SYSTEM, content="Answer from the documents."),
+        ChatMessage(role=MessageRole.USER, content=separated(docs) + "Which city?"),
+    ]
     chat = llm.chat(messages)
     assert chat.message.role == MessageRole.ASSISTANT and chat.additional_kwargs["blend"]["chunks_hit"] == len(docs)
     assert "".join(r.delta for r in llm.stream_chat(messages)) == chat.message.content
@@ -112,10 +120,19 @@ def test_llm_api_sync_async_and_streaming(any_engine, docs):
     assert explicit.text == chat.message.content  # the same prompt, chunks given directly
 
     async def run():
-        return (await llm.acomplete(prompt), [r async for r in await llm.astream_complete(prompt)],
-                await llm.achat(messages), [r async for r in await llm.astream_chat(messages)],
-                await llm.acomplete_chunks(docs[::-1], "Which city?"),
-                [r async for r in llm.astream_complete_chunks(docs, "Which city?", system_prompt="Answer from the documents.")])
+        return (
+            await llm.acomplete(prompt),
+            [r async for r in await llm.astream_complete(prompt)],
+            await llm.achat(messages),
+            [r async for r in await llm.astream_chat(messages)],
+            await llm.acomplete_chunks(docs[::-1], "Which city?"),
+            [
+                r
+                async for r in llm.astream_complete_chunks(
+                    docs, "Which city?", system_prompt="Answer from the documents."
+                )
+            ],
+        )
 
     acomplete, astream, achat, astream_chat, reordered, astream_chunks = asyncio.run(run())
     assert acomplete.text == "".join(r.delta for r in astream) == done.text
@@ -132,10 +149,13 @@ def test_llm_api_sync_async_and_streaming(any_engine, docs):
 def test_explicit_chunks_are_tokenized_alone(engine, docs):
     llm = BlendLLM(engine=engine)
     prompt = llm.chunks_prompt(docs, "Which city?", system_prompt="Be brief.")
-    assert [prompt.chunk_ids(i) for i in range(len(docs))] == [engine.tokenizer.encode(d, add_special_tokens=False)
-                                                              for d in docs]
+    assert [prompt.chunk_ids(i) for i in range(len(docs))] == [
+        engine.tokenizer.encode(d, add_special_tokens=False) for d in docs
+    ]
     rendered = engine.tokenizer.decode(prompt.token_ids)
-    assert rendered.startswith("<s><|system|>\nBe brief.</s>\n<|user|>\n") and rendered.endswith("Which city?</s>\n<|assistant|>\n")
+    assert rendered.startswith("<s><|system|>\nBe brief.</s>\n<|user|>\n") and rendered.endswith(
+        "Which city?</s>\n<|assistant|>\n"
+    )
 
 
 def test_stock_response_modes_with_blend_llm_as_a_plain_llm(any_engine, docs):
@@ -144,15 +164,22 @@ def test_stock_response_modes_with_blend_llm_as_a_plain_llm(any_engine, docs):
     for mode in ("compact", "refine", "tree_summarize", "simple_summarize"):
         response = index.as_query_engine(llm=llm, response_mode=mode, similarity_top_k=2).query("Which city?")
         assert isinstance(response.response, str) and len(response.source_nodes) == 2, mode
-    streamed = index.as_query_engine(llm=llm, response_mode="compact", streaming=True, similarity_top_k=2).query("Which city?")
+    streamed = index.as_query_engine(llm=llm, response_mode="compact", streaming=True, similarity_top_k=2).query(
+        "Which city?"
+    )
     assert isinstance("".join(streamed.response_gen), str)
 
 
 def test_ingestion_warmup_makes_the_first_query_hit(any_engine, docs):
     llm = BlendLLM(engine=any_engine, max_tokens=6)
     embed = LlamaIndexMiniLM()
-    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=0), embed,
-                                                  BlendCacheWarmer(llm=llm, show_progress=False)])
+    pipeline = IngestionPipeline(
+        transformations=[
+            SentenceSplitter(chunk_size=64, chunk_overlap=0),
+            embed,
+            BlendCacheWarmer(llm=llm, show_progress=False),
+        ]
+    )
     nodes = pipeline.run(documents=[Document(text=d, metadata={"source": f"doc{i}"}) for i, d in enumerate(docs)])
     assert len(nodes) > len(docs)  # the splitter made several nodes per document
     index = VectorStoreIndex(nodes, embed_model=embed)
@@ -160,12 +187,16 @@ def test_ingestion_warmup_makes_the_first_query_hit(any_engine, docs):
     assert response.metadata["blend"]["chunks_hit"] == 4 and response.metadata["blend"]["chunks_missed"] == 0
 
     more = [d + " Also" for d in docs]  # new text: the async pipeline computes it
-    async_nodes = asyncio.run(IngestionPipeline(transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=0),
-                                                                 BlendCacheWarmer(llm=any_engine)]).arun(
-        documents=[Document(text=d) for d in more]))
+    async_nodes = asyncio.run(
+        IngestionPipeline(
+            transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=0), BlendCacheWarmer(llm=any_engine)]
+        ).arun(documents=[Document(text=d) for d in more])
+    )
     texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in async_nodes]
-    assert all(any_engine.chunk_key(any_engine.tokenizer.encode(t, add_special_tokens=False)) in any_engine.store
-               for t in texts)
+    assert all(
+        any_engine.chunk_key(any_engine.tokenizer.encode(t, add_special_tokens=False)) in any_engine.store
+        for t in texts
+    )
 
 
 def test_errors(engine, docs):

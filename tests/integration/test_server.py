@@ -32,7 +32,9 @@ def test_server_returns_the_same_tokens_as_the_embedded_engine(client, vllm_engi
     blended = client.generate(prompt, max_tokens=10)
     embedded = vllm_engine.generate(prompt, max_tokens=10)  # same store: the server's chunks serve it
     assert embedded.usage.chunks_hit == 4
-    assert blended.usage.recomputed_tokens == embedded.usage.recomputed_tokens == round(0.15 * blended.usage.cached_tokens)
+    assert (
+        blended.usage.recomputed_tokens == embedded.usage.recomputed_tokens == round(0.15 * blended.usage.cached_tokens)
+    )
     assert [max(lp, key=lp.get) for lp in served.logprobs] == served.token_ids
 
 
@@ -62,9 +64,11 @@ def test_text_only_caller_with_the_separator_fallback(client, docs):
         body = {"model": client.model_name, "prompt": text, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
         if blend:
             body["kv_transfer_params"] = {"blend": {"mode": "blend", "ratio": 1.0, "separator": "\n\n"}}
-        req = urllib.request.Request(client.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {client._api_key}"})
+        req = urllib.request.Request(
+            client.base_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {client._api_key}"},
+        )
         return json.loads(urllib.request.urlopen(req, timeout=300).read())
 
     full = complete(False)
@@ -94,17 +98,24 @@ def test_integrations_reach_the_server_by_url(blend_server, docs):
 def test_the_server_runs_behind_its_api_key(blend_server, docs):
     """Without the key every /v1 request is refused with 401, a malformed blend body
     included (authentication comes first); clients that lack the key are told so."""
+
     def post(body: dict, key: str | None) -> tuple[int, str]:
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-        req = urllib.request.Request(blend_server.url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
+        req = urllib.request.Request(
+            blend_server.url + "/v1/completions", data=json.dumps(body).encode(), headers=headers
+        )
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
 
-    malformed = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1,
-                 "kv_transfer_params": {"blend": {"mode": "blend", "chunk_spans": [[2, 1]]}}}
+    malformed = {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 1,
+        "kv_transfer_params": {"blend": {"mode": "blend", "chunk_spans": [[2, 1]]}},
+    }
     assert post(malformed, None)[0] == post(malformed, "wrong-key")[0] == 401
     status, text = post(malformed, blend_server.api_key)
     assert status == 400 and json.loads(text)["error"]["param"] == "kv_transfer_params.blend.chunk_spans"

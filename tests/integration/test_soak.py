@@ -30,8 +30,13 @@ def _client(index: int, model_dir: str, store_dir: str, url: str, corpus: list[s
         rng = random.Random(index)
         controlled = index % 2 == 1
         config = BlendConfig(loading_controller=controlled, pipelined_loading=controlled)
-        store = ChunkStore(store_dir, size_limit_bytes=DISK_LIMIT, memory_limit_bytes=0 if index >= 2 else 2**30,
-                           remote=url, remote_size_limit_bytes=REDIS_LIMIT)
+        store = ChunkStore(
+            store_dir,
+            size_limit_bytes=DISK_LIMIT,
+            memory_limit_bytes=0 if index >= 2 else 2**30,
+            remote=url,
+            remote_size_limit_bytes=REDIS_LIMIT,
+        )
         engine = load_engine(model_dir, store=store, device="cpu", config=config)
         wrong, hits = [], 0
         for r in range(REQUESTS):
@@ -53,8 +58,10 @@ def test_four_processes_share_one_disk_store_and_redis(tmp_path, model_dirs, red
     corpus = [" ".join(sample_text(5, seed=1000 + i)) for i in range(DOCUMENTS)]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    workers = [ctx.Process(target=_client, args=(i, model_dirs("llama"), str(tmp_path / "store"), redis_url,
-                                                  corpus, out)) for i in range(PROCESSES)]
+    workers = [
+        ctx.Process(target=_client, args=(i, model_dirs("llama"), str(tmp_path / "store"), redis_url, corpus, out))
+        for i in range(PROCESSES)
+    ]
     for p in workers:
         p.start()
     results = sorted(out.get(timeout=1500) for _ in workers)

@@ -13,7 +13,7 @@ from langchain_core.vectorstores import InMemoryVectorStore
 from blend_integrations.langchain import ChatBlend, create_blend_rag_chain
 
 # The local embeddings live with the examples, not in the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from local_embeddings import LangChainMiniLM
 
 

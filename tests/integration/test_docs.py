@@ -8,32 +8,51 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from docs_runner import samples  # pytest puts tests/ on sys.path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "results" not in p.relative_to(DOCS).parts)
 
 
 def test_docs_build_without_warnings(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").exists()
 
 
 def test_only_make_test_is_not_run():
-    skipped = [(p.name, code.strip()) for p in PAGES for _, code, directive in samples(p) if directive.startswith("skip")]
+    skipped = [
+        (p.name, code.strip()) for p in PAGES for _, code, directive in samples(p) if directive.startswith("skip")
+    ]
     assert all(code == "make test" for _, code in skipped), skipped
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if samples(p)], ids=lambda p: p.name)
 def test_code_samples_run(page, model_dirs, tmp_path):
-    env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1", BLEND_STORE_PATH=str(tmp_path / "store"),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "docs_runner.py"), str(page), model_dirs("llama")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200, check=False)
+    env = dict(
+        os.environ,
+        HOME=str(tmp_path),
+        HF_HUB_OFFLINE="1",
+        BLEND_STORE_PATH=str(tmp_path / "store"),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    )
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "docs_runner.py"), str(page), model_dirs("llama")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_agent_notebook_runs(smollm2_gguf, monkeypatch):
@@ -15,8 +15,9 @@ def test_agent_notebook_runs(smollm2_gguf, monkeypatch):
     monkeypatch.delenv("BLEND_AGENT_MODEL", raising=False)  # the notebook's default: SmolLM2-135M-Instruct
     monkeypatch.delenv("BLEND_AGENT_INSTRUCT", raising=False)
     notebook = nbformat.read(ROOT / "examples" / "agent.ipynb", as_version=4)
-    NotebookClient(notebook, timeout=900, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "examples")}}).execute()
+    NotebookClient(
+        notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "examples")}}
+    ).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs)
     assert "1. Who founded Harbor Press?" in text

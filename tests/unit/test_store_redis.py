@@ -16,7 +16,7 @@ import torch
 from blend_integrations.store import ChunkStore
 from blend_integrations.store.format import decode, encode
 from blend_integrations.store.redis_tier import LRU, SIZES, TOTAL, VALUE_PREFIX
-from test_store import make_entry, same
+from tests.fixtures.entries import make_entry, same
 
 LOGGER = "blend_integrations.store"
 
@@ -29,7 +29,7 @@ def consistent(r) -> dict[str, int]:
     """Check the store's Redis bookkeeping against the values really there;
     return {key: size} of the stored entries."""
     sizes = {k.decode(): int(v) for k, v in r.hgetall(SIZES).items()}
-    values = {name.decode()[len(VALUE_PREFIX):] for name in r.scan_iter(match=VALUE_PREFIX + "*")}
+    values = {name.decode()[len(VALUE_PREFIX) :] for name in r.scan_iter(match=VALUE_PREFIX + "*")}
     assert values == set(sizes) == {m.decode() for m in r.zrange(LRU, 0, -1)}
     assert all(r.strlen(VALUE_PREFIX + k) == n for k, n in sizes.items())
     assert int(r.get(TOTAL) or 0) == sum(sizes.values())
@@ -73,12 +73,15 @@ def test_bad_remote_settings(tmp_path):
         ChunkStore(tmp_path, remote="redis://127.0.0.1/0", remote_timeout_s=0)
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("redis://user:hunter2@127.0.0.1:1/0", "redis://user:***@127.0.0.1:1/0"),
-    ("rediss://:hunter2@cache-host/2", "rediss://:***@cache-host/2"),
-    ("unix:///run/redis.sock?db=1&password=hunter2&x=y", "unix:///run/redis.sock?db=1&password=***&x=y"),
-    ("redis://127.0.0.1:1/0", "redis://127.0.0.1:1/0"),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("redis://user:hunter2@127.0.0.1:1/0", "redis://user:***@127.0.0.1:1/0"),
+        ("rediss://:hunter2@cache-host/2", "rediss://:***@cache-host/2"),
+        ("unix:///run/redis.sock?db=1&password=hunter2&x=y", "unix:///run/redis.sock?db=1&password=***&x=y"),
+        ("redis://127.0.0.1:1/0", "redis://127.0.0.1:1/0"),
+    ],
+)
 def test_the_password_is_never_shown(tmp_path, url, shown):
     from blend_integrations.store.redis_tier import redact
 
@@ -307,10 +310,15 @@ def test_redis_killed_mid_use_then_restarted(tmp_path, private_redis_server, cap
 
 def test_entries_put_while_redis_was_down_reach_it_when_it_answers_again(tmp_path, private_redis_server, caplog):
     server = private_redis_server
-    store = ChunkStore(tmp_path / "a", memory_limit_bytes=0, remote=server.url(), remote_timeout_s=0.5,
-                       remote_size_limit_bytes=200_000,
-                       remote_retry_s=0.5,  # the default back-off is 5 s
-                       remote_backfill_max_keys=4)  # the default bound is 4096
+    store = ChunkStore(
+        tmp_path / "a",
+        memory_limit_bytes=0,
+        remote=server.url(),
+        remote_timeout_s=0.5,
+        remote_size_limit_bytes=200_000,
+        remote_retry_s=0.5,  # the default back-off is 5 s
+        remote_backfill_max_keys=4,
+    )  # the default bound is 4096
     entries = [make_entry(i, nbytes=20_000) for i in range(6)]
     huge = make_entry(9, nbytes=300_000)  # over remote_size_limit_bytes
     server.kill()
@@ -502,8 +510,9 @@ def test_two_engine_processes_share_chunks_through_redis(tmp_path, model_dirs, r
     results = []
     for name, order in (("a", docs), ("b", [docs[2], docs[0], docs[3], docs[1]])):
         out = ctx.Queue()
-        p = ctx.Process(target=_engine_first_request, args=(model_dirs("llama"), str(tmp_path / name), redis_url,
-                                                             order, out))
+        p = ctx.Process(
+            target=_engine_first_request, args=(model_dirs("llama"), str(tmp_path / name), redis_url, order, out)
+        )
         p.start()
         results.append(out.get(timeout=300))
         p.join(60)

@@ -48,8 +48,11 @@ BROKEN = [
     ({"chunk_spans": [[12, 20], [2, 10]]}, "chunk_spans", "must be sorted and must not overlap"),
     ({"chunk_spans": [[2, 10], [12, 25]]}, "chunk_spans", "chunk_spans[1] ends at 25, past num_tokens (20)"),
     ({"chunk_spans": []}, "chunk_spans", "is empty"),
-    ({"chunk_spans": [[i, i + 1] for i in range(MAX_CHUNKS + 1)], "num_tokens": MAX_CHUNKS + 1},
-     "chunk_spans", f"has {MAX_CHUNKS + 1} spans; at most {MAX_CHUNKS}"),
+    (
+        {"chunk_spans": [[i, i + 1] for i in range(MAX_CHUNKS + 1)], "num_tokens": MAX_CHUNKS + 1},
+        "chunk_spans",
+        f"has {MAX_CHUNKS + 1} spans; at most {MAX_CHUNKS}",
+    ),
     ({"chunk_spans": None}, "chunk_spans", "needs chunk_spans"),
     ({"num_tokens": "20"}, "num_tokens", "must be a positive integer, got '20'"),
     ({"num_tokens": 20.0}, "num_tokens", "must be a positive integer"),
@@ -80,7 +83,9 @@ def test_not_an_object_or_no_mode(raw):
 
 
 def test_separator_rules():
-    assert parse_blend_params({"mode": "reuse", "separator": "\u00a7\u00a7"}) == BlendParams("reuse", separator="\u00a7\u00a7")
+    assert parse_blend_params({"mode": "reuse", "separator": "\u00a7\u00a7"}) == BlendParams(
+        "reuse", separator="\u00a7\u00a7"
+    )
     for bad in ("", 7, ["\n\n"], "x" * 257):
         with pytest.raises(BlendParamsError, match=r"separator must be a non-empty string of at most 256"):
             parse_blend_params({"mode": "blend", "separator": bad})
@@ -97,8 +102,13 @@ def test_good_params_and_defaults():
     assert parse_blend_params(GOOD, PROMPT_LEN) == BlendParams("blend", 0.5, ((2, 10), (12, 20)), 20)
     # num_tokens defaults to the last end, ratio to the engine's (None); the prompt length may be unknown
     assert parse_blend_params({"mode": "reuse", "chunk_spans": [[0, 3]]}) == BlendParams("reuse", None, ((0, 3),), 3)
-    assert parse_blend_params({"mode": "blend", "chunk_spans": [[0, 3]], "ratio": None, "num_tokens": 5}, 6).num_tokens == 5
-    with pytest.raises(BlendParamsError, match=r"ends at 6, past 5 \(the prompt has 6 tokens, and vLLM computes the last"):
+    assert (
+        parse_blend_params({"mode": "blend", "chunk_spans": [[0, 3]], "ratio": None, "num_tokens": 5}, 6).num_tokens
+        == 5
+    )
+    with pytest.raises(
+        BlendParamsError, match=r"ends at 6, past 5 \(the prompt has 6 tokens, and vLLM computes the last"
+    ):
         parse_blend_params({"mode": "blend", "chunk_spans": [[0, 6]]}, 6)
     with pytest.raises(BlendParamsError, match="ends at 1, past 0"):  # a one-token prompt has nothing to blend
         parse_blend_params({"mode": "blend", "chunk_spans": [[0, 1]]}, 1)
@@ -108,8 +118,13 @@ def test_good_params_and_defaults():
 
 def test_results_of_a_fallback():
     usage, loading, why = blend_results(not_blended("kv_transfer_params.blend.ratio must be ..."))
-    assert usage == {"cached_tokens": 0, "recomputed_tokens": 0, "chunks_hit": 0, "chunks_missed": 0,
-                     "chunks_recomputed": 0}
+    assert usage == {
+        "cached_tokens": 0,
+        "recomputed_tokens": 0,
+        "chunks_hit": 0,
+        "chunks_missed": 0,
+        "chunks_recomputed": 0,
+    }
     assert loading is None and why == "kv_transfer_params.blend.ratio must be ..."
     assert blend_results(None) == ({}, None, None)
 
@@ -117,9 +132,14 @@ def test_results_of_a_fallback():
 def test_tokenized_prompts_are_checked_by_the_same_span_rules():
     ids = list(range(10))
     assert TokenizedPrompt(ids, [(1, 3), (3, 10)]).chunk_spans == [(1, 3), (3, 10)]
-    for spans, words in [([(3, 1)], r"chunk_spans\[0\] is \[3, 1\]"), ([(1, 4), (2, 5)], r"chunk_spans\[1\] starts at 2"),
-                         ([(0, 11)], r"ends at 11, past the prompt end \(10 tokens\)"), ([(0.5, 2)], "must hold integers"),
-                         ("0-2", "must be a list"), ([(1,)], "must be a \\[start, end\\] pair")]:
+    for spans, words in [
+        ([(3, 1)], r"chunk_spans\[0\] is \[3, 1\]"),
+        ([(1, 4), (2, 5)], r"chunk_spans\[1\] starts at 2"),
+        ([(0, 11)], r"ends at 11, past the prompt end \(10 tokens\)"),
+        ([(0.5, 2)], "must hold integers"),
+        ("0-2", "must be a list"),
+        ([(1,)], "must be a \\[start, end\\] pair"),
+    ]:
         with pytest.raises(PromptError, match=words):
             TokenizedPrompt(ids, spans)
     with pytest.raises(PromptError, match="token_ids must be a list of integer token ids"):
@@ -129,8 +149,13 @@ def test_tokenized_prompts_are_checked_by_the_same_span_rules():
 
 def body(blend=None, prompt=None, **kv) -> bytes:
     params = {"blend": blend, **kv} if blend is not None else kv
-    return json.dumps({"model": "m", "prompt": prompt if prompt is not None else list(range(PROMPT_LEN)),
-                       "kv_transfer_params": params}).encode()
+    return json.dumps(
+        {
+            "model": "m",
+            "prompt": prompt if prompt is not None else list(range(PROMPT_LEN)),
+            "kv_transfer_params": params,
+        }
+    ).encode()
 
 
 def test_the_http_edge():
@@ -142,7 +167,9 @@ def test_the_http_edge():
     assert "ratio must be a number in [0, 1], got 2" in message and field == "kv_transfer_params.blend.ratio"
     # the prompt's length is known for token ids, one prompt or several
     assert "num_tokens is 20 but the prompt has 20 tokens" in blend_params_problem(body(GOOD, list(range(20))))[0]
-    assert blend_params_problem(body(GOOD, [list(range(30)), list(range(20))]))[1] == "kv_transfer_params.blend.num_tokens"
+    assert (
+        blend_params_problem(body(GOOD, [list(range(30)), list(range(20))]))[1] == "kv_transfer_params.blend.num_tokens"
+    )
     # text: the connector checks the rules that need the prompt's tokens
     assert blend_params_problem(body({**GOOD, "num_tokens": 10**6}, "some text")) is None
     # nesting

@@ -10,13 +10,13 @@ import shlex
 import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, PromptError, UnsupportedModelError, load_engine
-from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.engines.vllm_contract import (
     blend_engine_args,
     blend_engine_env,
     check_vllm_version,
     connector_store_args,
 )
+from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.store import DEFAULT_READ_BANDWIDTH
 
 QUESTION = "Question: which city is named in the documents? Answer:"
@@ -40,9 +40,10 @@ def test_blend_at_ratio_one_equals_plain_vllm_prefill(vllm_engine, docs):
 
 def test_vllm_full_prefill_equals_the_transformers_engine(vllm_engine, engine, docs):
     prompt = BlendPrompt("You answer questions.", docs, QUESTION)
-    assert vllm_engine.generate(prompt, max_tokens=12, mode="full").token_ids == engine.generate(
-        prompt, max_tokens=12, mode="full"
-    ).token_ids
+    assert (
+        vllm_engine.generate(prompt, max_tokens=12, mode="full").token_ids
+        == engine.generate(prompt, max_tokens=12, mode="full").token_ids
+    )
 
 
 def test_reordered_chunks_are_all_hits(vllm_engine, docs):
@@ -61,7 +62,10 @@ def test_same_counts_as_the_transformers_engine(vllm_engine, engine, docs):
     prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
     a, b = engine.generate(prompt, max_tokens=1), vllm_engine.generate(prompt, max_tokens=1)
     assert (a.usage.cached_tokens, a.usage.recomputed_tokens, a.usage.chunks_hit) == (
-        b.usage.cached_tokens, b.usage.recomputed_tokens, b.usage.chunks_hit)
+        b.usage.cached_tokens,
+        b.usage.recomputed_tokens,
+        b.usage.chunks_hit,
+    )
 
 
 def test_hole_in_the_middle_and_question_first(vllm_engine, docs):
@@ -156,8 +160,10 @@ def test_preempted_requests_are_blended_again(vllm_engine):
 
     docs = [" ".join(sample_text(6, seed=7000 + i)) for i in range(8)]
     vllm_engine.warm(docs)
-    prompts = [BlendPrompt("Read.", [docs[i], docs[(i + 3) % 8], docs[(i + 5) % 8], docs[(i + 1) % 8]], "Answer:")
-               for i in range(8)]
+    prompts = [
+        BlendPrompt("Read.", [docs[i], docs[(i + 3) % 8], docs[(i + 5) % 8], docs[(i + 1) % 8]], "Answer:")
+        for i in range(8)
+    ]
 
     def preemptions():
         return sum(m.value for m in vllm_engine.llm.get_metrics() if m.name == "vllm:num_preemptions")
@@ -202,30 +208,42 @@ def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeyp
     assert blend_engine_env(store) == {"BLEND_STORE_REMOTE": url}
 
     # the connector's side: the full URL from the environment vLLM's processes inherit
-    with pytest.raises(ValueError, match=r"'redis://blend:\*\*\*@cache-host:6380/3' has a password.*"
-                                         r"set BLEND_STORE_REMOTE.*\(it is not set\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'redis://blend:\*\*\*@cache-host:6380/3' has a password.*"
+        r"set BLEND_STORE_REMOTE.*\(it is not set\)",
+    ):
         connector_store_args(extra)
     monkeypatch.setenv("BLEND_STORE_REMOTE", "redis://blend:other@elsewhere:6380/3")
     with pytest.raises(ValueError, match=r"\(it is 'redis://blend:\*\*\*@elsewhere:6380/3'\)"):
         connector_store_args(extra)
     monkeypatch.setenv("BLEND_STORE_REMOTE", url)
     assert connector_store_args(extra) == {
-        "path": str(tmp_path), "size_limit_bytes": store.size_limit_bytes, "memory_limit_bytes": store.memory_limit_bytes,
-        "remote": url, "remote_size_limit_bytes": 2**20, "remote_timeout_s": 0.5,
+        "path": str(tmp_path),
+        "size_limit_bytes": store.size_limit_bytes,
+        "memory_limit_bytes": store.memory_limit_bytes,
+        "remote": url,
+        "remote_size_limit_bytes": 2**20,
+        "remote_timeout_s": 0.5,
         "read_bandwidth": DEFAULT_READ_BANDWIDTH,
     }
 
     # without a password the URL is in the config and nothing in the environment
     plain = ChunkStore(tmp_path, remote="redis://cache-host:6380/3")
-    extra = blend_engine_args(store=plain, config=BlendConfig(), max_model_len=2048,
-                              on_gpu=False)["kv_transfer_config"]["kv_connector_extra_config"]
+    extra = blend_engine_args(store=plain, config=BlendConfig(), max_model_len=2048, on_gpu=False)[
+        "kv_transfer_config"
+    ]["kv_connector_extra_config"]
     assert (extra["store_remote"], extra["store_remote_in_env"], blend_engine_env(plain)) == (
-        "redis://cache-host:6380/3", False, {})
+        "redis://cache-host:6380/3",
+        False,
+        {},
+    )
     assert connector_store_args(extra)["remote"] == "redis://cache-host:6380/3"
 
     # no Redis tier: the connector opens none, even with $BLEND_STORE_REMOTE set
-    none = blend_engine_args(store=ChunkStore(tmp_path, remote=""), config=BlendConfig(), max_model_len=2048,
-                             on_gpu=False)["kv_transfer_config"]["kv_connector_extra_config"]
+    none = blend_engine_args(
+        store=ChunkStore(tmp_path, remote=""), config=BlendConfig(), max_model_len=2048, on_gpu=False
+    )["kv_transfer_config"]["kv_connector_extra_config"]
     assert none["store_remote"] is None and connector_store_args(none)["remote"] == ""
 
 
@@ -237,7 +255,7 @@ def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, ca
     serve.main(["some/model", "--store", str(tmp_path), "--store-remote", url, "--print", "--port", "8000"])
     words = shlex.split(capsys.readouterr().out)
     assert f"BLEND_STORE_REMOTE={url}" in words  # the environment to run it with
-    cmd = words[words.index("-m") - 1:]
+    cmd = words[words.index("-m") - 1 :]
     assert "hunter2" not in " ".join(cmd) and cmd[-2:] == ["--port", "8000"]
     extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert extra["store_remote"] == "redis://:***@cache-host:6379/0" and extra["store_remote_in_env"] is True
@@ -256,7 +274,7 @@ def test_serve_checks_requests_and_keeps_its_key_off_the_command_line(tmp_path, 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     serve.main(["some/model", "--store", str(tmp_path), "--api-key", "s3cret", "--print", "--port", "8000"])
     words = shlex.split(capsys.readouterr().out)
-    cmd = words[words.index("-m") - 1:]
+    cmd = words[words.index("-m") - 1 :]
     assert "VLLM_API_KEY=s3cret" in words[: words.index("-m") - 1] and "s3cret" not in " ".join(cmd)
     assert cmd[cmd.index("--middleware") + 1] == "blend_integrations.serve.CheckBlendParams"
     transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
@@ -280,8 +298,12 @@ def raw_request(engine, token_ids: list[int], kv_transfer_params, max_tokens: in
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY,
-                            extra_args={"kv_transfer_params": kv_transfer_params})
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        extra_args={"kv_transfer_params": kv_transfer_params},
+    )
     rid = f"raw-{uuid.uuid4().hex[:8]}"
     outputs: queue.Queue = queue.Queue()
     engine._requests[rid] = outputs
@@ -311,7 +333,10 @@ def test_bad_params_that_reach_the_connector_are_computed_in_full(vllm_engine, d
         ({"mode": "blend", "chunk_spans": [[10, 10]], "num_tokens": 12}, r"is \[10, 10\]"),
         ({"mode": "blend", "chunk_spans": spans, "num_tokens": n}, f"num_tokens is {n} but the prompt has {n} tokens"),
         ({"mode": "blend", "chunk_spans": spans, "ratio": "high"}, "ratio must be a number in"),
-        ({"mode": "blend", "chunk_spans": spans, "num_tokens": str(spans[-1][1])}, "num_tokens must be a positive integer"),
+        (
+            {"mode": "blend", "chunk_spans": spans, "num_tokens": str(spans[-1][1])},
+            "num_tokens must be a positive integer",
+        ),
         ({"mode": "blend", "chunk_spans": [spans[1], spans[0]]}, "must be sorted and must not overlap"),
         ({"mode": "blend", "chunk_spans": spans, "num_tokens": spans[-1][1] - 1}, "past num_tokens"),
         ({"mode": "blend", "chunk_spans": spans, "ratio": 5}, "got 5"),
@@ -358,7 +383,9 @@ def test_a_failing_blend_pass_costs_one_request_not_the_engine(vllm_engine, docs
     assert [g.token_ids for g in gens] == full  # at r=1, blended or recomputed, all equal full prefill
     failed = gens.pop(2)
     assert all(g.fallback is None and (g.usage.chunks_hit, g.usage.chunks_missed) == (2, 0) for g in gens)
-    assert failed.fallback == ("the blend pass failed: OutOfMemoryError: injected fault: out of memory in the blend pass")
+    assert failed.fallback == (
+        "the blend pass failed: OutOfMemoryError: injected fault: out of memory in the blend pass"
+    )
     assert (failed.usage.cached_tokens, failed.usage.chunks_hit) == (0, 0)
     assert failed.stats()["fallback"] == failed.fallback
     assert len(log) == 1 and log[0].startswith("ERROR request ") and "OutOfMemoryError" in log[0], log

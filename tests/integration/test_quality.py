@@ -14,7 +14,7 @@ import pytest
 from blend_integrations.quality.metrics import exact_match, normalize, token_f1
 from training.data import CITIES, PROFESSIONS, make_example, make_examples, question_subject
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def words(text: str) -> int:
@@ -46,7 +46,9 @@ def test_every_question_has_one_answer_in_its_documents():
             assert e.documents[e.evidence[0]].startswith(f"Notes on {subject}.")
             evidence = [e.documents[i] for i in e.evidence]
             if hops == 2:  # the company's document names the founder, whose document holds the answer
-                founder = re.search(rf"{subject} was founded by ([A-Z]\w+ [A-Z]\w+)", evidence[0] + evidence[-1]).group(1)
+                founder = re.search(rf"{subject} was founded by ([A-Z]\w+ [A-Z]\w+)", evidence[0] + evidence[-1]).group(
+                    1
+                )
                 person_doc = next(d for d in evidence if d.startswith(f"Notes on {founder}."))
                 assert e.answer in person_doc and (e.answer in CITIES or e.answer in PROFESSIONS)
             # no other document states a fact about the question's subject
@@ -97,7 +99,7 @@ def test_look_targets_point_at_the_circuit(tmp_path):
             return tokenizer.encode(" " + words, add_special_tokens=False)
 
         def ends_at(position, words, ids=ids):  # the tokens of ``words`` end at ``position``
-            return ids[position + 1 - len(tokens(words)):position + 1] == tokens(words)
+            return ids[position + 1 - len(tokens(words)) : position + 1] == tokens(words)
 
         subject_last, subject_before = looks["subject_last"].rows, looks["subject_before"].rows
         assert [q for q, _ in subject_last] == [q for q, _ in subject_before] == answering
@@ -105,14 +107,15 @@ def test_look_targets_point_at_the_circuit(tmp_path):
         firsts = [row for row in looks["answer"].rows if row[0] in answering]
         assert len(firsts) == len(asked)
         for (question, answer, facts), (_, [last]), (_, [before]), (query, [value]) in zip(
-                asked, subject_last, subject_before, firsts, strict=True):
+            asked, subject_last, subject_before, firsts, strict=True
+        ):
             assert ends_at(last, question_subject(question)) and before == last - 1
             assert spans[-1][1] <= last < query  # in the question, not in a document
-            assert ids[value:value + len(tokens(answer))] == tokens(answer) and facts[-1][0] in document(value)
+            assert ids[value : value + len(tokens(answer))] == tokens(answer) and facts[-1][0] in document(value)
             if len(facts) == 2:  # the founder's name, in the company's document
                 _, [bridge] = next(bridges)
                 founder = tokens(facts[0][1])
-                assert ids[bridge:bridge + len(founder)] == founder and facts[0][0] in document(bridge)
+                assert ids[bridge : bridge + len(founder)] == founder and facts[0][0] in document(bridge)
         assert next(bridges, None) is None
         # the subject probe: for each 1-hop question, the answering position and the fact's value name its subject
         subjects = iter(subject_rows(e, tokenizer, ids, mask))
@@ -120,7 +123,7 @@ def test_look_targets_point_at_the_circuit(tmp_path):
             if len(facts) == 1:
                 name = tokens(question_subject(question))
                 assert next(subjects) == (query, name[0], name[-1]) and next(subjects) == (value, name[0], name[-1])
-                assert ids[value - 3 - len(name):value - 3] == name  # "<subject> is based in <value>"
+                assert ids[value - 3 - len(name) : value - 3] == name  # "<subject> is based in <value>"
         assert next(subjects, None) is None
 
 
@@ -134,8 +137,8 @@ def test_metrics():
 
 def test_blend_config_defaults_follow_the_quality_table():
     """The committed benchmark run on the bundled reader sets BlendConfig's defaults."""
-    from blend_integrations import BlendConfig
     from benchmarks.quality import recommended_defaults
+    from blend_integrations import BlendConfig
 
     report = json.loads((ROOT / "docs" / "results" / "quality.json").read_text())
     assert report["config"]["questions"] >= 300 and Path(report["config"]["model"]).name == "reader"
@@ -144,8 +147,11 @@ def test_blend_config_defaults_follow_the_quality_table():
     assert all(round(full[k] - blend[k], 6) <= 0.02 for k in ("em_1hop", "em_2hop"))  # blend costs at most 0.02 EM
     defaults = BlendConfig()
     assert {field: value for field, (value, _) in recommended_defaults(report["modes"]).items()} == {
-        "recompute_ratio": defaults.recompute_ratio, "deviation": defaults.deviation,
-        "check_layers": defaults.check_layers, "sink_tokens": defaults.sink_tokens}
+        "recompute_ratio": defaults.recompute_ratio,
+        "deviation": defaults.deviation,
+        "check_layers": defaults.check_layers,
+        "sink_tokens": defaults.sink_tokens,
+    }
     assert "set from this table" in (ROOT / "docs" / "results" / "quality.md").read_text()
 
 
@@ -155,10 +161,16 @@ def test_recommended_defaults_rules():
     def row(em1, em2, kl):
         return {"em_1hop": em1, "em_2hop": em2, "f1_1hop": em1, "f1_2hop": em2, "kl": kl}
 
-    modes = {"full": row(0.9, 0.5, 0.0), "reuse": row(0.7, 0.2, 0.3), "blend@0.05": row(0.89, 0.5, 0.02),
-             "blend@0.15": row(0.88, 0.49, 0.008), "blend@0.30": row(0.9, 0.5, 0.002),
-             "blend@0.15 k-deviation": row(0.88, 0.5, 0.005), "blend@0.15 gradual": row(0.895, 0.5, 0.001),
-             "blend@0.15 sink4": row(0.91, 0.49, 0.007)}
+    modes = {
+        "full": row(0.9, 0.5, 0.0),
+        "reuse": row(0.7, 0.2, 0.3),
+        "blend@0.05": row(0.89, 0.5, 0.02),
+        "blend@0.15": row(0.88, 0.49, 0.008),
+        "blend@0.30": row(0.9, 0.5, 0.002),
+        "blend@0.15 k-deviation": row(0.88, 0.5, 0.005),
+        "blend@0.15 gradual": row(0.895, 0.5, 0.001),
+        "blend@0.15 sink4": row(0.91, 0.49, 0.007),
+    }
     rec = {field: value for field, (value, _) in recommended_defaults(modes).items()}
     # 0.05 is close in exact match but not in KL; k matches v and lowers KL; gradual gains
     # only 0.015; sink4 gains 0.03 on 1-hop and loses nothing on 2-hop
@@ -177,9 +189,25 @@ def short_runs(tmp_path_factory):
     for name, slices in (("a", [[]]), ("b", [["--stop-after", "1"], []])):
         out = tmp_path_factory.mktemp(f"reader-{name}")
         for extra in slices:
-            subprocess.run([sys.executable, "-m", "training.train", str(out), "--steps", "2",
-                            "--tokens-per-step", "512", "--threads", "1", *extra],
-                           check=True, cwd=ROOT, capture_output=True, timeout=900)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "training.train",
+                    str(out),
+                    "--steps",
+                    "2",
+                    "--tokens-per-step",
+                    "512",
+                    "--threads",
+                    "1",
+                    *extra,
+                ],
+                check=True,
+                cwd=ROOT,
+                capture_output=True,
+                timeout=900,
+            )
         runs.append(out)
     return runs
 
@@ -203,13 +231,28 @@ def test_training_is_deterministic_resumable_and_writes_a_model_card(short_runs,
 def test_quality_bench_quick(short_runs):
     """The benchmark's machinery on a barely trained reader (its scores say nothing;
     the full run on the trained reader is docs/results/quality.md)."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "quality", "--quick", "--json",
-                          "--model", str(short_runs[0])], cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "quality", "--quick", "--json", "--model", str(short_runs[0])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     table = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"full", "reuse", "prefix", "blend@0.05", "blend@0.10", "blend@0.15", "blend@0.30",
-            "blend@0.15 k-deviation", "blend@0.15 gradual", "blend@0.15 sink4"} == set(table)
+    assert {
+        "full",
+        "reuse",
+        "prefix",
+        "blend@0.05",
+        "blend@0.10",
+        "blend@0.15",
+        "blend@0.30",
+        "blend@0.15 k-deviation",
+        "blend@0.15 gradual",
+        "blend@0.15 sink4",
+    } == set(table)
     accuracy = {f"{m}_{h}hop" for m in ("em", "f1", "contains") for h in (1, 2)} | {"agree"}
     for metrics in table.values():
         assert set(metrics) == accuracy | {"kl"}
@@ -233,21 +276,39 @@ def test_diagnose_reports_the_circuit(short_runs, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(short_runs[0]).eval()
     example = make_examples(1, seed=3, two_hop_share=1.0, **SHAPES["short"])[0]  # 2-hop: every look has rows
     found = inspect_example(model, tokenizer, example, top=3)
-    assert set(found["masses"]) == {"position1", "position4", "position5", "subject_last", "subject_before",
-                                    "bridge", "answer"}
+    assert set(found["masses"]) == {
+        "position1",
+        "position4",
+        "position5",
+        "subject_last",
+        "subject_before",
+        "bridge",
+        "answer",
+    }
     assert all(0.0 <= m <= 1.0 + 1e-6 for m in found["masses"].values()) and 0.0 <= found["on_fact"] <= 1.0 + 1e-6
     assert len(found["attended"]) == 3 and sum(w for w, _, _ in found["attended"]) <= 1.0 + 1e-6
     layers = model.config.num_hidden_layers
     assert set(found["write_norms"]["value"]) == {f"{b}{i}" for b in ("attn", "mlp") for i in range(layers)}
 
-    out = subprocess.run([sys.executable, "-m", "training.diagnose", str(short_runs[0]),
-                          "--shape", "short", "--examples", "2"], check=False, cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "training.diagnose", str(short_runs[0]), "--shape", "short", "--examples", "2"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mean attention mass on each look's sources (2 short examples)" in out.stdout
     assert "at the value position: attn0" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "training.diagnose", str(tmp_path)],
-                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        [sys.executable, "-m", "training.diagnose", str(tmp_path)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "holds no model (config.json is missing)" in bad.stderr
 
 

@@ -10,11 +10,16 @@ import pytest
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableLambda
 
-from blend_integrations import ChunkStore, rag_prompt
-from blend_integrations import integration
+from blend_integrations import ChunkStore, integration, rag_prompt
 from blend_integrations.chat import RAG_SYSTEM_PROMPT
 from blend_integrations.integration import BlendModelBase
-from blend_integrations.langchain import BlendCacheWarmer, BlendLLM, ChatBlend, create_blend_rag_chain, messages_to_prompt
+from blend_integrations.langchain import (
+    BlendCacheWarmer,
+    BlendLLM,
+    ChatBlend,
+    create_blend_rag_chain,
+    messages_to_prompt,
+)
 from blend_integrations.llama_index import BlendCacheWarmer as LlamaIndexWarmer
 from blend_integrations.llama_index import BlendKVWarmup
 from blend_integrations.llama_index import BlendLLM as LlamaIndexBlendLLM
@@ -36,8 +41,15 @@ def test_every_model_has_the_core_fields_each_documented():
 def test_call_settings_are_the_fields_overridden_per_call(model, engine):
     llm = model(engine=engine, max_tokens=7, stop=["a"], mode="full")
     settings = llm._call_settings({"max_tokens": 2, "stop": ["b"]}, ["c"])
-    assert settings == {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "mode": "full",
-                        "recompute_ratio": None, "stop": ["a", "b", "c"]}
+    assert settings == {
+        "max_tokens": 2,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": None,
+        "mode": "full",
+        "recompute_ratio": None,
+        "stop": ["a", "b", "c"],
+    }
     with pytest.raises(TypeError, match="unexpected generation arguments: colour"):
         llm._call_settings({"colour": "red"})
 
@@ -86,10 +98,17 @@ def test_the_rag_layout_without_a_chat_template(engine, docs, monkeypatch):
     """A model without a chat template gets the layout's pieces as plain text."""
     monkeypatch.setattr(engine.tokenizer, "chat_template", None)
     prompt = LlamaIndexBlendLLM(engine=engine).chunks_prompt(docs, "Which city?", system_prompt="Be brief.")
-    assert prompt == rag_prompt(docs, "Which city?", engine.tokenizer, engine.config.separator, system="Be brief.",
-                                question_template="{question}")
-    assert [prompt.chunk_ids(i) for i in range(len(docs))] == [engine.tokenizer.encode(d, add_special_tokens=False)
-                                                              for d in docs]
+    assert prompt == rag_prompt(
+        docs,
+        "Which city?",
+        engine.tokenizer,
+        engine.config.separator,
+        system="Be brief.",
+        question_template="{question}",
+    )
+    assert [prompt.chunk_ids(i) for i in range(len(docs))] == [
+        engine.tokenizer.encode(d, add_special_tokens=False) for d in docs
+    ]
     assert engine.tokenizer.decode(prompt.token_ids).startswith("<s>Be brief.\n\n")
 
 
@@ -117,8 +136,10 @@ def test_deprecated_names_warn_and_still_work(engine, model_dirs, tmp_path):
 
     with pytest.warns(DeprecationWarning) as caught:
         warmer = BlendCacheWarmer(model=chat, progress=False)
-    assert [str(w.message) for w in caught] == ["model= is deprecated; use llm=",
-                                                "progress= is deprecated; use show_progress="]
+    assert [str(w.message) for w in caught] == [
+        "model= is deprecated; use llm=",
+        "progress= is deprecated; use show_progress=",
+    ]
     assert warmer.engine is engine and warmer.show_progress is False
 
     with pytest.warns(DeprecationWarning, match="BlendKVWarmup is deprecated; use BlendCacheWarmer"):

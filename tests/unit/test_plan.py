@@ -23,9 +23,18 @@ def stored(store: ChunkStore, *spans: tuple[int, int]) -> None:
 
 
 def plan(store, mode="blend", *, config=None, rates=None, ratio=None, promise=False) -> PrefillPlan:
-    return make_plan(TOKENS, SPANS, mode=mode, ratio=ratio, config=config or BlendConfig(check_layers=(0,)),
-                     keys=KEYS, store=store, num_layers=2, rates=rates or measured_rates(store, None),
-                     promise=promise)
+    return make_plan(
+        TOKENS,
+        SPANS,
+        mode=mode,
+        ratio=ratio,
+        config=config or BlendConfig(check_layers=(0,)),
+        keys=KEYS,
+        store=store,
+        num_layers=2,
+        rates=rates or measured_rates(store, None),
+        promise=promise,
+    )
 
 
 def test_chunk_keys_are_the_stores_keys():
@@ -72,8 +81,9 @@ def test_the_loading_controller_computes_a_chunk_slower_to_load(tmp_path):
         # The walk's speed not yet measured: everything found is loaded, at the floor.
         unmeasured = plan(store, config=config)
     assert [c.action for c in slow.chunks] == [COMPUTE] * 3
-    assert slow.usage() == dict(cached_tokens=0, recomputed_tokens=0, chunks_hit=0, chunks_missed=0,
-                                chunks_recomputed=3)
+    assert slow.usage() == dict(
+        cached_tokens=0, recomputed_tokens=0, chunks_hit=0, chunks_missed=0, chunks_recomputed=3
+    )
     assert slow.loading.chunks_recomputed == 3 and slow.loading.ratio_floor == 0.15
     assert [c.action for c in unmeasured.chunks] == [LOAD] * 3 and unmeasured.ratio == 0.15
     assert unmeasured.loading.est_compute_ms is None
@@ -86,20 +96,36 @@ def test_a_chunk_gone_from_the_store_keeps_a_promise_or_becomes_a_miss(engine, d
     one counts it as a miss."""
     tp = engine.tokenize(BlendPrompt("Read.", docs, "Which?"))
     with ChunkStore(tmp_path / "before") as before, ChunkStore(tmp_path / "after") as after:
-        blender = Blender(engine.layers, before, BlendConfig(), fingerprint=engine.fingerprint,
-                          bos_token_id=engine.blender.keys.bos_token_id)
+        blender = Blender(
+            engine.layers,
+            before,
+            BlendConfig(),
+            fingerprint=engine.fingerprint,
+            bos_token_id=engine.blender.keys.bos_token_id,
+        )
         for a, b in tp.chunk_spans:
             blender.ensure(tp.token_ids[a:b])
-        p = make_plan(tp.token_ids, tp.chunk_spans, mode="blend", ratio=None, config=blender.config,
-                      keys=blender.keys, store=before, num_layers=engine.layers.num_layers,
-                      rates=measured_rates(before, None), promise=promise)
+        p = make_plan(
+            tp.token_ids,
+            tp.chunk_spans,
+            mode="blend",
+            ratio=None,
+            config=blender.config,
+            keys=blender.keys,
+            store=before,
+            num_layers=engine.layers.num_layers,
+            rates=measured_rates(before, None),
+            promise=promise,
+        )
         assert [c.action for c in p.chunks] == [LOAD] * len(docs)
         blender.store = after  # every chunk leaves the store between plan and run
         _, stats = blender.prefill(KVCache.allocate(engine.layers, len(tp)), tp.token_ids, p, logits=False)
         if promise:
             assert (stats.chunks_hit, stats.chunks_missed) == (len(docs), 0)
-            assert (stats.cached_tokens, stats.recomputed_tokens) == (p.usage()["cached_tokens"],
-                                                                      p.usage()["recomputed_tokens"])
+            assert (stats.cached_tokens, stats.recomputed_tokens) == (
+                p.usage()["cached_tokens"],
+                p.usage()["recomputed_tokens"],
+            )
             assert all(c.key in after for c in p.chunks)  # computed standalone, and saved
         else:
             assert (stats.chunks_hit, stats.chunks_missed, stats.cached_tokens) == (0, len(docs), 0)

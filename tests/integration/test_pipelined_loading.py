@@ -48,8 +48,10 @@ def test_pipelined_equals_whole_entries_from_disk(engines_pair, docs, tmp_path):
         assert engine.store.stats.disk_hits == len(docs) and engine.store.stats.corrupt == 0
         assert engine.store.read_rates["disk"].samples == len(docs)
     # entries this size are files: the pipelined store read them layer by layer
-    assert all(isinstance(ChunkStore(tmp_path / "warm", memory_limit_bytes=0).open_layers(k), LayerReader)
-               for k in keys_of(plain, docs))
+    assert all(
+        isinstance(ChunkStore(tmp_path / "warm", memory_limit_bytes=0).open_layers(k), LayerReader)
+        for k in keys_of(plain, docs)
+    )
     a, b = results["plain"], results["pipelined"]
     assert a.usage == b.usage and a.usage.recomputed_tokens < a.usage.cached_tokens  # the loaded KV is used
     assert a.token_ids == b.token_ids
@@ -191,8 +193,13 @@ def test_loads_overlap_the_walk(engines_pair, docs, tmp_path):
                 layer0_done.set()
             return model.qkv(layer, hidden)
 
-    blender = Blender(Watched(), store, BlendConfig(pipelined_loading=True), fingerprint=plain.fingerprint,
-                      bos_token_id=plain.blender.keys.bos_token_id)
+    blender = Blender(
+        Watched(),
+        store,
+        BlendConfig(pipelined_loading=True),
+        fingerprint=plain.fingerprint,
+        bos_token_id=plain.blender.keys.bos_token_id,
+    )
     tp = plain.tokenize(BlendPrompt("Read.", docs[::-1], QUESTION))
     plan = blender.plan(tp.token_ids, tp.chunk_spans, mode="blend")
     _, stats = blender.prefill(KVCache.allocate(model, len(tp)), tp.token_ids, plan)
@@ -212,7 +219,7 @@ def read_through(reader):
 
 
 def test_layer_readers_per_tier(tmp_path, redis_url):
-    from test_store import bits, make_entry
+    from tests.fixtures.entries import bits, make_entry
 
     small, large = make_entry(1), make_entry(2, nbytes=256 * 1024)
     with ChunkStore(tmp_path / "a", remote=redis_url) as a:
@@ -243,7 +250,7 @@ def test_layer_readers_per_tier(tmp_path, redis_url):
 
 
 def test_layer_reader_of_a_redis_entry_gone_midway_is_a_miss_not_damage(tmp_path, redis_url, redis_server):
-    from test_store import make_entry
+    from tests.fixtures.entries import make_entry
 
     entry = make_entry(3, nbytes=256 * 1024)
     with ChunkStore(tmp_path / "a", remote=redis_url) as a:

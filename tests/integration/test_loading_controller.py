@@ -13,7 +13,7 @@ from blend_integrations.fusion.controller import plan, token_layers
 from blend_integrations.store import DEFAULT_READ_BANDWIDTH
 from blend_integrations.store.format import encode
 from blend_integrations.store.rate import Rate
-from test_store import make_entry
+from tests.fixtures.entries import make_entry
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 CONTROLLED = BlendConfig(loading_controller=True, pipelined_loading=True)
@@ -92,7 +92,7 @@ def test_bad_settings_are_named(tmp_path):
 
 
 def test_vllm_engine_args_carry_the_controller_and_the_assumed_bandwidths(tmp_path):
-    """Both options reach the vLLM connector (tests/test_vllm_controller.py runs them), and so does
+    """Both options reach the vLLM connector (tests/integration/test_vllm_controller.py runs them), and so does
     what the store assumes of each tier until the worker has measured it."""
     from blend_integrations.engines.vllm_contract import blend_engine_args, connector_store_args
 
@@ -122,8 +122,16 @@ def test_cost_model():
 
 def decide(load_s, *, tokens=(40, 40), overlapped=True, floor=0.25):
     # 100 tokens, 4 layers, check layer 1, 100 token-layers/s: compute(r) = (100 + 3 * (20 + 80 r)) / 100 s
-    return plan(list(tokens), list(load_s), num_tokens=100, num_layers=4, schedule=schedule_of((1,)),
-                floor=floor, throughput=100.0, overlapped=overlapped)
+    return plan(
+        list(tokens),
+        list(load_s),
+        num_tokens=100,
+        num_layers=4,
+        schedule=schedule_of((1,)),
+        floor=floor,
+        throughput=100.0,
+        overlapped=overlapped,
+    )
 
 
 def test_loads_hidden_under_compute_keep_the_floor():
@@ -161,8 +169,16 @@ def test_a_chunk_slower_to_load_than_to_compute_is_computed():
 
 
 def test_unknown_throughput_loads_everything_at_the_floor():
-    p = plan([40], [9.0], num_tokens=100, num_layers=4, schedule=schedule_of((1,)), floor=0.2,
-             throughput=None, overlapped=True)
+    p = plan(
+        [40],
+        [9.0],
+        num_tokens=100,
+        num_layers=4,
+        schedule=schedule_of((1,)),
+        floor=0.2,
+        throughput=None,
+        overlapped=True,
+    )
     assert p.load == [True] and p.ratio == 0.2 and p.compute_s is None
 
 
@@ -181,7 +197,9 @@ def warm_everywhere(engine, docs, tmp_path, redis_url):
     engine.warm(docs)
     engine.generate(BlendPrompt("Read.", docs, QUESTION), max_tokens=1)  # measures the walk on a prefill too
     n = iter(range(100))
-    return BlendPrompt("Read.", docs[::-1], QUESTION), lambda **kw: ChunkStore(tmp_path / f"s{next(n)}", remote=redis_url, **kw)
+    return BlendPrompt("Read.", docs[::-1], QUESTION), lambda **kw: ChunkStore(
+        tmp_path / f"s{next(n)}", remote=redis_url, **kw
+    )
 
 
 def test_chunks_in_memory_are_loaded_at_the_floor_as_without_controller(controlled, engines, docs):
@@ -238,8 +256,16 @@ def test_ratio_rises_above_the_floor_to_hide_compute_under_slow_loads(controlled
     bandwidth = sum(sizes) / (compute(U) + least_saving / 2)
     controlled.store = machine(read_bandwidth={"remote": bandwidth})
 
-    expected = plan(tokens, [s / bandwidth for s in sizes], num_tokens=N, num_layers=L, schedule=schedule,
-                    floor=floor, throughput=throughput, overlapped=True)
+    expected = plan(
+        tokens,
+        [s / bandwidth for s in sizes],
+        num_tokens=N,
+        num_layers=L,
+        schedule=schedule,
+        floor=floor,
+        throughput=throughput,
+        overlapped=True,
+    )
     assert expected.load == [True] * len(docs) and floor < expected.ratio < 1.0
     g = controlled.generate(prompt, max_tokens=4)
     lo = g.loading

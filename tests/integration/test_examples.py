@@ -10,15 +10,21 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def run(smollm2_gguf, tmp_path):
     def run(args):
-        out = subprocess.run([sys.executable, *args, "--store", str(tmp_path / "store")], cwd=ROOT,
-                             env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=900,
-                             check=False)
+        out = subprocess.run(
+            [sys.executable, *args, "--store", str(tmp_path / "store")],
+            cwd=ROOT,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout
 

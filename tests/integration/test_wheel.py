@@ -11,27 +11,39 @@ from pathlib import Path
 
 import blend_integrations
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_wheel_holds_the_library_and_the_reader_weights_only(tmp_path):
     # sdist first, then the wheel from the unpacked sdist: what an index would serve
-    out = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
-                         capture_output=True, text=True, timeout=900, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = tmp_path.glob("*.whl")
     assert wheel.name.startswith(f"blend_integrations-{blend_integrations.__version__}-")
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names}
     assert top == {"blend_integrations", f"blend_integrations-{blend_integrations.__version__}.dist-info"}, top
-    for needed in ("blend_integrations/__init__.py", "blend_integrations/py.typed",
-                   "blend_integrations/fusion/walk.py", "blend_integrations/engines/vllm_connector.py",
-                   "blend_integrations/quality/reader/model.safetensors",
-                   "blend_integrations/quality/reader/tokenizer.json"):
+    for needed in (
+        "blend_integrations/__init__.py",
+        "blend_integrations/py.typed",
+        "blend_integrations/fusion/walk.py",
+        "blend_integrations/engines/vllm_connector.py",
+        "blend_integrations/quality/reader/model.safetensors",
+        "blend_integrations/quality/reader/tokenizer.json",
+    ):
         assert needed in names, needed
     # benchmarks, training and fixtures stay in the checkout (the reader's training.json is its model card's data)
     modules = [n for n in names if n.endswith(".py")]
     assert not [n for n in modules if any(part in n for part in ("bench", "train", "local_models", "fixtures"))]
-    entry_points = zipfile.ZipFile(wheel).read(
-        f"blend_integrations-{blend_integrations.__version__}.dist-info/entry_points.txt").decode()
+    entry_points = (
+        zipfile.ZipFile(wheel)
+        .read(f"blend_integrations-{blend_integrations.__version__}.dist-info/entry_points.txt")
+        .decode()
+    )
     assert "blend_integrations.engines.vllm_plugin:register" in entry_points

@@ -8,7 +8,14 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import HumanMessage, SystemMessage
 
-from blend_integrations.langchain import BLEND_SEPARATOR, BlendLLM, ChatBlend, chunk_block, format_docs, messages_to_prompt
+from blend_integrations.langchain import (
+    BLEND_SEPARATOR,
+    BlendLLM,
+    ChatBlend,
+    chunk_block,
+    format_docs,
+    messages_to_prompt,
+)
 
 QUESTION = "Question: which city is named in the documents?"
 
@@ -19,8 +26,10 @@ def any_engine(request):
 
 
 def chat_messages(docs):
-    return [SystemMessage("Answer from the documents."),
-            HumanMessage(content=[chunk_block(d) for d in docs] + [{"type": "text", "text": QUESTION}])]
+    return [
+        SystemMessage("Answer from the documents."),
+        HumanMessage(content=[chunk_block(d) for d in docs] + [{"type": "text", "text": QUESTION}]),
+    ]
 
 
 class Results(BaseCallbackHandler):
@@ -47,8 +56,9 @@ def test_chunks_keep_their_own_tokens_inside_the_chat_template(engine, docs):
     rendered = engine.tokenizer.decode(tp.token_ids)
     assert "<|system|>" in rendered and "<|user|>" in rendered and rendered.rstrip().endswith("<|assistant|>")
     # BLEND_SEPARATOR inside a message's text marks the same chunks
-    text_form = messages_to_prompt([chat_messages(docs)[0], HumanMessage(format_docs(docs) + QUESTION)],
-                                   engine.tokenizer, "\n\n")
+    text_form = messages_to_prompt(
+        [chat_messages(docs)[0], HumanMessage(format_docs(docs) + QUESTION)], engine.tokenizer, "\n\n"
+    )
     assert [text_form.chunk_ids(i) for i in range(len(docs))] == [tp.chunk_ids(i) for i in range(len(docs))]
 
 
@@ -134,15 +144,21 @@ def test_stuff_documents_chain_with_blend_separator(any_engine, docs):
     seen = Results()
     answers = {}
     for mode in ("blend", "full"):
-        chain = create_stuff_documents_chain(ChatBlend(engine=any_engine, max_tokens=8, mode=mode, recompute_ratio=1.0),
-                                             chat_prompt, document_separator=BLEND_SEPARATOR)
+        chain = create_stuff_documents_chain(
+            ChatBlend(engine=any_engine, max_tokens=8, mode=mode, recompute_ratio=1.0),
+            chat_prompt,
+            document_separator=BLEND_SEPARATOR,
+        )
         answers[mode] = chain.invoke({"context": documents}, config={"callbacks": [seen]})
     meta = seen.results[0].generations[0][0].message.response_metadata
     assert meta["chunks_hit"] == len(docs) and meta["chunks_missed"] == 0
     assert answers["blend"] == answers["full"]
 
-    text_chain = create_stuff_documents_chain(BlendLLM(engine=any_engine, max_tokens=4), PromptTemplate.from_template(context),
-                                              document_separator=BLEND_SEPARATOR)
+    text_chain = create_stuff_documents_chain(
+        BlendLLM(engine=any_engine, max_tokens=4),
+        PromptTemplate.from_template(context),
+        document_separator=BLEND_SEPARATOR,
+    )
     text_chain.invoke({"context": documents}, config={"callbacks": [seen]})
     assert seen.results[-1].generations[0][0].generation_info["chunks_hit"] == len(docs)
 
@@ -154,8 +170,6 @@ def test_construction_errors(engine):
         ChatBlend(engine=object())
     with pytest.raises(TypeError, match="unexpected generation arguments: colour"):
         ChatBlend(engine=engine).invoke("hi", colour="red")
-
-
 
 
 def _retriever(docs_in_order):

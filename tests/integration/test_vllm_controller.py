@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_pipelined_loading import damage
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
-from test_pipelined_loading import damage
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 CONTROLLED = BlendConfig(loading_controller=True, pipelined_loading=True)
@@ -48,10 +48,12 @@ def controlled(model_dirs, tmp_path_factory, redis_server):
     """One vLLM engine with the controller and pipelined loading for the module (~40 s to start).
     Its Redis tier is assumed to read 1 kB/s until the worker reads from it: a chunk there alone
     takes seconds to load, far longer than computing it."""
-    store = ChunkStore(tmp_path_factory.mktemp("vllm-controlled"), remote=redis_server.url(),
-                       read_bandwidth={"remote": 1000.0})
-    engine = load_engine(model_dirs("llama"), backend="vllm", store=store, config=CONTROLLED, max_model_len=2048,
-                         kv_cache_gib=1)
+    store = ChunkStore(
+        tmp_path_factory.mktemp("vllm-controlled"), remote=redis_server.url(), read_bandwidth={"remote": 1000.0}
+    )
+    engine = load_engine(
+        model_dirs("llama"), backend="vllm", store=store, config=CONTROLLED, max_model_len=2048, kv_cache_gib=1
+    )
     yield engine
     engine.close()
 
@@ -104,7 +106,9 @@ def test_a_chunk_slower_to_load_than_to_compute_is_computed(controlled, model_di
     # another machine puts the other two in Redis: only there for this engine, read at 1 kB/s
     writer = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path / "elsewhere", remote=redis_url), device="cpu")
     assert writer.warm(away) == len(away)
-    controlled.generate(BlendPrompt("Read.", here, QUESTION), max_tokens=1)  # the walk's throughput reaches the scheduler
+    controlled.generate(
+        BlendPrompt("Read.", here, QUESTION), max_tokens=1
+    )  # the walk's throughput reaches the scheduler
 
     prompt = BlendPrompt("Read.", [away[0], here[0], away[1], here[1]], QUESTION)
     full = controlled.generate(prompt, max_tokens=8, mode="full", logprobs=1)

@@ -10,8 +10,8 @@ import pytest
 
 from blend_integrations import ChunkStore, UnsupportedModelError, load_engine
 from blend_integrations.chat import rag_prompt
-from blend_integrations.models.loading import resolve_model_dir
 from blend_integrations.models.gguf import DONE, GGUFError, converted_dir
+from blend_integrations.models.loading import resolve_model_dir
 from blend_integrations.prompt import bos_id_added
 
 DOCS = [
@@ -70,8 +70,14 @@ def test_an_unsupported_architecture_is_named_before_dequantizing(tmp_path):
 
     path = tmp_path / "tiny-gpt2.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")
-    for add, value in ((writer.add_context_length, 64), (writer.add_embedding_length, 16), (writer.add_block_count, 1),
-                       (writer.add_head_count, 2), (writer.add_feed_forward_length, 32), (writer.add_layer_norm_eps, 1e-5)):
+    for add, value in (
+        (writer.add_context_length, 64),
+        (writer.add_embedding_length, 16),
+        (writer.add_block_count, 1),
+        (writer.add_head_count, 2),
+        (writer.add_feed_forward_length, 32),
+        (writer.add_layer_norm_eps, 1e-5),
+    ):
         add(value)
     writer.add_tensor("token_embd.weight", np.zeros((32, 16), dtype=np.float32))
     writer.write_header_to_file()
@@ -110,8 +116,12 @@ def test_smollm2_gguf_on_vllm_embedded_and_served(smollm2_gguf, smollm2_full, tm
         assert llm.generate(prompt, max_tokens=16, mode="full").token_ids == full.token_ids
     finally:
         llm.close()
-    with BlendServer(smollm2_gguf, store=store.path, log=tmp_path / "server.log",
-                     args=["--max-model-len", "2048", "--kv-cache-gib", "1"]) as server:
+    with BlendServer(
+        smollm2_gguf,
+        store=store.path,
+        log=tmp_path / "server.log",
+        args=["--max-model-len", "2048", "--kv-cache-gib", "1"],
+    ) as server:
         client = load_engine(server.url, backend="server")
         served = client.generate(prompt, max_tokens=16, recompute_ratio=1.0)
         assert served.usage.chunks_hit == 4  # the embedded engine's chunks, from the shared store

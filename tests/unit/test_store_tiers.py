@@ -10,7 +10,6 @@ import time
 import diskcache
 import pytest
 import torch
-from test_store import make_entry, same, val_files
 
 from blend_integrations.store.disk_tier import DiskTier
 from blend_integrations.store.format import CorruptEntryError, encode
@@ -20,6 +19,7 @@ from blend_integrations.store.rate import Rate
 from blend_integrations.store.redis_tier import VALUE_PREFIX, RedisClient
 from blend_integrations.store.remote_tier import RemoteTier
 from blend_integrations.store.stats import Report
+from tests.fixtures.entries import make_entry, same, val_files
 
 LOGGER = "blend_integrations.store"
 EXPECT = (2, 2, 5, 8, torch.float32)  # make_entry(i) without nbytes

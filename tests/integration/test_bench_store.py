@@ -8,14 +8,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_store_bench_quick(tmp_path):
     env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1")  # the small model is built under HOME
-    out = subprocess.run([sys.executable, "-m", "benchmarks", "store", "--quick", "--json",
-                          "--device", "cpu", "--out", str(tmp_path / "results")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "store",
+            "--quick",
+            "--json",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "results"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(report["bandwidth"]) == {"memory", "disk (whole)", "disk (layers)", "redis (whole)", "redis (layers)"}
@@ -24,7 +40,8 @@ def test_store_bench_quick(tmp_path):
     cases = report["ttft"]
     tiers = ("memory", "disk", "redis")
     assert set(cases) == {"full"} | {f"blend@0.15, {t}" for t in tiers} | {f"controller, {t}" for t in tiers} | {
-        f"blend@0.15, {t}, pipelined" for t in tiers[1:]}
+        f"blend@0.15, {t}, pipelined" for t in tiers[1:]
+    }
     assert cases["full"]["cached_tokens"] == 0 and cases["full"]["speedup"] == 1.0
     blends = [c for name, c in cases.items() if name.startswith("blend")]
     assert len({(c["cached_tokens"], c["recomputed_tokens"]) for c in blends}) == 1  # same work from every tier
