@@ -9,6 +9,14 @@ from pathlib import Path
 from blend_integrations.prompt import BlendPrompt
 
 
+def setup_line(cfg: dict) -> str:
+    """The start of a result's first line: model, dtype, device, threads, prompt."""
+    return (
+        f"Model: {cfg['model']}; {cfg['dtype']} on {cfg['device']} ({cfg['torch_threads']} threads); "
+        f"{cfg['chunks']}, {cfg['prompt_tokens']} prompt tokens; "
+    )
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of the benchmarks that time a random-weight model: its
     shape, the prompt's chunks, the rounds, dtype and device."""

@@ -31,7 +31,7 @@ from blend_integrations.store.layered import LayerReader
 from tests.fixtures.local_models import cached_model_dir
 from tests.fixtures.redis_server import RedisServer
 
-from . import add_model_arguments, shuffled_prompts, write_results
+from . import add_model_arguments, setup_line, shuffled_prompts, write_results
 from .ttft import make_chunks
 
 RATIO = 0.15
@@ -192,9 +192,7 @@ def measure(args, model_dir, tiers: Tiers) -> dict:
 def render(report: dict) -> str:
     cfg = report["config"]
     lines = [
-        f"Model: {cfg['model']}; {cfg['dtype']} on {cfg['device']} ({cfg['torch_threads']} threads); "
-        f"{cfg['chunks']}, {cfg['prompt_tokens']} prompt tokens; Redis: {cfg['redis']}; "
-        f"{cfg['repeats']} rounds; {cfg['date']}.",
+        setup_line(cfg) + f"Redis: {cfg['redis']}; {cfg['repeats']} rounds; {cfg['date']}.",
         "",
         "Reading one chunk's KV:",
         "",

@@ -24,7 +24,7 @@ from blend_integrations.engines import load_engine
 from blend_integrations.store import ChunkStore
 from tests.fixtures.local_models import sample_text
 
-from . import MODEL_HELP, add_model_arguments, bench_model, compute_ceiling, shuffled_prompts, write_results
+from . import MODEL_HELP, add_model_arguments, bench_model, compute_ceiling, setup_line, shuffled_prompts, write_results
 
 
 def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -116,8 +116,7 @@ def summarize(gens, L: int, c: int, mode: str) -> dict:
 def render(report: dict) -> str:
     cfg = report["config"]
     lines = [
-        f"Model: {cfg['model']}; {cfg['dtype']} on {cfg['device']} ({cfg['torch_threads']} threads); "
-        f"{cfg['chunks']}, {cfg['prompt_tokens']} prompt tokens; check layer {cfg['check_layer']}; "
+        setup_line(cfg) + f"check layer {cfg['check_layer']}; "
         f"{cfg['repeats']} rounds, every mode once per round; {cfg['date']}.",
         "",
         "| mode | TTFT median (ms) | TTFT min-max (ms) | full / mode (median of paired rounds) | computed share \\|R\\|/N | compute ceiling | share of ceiling |",

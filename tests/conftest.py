@@ -88,6 +88,12 @@ def docs():
     return [" ".join(sample_text(5, seed=seed + i)) for i in range(4)]
 
 
+@pytest.fixture(params=["transformers", "vllm"])
+def any_engine(request):
+    """Each test with it runs on the transformers engine, then on the embedded vLLM engine."""
+    return request.getfixturevalue("engine" if request.param == "transformers" else "vllm_engine")
+
+
 VLLM_REDIS_PASSWORD = "vllm-secret"
 
 

@@ -35,14 +35,7 @@ import torch
 
 from tests.fixtures.local_models import train_tokenizer
 
-from .data import (
-    Example,
-    corpus_text,
-    make_example,
-    make_examples,
-    prompt,
-    question_subject,
-)
+from .data import Example, corpus_text, make_example, make_examples, prompt, question_subject
 
 EMBEDDING_STD = 0.1
 ARCH = {

@@ -73,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..config import BlendConfig
-from ..fusion import Blender, ChunkKeys, KVCache, PrefillPlan, PrefillStats, make_plan
+from ..fusion import Blender, ChunkKeys, KVCache, Planner, PrefillPlan, PrefillStats
 from ..fusion.plan import measured_rates
 from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
@@ -142,9 +142,9 @@ class BlendConnector(KVConnectorBase_V1):
         self.config = BlendConfig(**extra.get("blend_config", {}))
         model_config = vllm_config.model_config
         fingerprint, bos = _model_identity(model_config.model, model_config.tokenizer)
-        self.keys = ChunkKeys(fingerprint, model_config.dtype, bos)
+        num_layers = model_config.hf_text_config.num_hidden_layers
+        self.planner = Planner(self.config, ChunkKeys(fingerprint, model_config.dtype, bos), num_layers)
         self.block_size = vllm_config.cache_config.block_size
-        self.num_layers = model_config.hf_text_config.num_hidden_layers
         self.tokenizer_name = model_config.tokenizer
         store_args = connector_store_args(extra)
         if role == KVConnectorRole.SCHEDULER:
@@ -233,15 +233,12 @@ class BlendConnector(KVConnectorBase_V1):
         try:
             # The plan looks every chunk up (promise): the usage reported at the end is the plan's.
             assert params.chunk_spans is not None  # blend_params found the spans of a separator
-            plan = make_plan(
+            plan = self.planner.plan(
                 ids,
                 params.chunk_spans,
                 mode=params.mode,
                 ratio=params.ratio,
-                config=self.config,
-                keys=self.keys,
                 store=self.store,
-                num_layers=self.num_layers,
                 rates=self._rates,
                 promise=True,
             )
@@ -285,7 +282,11 @@ class BlendConnector(KVConnectorBase_V1):
                 )
             decoder = VLLMDecoder(model)
             self.blender = Blender(
-                decoder, self.store, self.config, fingerprint=self.keys.fingerprint, bos_token_id=self.keys.bos_token_id
+                decoder,
+                self.store,
+                self.config,
+                fingerprint=self.planner.keys.fingerprint,
+                bos_token_id=self.planner.keys.bos_token_id,
             )
             self._layer_names = decoder.attention_layer_names()
         return self.blender

@@ -6,7 +6,7 @@ the layers, and ``blender.py`` carries a plan out with the store and the walk.
 
 from .blender import Blender, PrefillStats
 from .layers import LayerModel, rotate
-from .plan import ChunkKeys, ChunkPlan, PrefillPlan, make_plan
+from .plan import ChunkKeys, ChunkPlan, Planner, PrefillPlan
 from .walk import KVCache, ReusedSpan, WalkStats, forward
 
 __all__ = [
@@ -15,11 +15,11 @@ __all__ = [
     "ChunkPlan",
     "KVCache",
     "LayerModel",
+    "Planner",
     "PrefillPlan",
     "PrefillStats",
     "ReusedSpan",
     "WalkStats",
     "forward",
-    "make_plan",
     "rotate",
 ]

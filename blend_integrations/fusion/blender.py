@@ -22,7 +22,7 @@ from ..store.rate import Rate
 from .controller import LoadingStats
 from .layers import LayerModel
 from .pipeline import LayerLoader, LoadFailed
-from .plan import COMPUTE, MISS, ChunkKeys, PrefillPlan, make_plan, measured_rates
+from .plan import COMPUTE, MISS, ChunkKeys, Planner, PrefillPlan, measured_rates
 from .walk import KVCache, ReusedSpan, WalkStats, forward
 
 
@@ -39,20 +39,15 @@ class PrefillStats:
 
 class Blender:
     def __init__(
-        self,
-        model: LayerModel,
-        store: ChunkStore,
-        config: BlendConfig,
-        *,
-        fingerprint: str,
-        bos_token_id: int | None,
+        self, model: LayerModel, store: ChunkStore, config: BlendConfig, *, fingerprint: str, bos_token_id: int | None
     ) -> None:
         if config.check_layers[-1] >= model.num_layers:
             raise ValueError(f"check_layers {config.check_layers} must be below the model's {model.num_layers} layers")
         self.model = model
         self.store = store
         self.config = config
-        self.keys = ChunkKeys(fingerprint, model.dtype, bos_token_id)
+        self.planner = Planner(config, ChunkKeys(fingerprint, model.dtype, bos_token_id), model.num_layers)
+        self.keys = self.planner.keys
         # Token-layers per second of this model's walk, measured on every prefill.
         self.compute_rate = Rate()
 
@@ -64,17 +59,10 @@ class Blender:
         mode: str,
         recompute_ratio: float | None = None,
     ) -> PrefillPlan:
-        """``make_plan`` with this Blender's store, model and measured rates."""
-        return make_plan(
-            token_ids,
-            chunk_spans,
-            mode=mode,
-            ratio=recompute_ratio,
-            config=self.config,
-            keys=self.keys,
-            store=self.store,
-            num_layers=self.model.num_layers,
-            rates=measured_rates(self.store, self.compute_rate),
+        """The plan (``Planner.plan``) from this Blender's store, at its measured rates."""
+        rates = measured_rates(self.store, self.compute_rate)
+        return self.planner.plan(
+            token_ids, chunk_spans, mode=mode, ratio=recompute_ratio, store=self.store, rates=rates
         )
 
     def _expect(self, n: int):

@@ -1,6 +1,6 @@
 """Plan layer: the prefill plan, what happens to each chunk of one request.
 
-Decided once, before any KV moves, by ``make_plan``, which both kinds of
+Decided once, before any KV moves, by ``Planner.plan``, which both kinds of
 engine call: the in-process engines through ``Blender.plan``, and the vLLM
 connector's scheduler side, which must report a request's usage before its
 worker runs. ``Blender.prefill`` then carries the plan out.
@@ -98,58 +98,67 @@ def _bandwidth(rates: dict[str, float | None], tier: str) -> float:
     return bandwidth
 
 
-def make_plan(
-    token_ids: Sequence[int],
-    chunk_spans: Sequence[tuple[int, int]],
-    *,
-    mode: str,
-    ratio: float | None,
-    config: BlendConfig,
-    keys: ChunkKeys,
-    store: ChunkStore,
-    num_layers: int,
-    rates: dict[str, float | None],
-    promise: bool = False,
-) -> PrefillPlan:
-    """The plan for prefilling ``token_ids`` with chunks at ``chunk_spans``.
+@dataclass(frozen=True)
+class Planner:
+    """Makes the prefill plans of one model's requests: what every plan of
+    that model shares (its settings, its chunk keys, its depth)."""
 
-    ratio: the request's recompute ratio (None: the config's), the floor the
-    loading controller may raise. rates: ``measured_rates``, where the
-    walk runs. promise: the caller
-    reports the plan's usage before it runs (see the module's docstring)."""
-    floor = config.recompute_ratio if ratio is None else ratio
-    if mode == "full":
-        return PrefillPlan(mode, floor, (), config.sink_tokens, promise)
-    spans = [(int(a), int(b)) for a, b in chunk_spans]
-    chunk_keys = [keys(token_ids[a:b]) for a, b in spans]
-    control = mode == "blend" and config.loading_controller
-    if not (promise or control):
-        # Nothing to decide before reading: a chunk not found when read is a miss.
-        chunks = tuple(ChunkPlan(a, b, key, LOAD) for (a, b), key in zip(spans, chunk_keys))
-        return PrefillPlan(mode, floor, chunks, config.sink_tokens)
-    found: list[tuple[int, str, int]] = []  # (chunk, tier, bytes) of the chunks in the store
-    for i, key in enumerate(chunk_keys):
-        where = store.locate(key)
-        if where.tier is not None:
-            found.append((i, where.tier, where.nbytes))
-    actions = [MISS] * len(spans)
-    for i, _, _ in found:
-        actions[i] = LOAD
-    loading = None
-    if control:
-        decided, loading = decide(
-            [tier for _, tier, _ in found],
-            [max(0, spans[i][1] - spans[i][0] - config.sink_tokens) for i, _, _ in found],
-            [nbytes / _bandwidth(rates, tier) for _, tier, nbytes in found],
-            num_tokens=len(token_ids),
-            num_layers=num_layers,
-            schedule=config.check_schedule,
-            floor=floor,
-            throughput=rates["compute"],
-            overlapped=config.pipelined_loading,
-        )
-        floor = decided.ratio
-        for (i, _, _), load in zip(found, decided.load):
-            actions[i] = LOAD if load else COMPUTE
-    chunks = tuple(ChunkPlan(a, b, key, action) for (a, b), key, action in zip(spans, chunk_keys, actions))
-    return PrefillPlan(mode, floor, chunks, config.sink_tokens, promise, loading)
+    config: BlendConfig
+    keys: ChunkKeys
+    num_layers: int
+
+    def plan(
+        self,
+        token_ids: Sequence[int],
+        chunk_spans: Sequence[tuple[int, int]],
+        *,
+        mode: str,
+        ratio: float | None,
+        store: ChunkStore,
+        rates: dict[str, float | None],
+        promise: bool = False,
+    ) -> PrefillPlan:
+        """The plan for prefilling ``token_ids`` with chunks at ``chunk_spans``
+        from ``store``.
+
+        ratio: the request's recompute ratio (None: the config's), the floor
+        the loading controller may raise. rates: ``measured_rates`` where the
+        walk runs. promise: the caller reports the plan's usage before it
+        runs (see the module's docstring)."""
+        config = self.config
+        floor = config.recompute_ratio if ratio is None else ratio
+        if mode == "full":
+            return PrefillPlan(mode, floor, (), config.sink_tokens, promise)
+        spans = [(int(a), int(b)) for a, b in chunk_spans]
+        chunk_keys = [self.keys(token_ids[a:b]) for a, b in spans]
+        control = mode == "blend" and config.loading_controller
+        if not (promise or control):
+            # Nothing to decide before reading: a chunk not found when read is a miss.
+            chunks = tuple(ChunkPlan(a, b, key, LOAD) for (a, b), key in zip(spans, chunk_keys))
+            return PrefillPlan(mode, floor, chunks, config.sink_tokens)
+        found: list[tuple[int, str, int]] = []  # (chunk, tier, bytes) of the chunks in the store
+        for i, key in enumerate(chunk_keys):
+            where = store.locate(key)
+            if where.tier is not None:
+                found.append((i, where.tier, where.nbytes))
+        actions = [MISS] * len(spans)
+        for i, _, _ in found:
+            actions[i] = LOAD
+        loading = None
+        if control:
+            decided, loading = decide(
+                [tier for _, tier, _ in found],
+                [max(0, spans[i][1] - spans[i][0] - config.sink_tokens) for i, _, _ in found],
+                [nbytes / _bandwidth(rates, tier) for _, tier, nbytes in found],
+                num_tokens=len(token_ids),
+                num_layers=self.num_layers,
+                schedule=config.check_schedule,
+                floor=floor,
+                throughput=rates["compute"],
+                overlapped=config.pipelined_loading,
+            )
+            floor = decided.ratio
+            for (i, _, _), load in zip(found, decided.load):
+                actions[i] = LOAD if load else COMPUTE
+        chunks = tuple(ChunkPlan(a, b, key, action) for (a, b), key, action in zip(spans, chunk_keys, actions))
+        return PrefillPlan(mode, floor, chunks, config.sink_tokens, promise, loading)

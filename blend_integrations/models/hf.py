@@ -27,6 +27,14 @@ def check_supported(config) -> None:
         )
 
 
+def heads_first(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_norm: bool):
+    """``[T, heads, D]`` projections as the walk takes them, ``[heads, T, D]``,
+    after Qwen3's per-head q/k norms where the model has them."""
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+
 def layer_windows(config) -> tuple[int | None, ...]:
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
@@ -73,9 +81,7 @@ class HFDecoder:
         q = attn.q_proj(x).view(T, -1, self.head_dim)
         k = attn.k_proj(x).view(T, -1, self.head_dim)
         v = attn.v_proj(x).view(T, -1, self.head_dim)
-        if self.has_qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return heads_first(attn, q, k, v, qk_norm=self.has_qk_norm)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .hf import check_supported, layer_windows
+from .hf import check_supported, heads_first, layer_windows
 
 
 class VLLMDecoder:
@@ -55,9 +55,7 @@ class VLLMDecoder:
         qkv, _ = attn.qkv_proj(block.input_layernorm(hidden))
         T = qkv.shape[0]
         q, k, v = (t.reshape(T, -1, self.head_dim) for t in qkv.split(self._split, dim=-1))
-        if self.has_qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return heads_first(attn, q, k, v, qk_norm=self.has_qk_norm)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]

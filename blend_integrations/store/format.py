@@ -43,14 +43,7 @@ _ALIGN = 64  # payload offset alignment inside an entry
 _MAX_HEADER_BYTES = 1 << 16  # real headers are ~200 bytes
 
 # dtypes a KV cache may be stored in, by their torch attribute name.
-_DTYPE_NAMES = (
-    "float64",
-    "float32",
-    "float16",
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-)
+_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
 _NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 
@@ -138,12 +131,7 @@ def encode(entry: ChunkKV) -> bytes:
     kv = entry.kv
     payload_bytes = entry.nbytes
     header = json.dumps(
-        {
-            "key": entry.key,
-            "dtype": dtype_name(kv.dtype),
-            "shape": list(kv.shape),
-            "payload_bytes": payload_bytes,
-        },
+        {"key": entry.key, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape), "payload_bytes": payload_bytes},
         separators=(",", ":"),
     ).encode("utf-8")
     # Pad with spaces (valid JSON whitespace) so the payload is aligned and a

@@ -73,10 +73,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
         raise FileNotFoundError(
             f"model_fingerprint: no config.json in {str(root)!r}; pass the local directory of a downloaded checkpoint"
         )
-    weights = sorted(
-        (p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()),
-        key=lambda p: p.name,
-    )
+    weights = sorted((p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()), key=lambda p: p.name)
     if not weights:
         raise FileNotFoundError(
             f"model_fingerprint: no weight file ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) in {str(root)!r}"
@@ -105,12 +102,7 @@ def _window_offsets(size: int) -> list[int]:
 
 
 def chunk_key(
-    *,
-    fingerprint: str,
-    dtype: str,
-    token_ids: Sequence[int],
-    bos_token_id: int | None,
-    recipe: str = RECIPE_VERSION,
+    *, fingerprint: str, dtype: str, token_ids: Sequence[int], bos_token_id: int | None, recipe: str = RECIPE_VERSION
 ) -> str:
     """Return the store key (sha256 hex) of one chunk's KV cache.
 

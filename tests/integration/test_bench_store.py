@@ -4,35 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.commands import ROOT, run_python
 
 
 def test_store_bench_quick(tmp_path):
     env = dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1")  # the small model is built under HOME
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "store",
-            "--quick",
-            "--json",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path / "results"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    args = ["--quick", "--json", "--device", "cpu", "--out", str(tmp_path / "results")]
+    out = run_python("-m", "benchmarks", "store", *args, env=env, timeout=1200)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(report["bandwidth"]) == {"memory", "disk (whole)", "disk (layers)", "redis (whole)", "redis (layers)"}
     for row in report["bandwidth"].values():

@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from docs_runner import samples  # pytest puts tests/ on sys.path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.commands import ROOT, run_python
+
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "results" not in p.relative_to(DOCS).parts)
 
 
 def test_docs_build_without_warnings(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_python("-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site"), timeout=300)
     assert (tmp_path / "site" / "index.html").exists()
 
 
@@ -44,16 +36,8 @@ def test_code_samples_run(page, model_dirs, tmp_path):
         BLEND_STORE_PATH=str(tmp_path / "store"),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     )
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "docs_runner.py"), str(page), model_dirs("llama")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
+    run_python(str(ROOT / "tests" / "docs_runner.py"), str(page), model_dirs("llama"), cwd=tmp_path, env=env,
+               timeout=1200)  # fmt: skip
 
 
 # Raised and caught inside the package (a failed read turns into a miss), never seen by a caller.

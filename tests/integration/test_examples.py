@@ -4,29 +4,17 @@ SmolLM2-135M-Instruct (converted once per machine by the ``smollm2_gguf`` fixtur
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.commands import ROOT, run_python
 
 
 @pytest.fixture
 def run(smollm2_gguf, tmp_path):
     def run(args):
-        out = subprocess.run(
-            [sys.executable, *args, "--store", str(tmp_path / "store")],
-            cwd=ROOT,
-            env=dict(os.environ, HF_HUB_OFFLINE="1"),
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        return run_python(*args, "--store", str(tmp_path / "store"), env=env, timeout=900).stdout
 
     return run
 

@@ -20,11 +20,6 @@ from blend_integrations.langchain import (
 QUESTION = "Question: which city is named in the documents?"
 
 
-@pytest.fixture(params=["transformers", "vllm"])
-def any_engine(request):
-    return request.getfixturevalue("engine" if request.param == "transformers" else "vllm_engine")
-
-
 def chat_messages(docs):
     return [
         SystemMessage("Answer from the documents."),

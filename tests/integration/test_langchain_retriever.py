@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 
@@ -15,11 +14,6 @@ from blend_integrations.langchain import ChatBlend, create_blend_rag_chain
 # The local embeddings live with the examples, not in the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from local_embeddings import LangChainMiniLM
-
-
-@pytest.fixture(params=["transformers", "vllm"])
-def any_engine(request):
-    return request.getfixturevalue("engine" if request.param == "transformers" else "vllm_engine")
 
 
 def contents(result: dict) -> list[str]:

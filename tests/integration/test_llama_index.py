@@ -25,11 +25,6 @@ from local_embeddings import LlamaIndexMiniLM
 STATS = {"prompt_tokens", "cached_tokens", "recomputed_tokens", "ttft_s"}
 
 
-@pytest.fixture(params=["transformers", "vllm"])
-def any_engine(request):
-    return request.getfixturevalue("engine" if request.param == "transformers" else "vllm_engine")
-
-
 def make_index(docs):
     """Nodes with metadata, so the LLM-formatted text differs from the raw text."""
     nodes = [TextNode(text=d, id_=f"doc{i}", metadata={"source": f"doc{i}.txt"}) for i, d in enumerate(docs)]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbformat
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.commands import ROOT
 
 
 def test_agent_notebook_runs(smollm2_gguf, monkeypatch):

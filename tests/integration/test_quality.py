@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from blend_integrations.quality.metrics import exact_match, normalize, token_f1
+from tests.fixtures.commands import ROOT, run_python
 from training.data import CITIES, PROFESSIONS, make_example, make_examples, question_subject
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def words(text: str) -> int:
@@ -72,13 +69,7 @@ def test_look_targets_point_at_the_circuit(tmp_path):
     first layer, the question's subject, the bridge of 2-hop questions, and the
     answer's value in the sentence that states it."""
     from training.data import prompt
-    from training.train import (
-        POSITION_HEADS,
-        encode,
-        look_targets,
-        subject_rows,
-        train_reader_tokenizer,
-    )
+    from training.train import POSITION_HEADS, encode, look_targets, subject_rows, train_reader_tokenizer
 
     tokenizer = train_reader_tokenizer(tmp_path, 512, 0)
     for e in make_examples(6, seed=9, follow_ups=3):
@@ -189,25 +180,8 @@ def short_runs(tmp_path_factory):
     for name, slices in (("a", [[]]), ("b", [["--stop-after", "1"], []])):
         out = tmp_path_factory.mktemp(f"reader-{name}")
         for extra in slices:
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "training.train",
-                    str(out),
-                    "--steps",
-                    "2",
-                    "--tokens-per-step",
-                    "512",
-                    "--threads",
-                    "1",
-                    *extra,
-                ],
-                check=True,
-                cwd=ROOT,
-                capture_output=True,
-                timeout=900,
-            )
+            args = ["--steps", "2", "--tokens-per-step", "512", "--threads", "1", *extra]
+            run_python("-m", "training.train", str(out), *args, timeout=900)
         runs.append(out)
     return runs
 
@@ -231,15 +205,7 @@ def test_training_is_deterministic_resumable_and_writes_a_model_card(short_runs,
 def test_quality_bench_quick(short_runs):
     """The benchmark's machinery on a barely trained reader (its scores say nothing;
     the full run on the trained reader is docs/results/quality.md)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "quality", "--quick", "--json", "--model", str(short_runs[0])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_python("-m", "benchmarks", "quality", "--quick", "--json", "--model", str(short_runs[0]), timeout=1200)
     table = json.loads(out.stdout.strip().splitlines()[-1])
     assert {
         "full",
@@ -290,26 +256,11 @@ def test_diagnose_reports_the_circuit(short_runs, tmp_path):
     layers = model.config.num_hidden_layers
     assert set(found["write_norms"]["value"]) == {f"{b}{i}" for b in ("attn", "mlp") for i in range(layers)}
 
-    out = subprocess.run(
-        [sys.executable, "-m", "training.diagnose", str(short_runs[0]), "--shape", "short", "--examples", "2"],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_python("-m", "training.diagnose", str(short_runs[0]), "--shape", "short", "--examples", "2", timeout=600)
     assert "mean attention mass on each look's sources (2 short examples)" in out.stdout
     assert "at the value position: attn0" in out.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "training.diagnose", str(tmp_path)],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert bad.returncode == 2 and "holds no model (config.json is missing)" in bad.stderr
+    bad = run_python("-m", "training.diagnose", str(tmp_path), timeout=600, returncode=2)
+    assert "holds no model (config.json is missing)" in bad.stderr
 
 
 def test_drift_measures_what_context_changes(capsys):

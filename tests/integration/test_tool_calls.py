@@ -146,11 +146,6 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-@pytest.fixture(params=["transformers", "vllm"])
-def any_engine(request):
-    return request.getfixturevalue("engine" if request.param == "transformers" else "vllm_engine")
-
-
 def history(docs):
     return [
         SystemMessage("Answer from the documents; call tools when needed."),

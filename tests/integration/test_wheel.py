@@ -4,26 +4,15 @@ benchmarks, training or test fixtures."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import zipfile
-from pathlib import Path
 
 import blend_integrations
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.commands import ROOT, run_python
 
 
 def test_the_wheel_holds_the_library_and_the_reader_weights_only(tmp_path):
     # sdist first, then the wheel from the unpacked sdist: what an index would serve
-    out = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_python("-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(ROOT), timeout=900)
     (wheel,) = tmp_path.glob("*.whl")
     assert wheel.name.startswith(f"blend_integrations-{blend_integrations.__version__}-")
     names = zipfile.ZipFile(wheel).namelist()

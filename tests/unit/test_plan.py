@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore
-from blend_integrations.fusion import Blender, ChunkKeys, KVCache, PrefillPlan, make_plan
+from blend_integrations.fusion import Blender, ChunkKeys, KVCache, Planner, PrefillPlan
 from blend_integrations.fusion.plan import COMPUTE, LOAD, MISS, measured_rates
 from blend_integrations.store import ChunkKV, chunk_key
 
@@ -23,18 +23,9 @@ def stored(store: ChunkStore, *spans: tuple[int, int]) -> None:
 
 
 def plan(store, mode="blend", *, config=None, rates=None, ratio=None, promise=False) -> PrefillPlan:
-    return make_plan(
-        TOKENS,
-        SPANS,
-        mode=mode,
-        ratio=ratio,
-        config=config or BlendConfig(check_layers=(0,)),
-        keys=KEYS,
-        store=store,
-        num_layers=2,
-        rates=rates or measured_rates(store, None),
-        promise=promise,
-    )
+    planner = Planner(config or BlendConfig(check_layers=(0,)), KEYS, num_layers=2)
+    rates = rates or measured_rates(store, None)
+    return planner.plan(TOKENS, SPANS, mode=mode, ratio=ratio, store=store, rates=rates, promise=promise)
 
 
 def test_chunk_keys_are_the_stores_keys():
@@ -105,17 +96,9 @@ def test_a_chunk_gone_from_the_store_keeps_a_promise_or_becomes_a_miss(engine, d
         )
         for a, b in tp.chunk_spans:
             blender.ensure(tp.token_ids[a:b])
-        p = make_plan(
-            tp.token_ids,
-            tp.chunk_spans,
-            mode="blend",
-            ratio=None,
-            config=blender.config,
-            keys=blender.keys,
-            store=before,
-            num_layers=engine.layers.num_layers,
-            rates=measured_rates(before, None),
-            promise=promise,
+        rates = measured_rates(before, None)
+        p = blender.planner.plan(
+            tp.token_ids, tp.chunk_spans, mode="blend", ratio=None, store=before, rates=rates, promise=promise
         )
         assert [c.action for c in p.chunks] == [LOAD] * len(docs)
         blender.store = after  # every chunk leaves the store between plan and run
