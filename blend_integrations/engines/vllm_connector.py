@@ -206,9 +206,9 @@ class BlendConnector(KVConnectorBase_V1):
         params = self.blend_params(request)
         if params is None or num_computed_tokens:
             return 0, False
-        assert params.num_tokens is not None  # blend_params found the spans of a separator
-        # load_kv_async=False: the blend pass runs synchronously before the forward.
-        return params.num_tokens, False
+        # load_kv_async=False: the blend pass runs synchronously before the forward. (Checked
+        # parameters with spans always have num_tokens; nothing here may raise.)
+        return params.num_tokens or 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:

@@ -47,9 +47,12 @@ class Blender:
         self.store = store
         self.config = config
         self.planner = Planner(config, ChunkKeys(fingerprint, model.dtype, bos_token_id), model.num_layers)
-        self.keys = self.planner.keys
         # Token-layers per second of this model's walk, measured on every prefill.
         self.compute_rate = Rate()
+
+    @property
+    def keys(self) -> ChunkKeys:
+        return self.planner.keys
 
     def plan(
         self,
