@@ -57,17 +57,26 @@ def bench_model(
 
 
 def compute_ceiling(
-    mode: str, prompt_tokens: int, cached: int, recomputed: int, layers: int, check_layer: int
+    mode: str,
+    prompt_tokens: int,
+    cached: int,
+    recomputed: int,
+    layers: int,
+    check_layer: int,
+    selection: str = "deviation",
 ) -> float:
     """The most a mode can gain over full prefill by computing less (DESIGN
     section 5): ``1 / ((c + (L - c) * |R| / N) / L)`` for blend, with |R| the
-    tokens computed past the check layer; ``N / |R|`` for reuse; 1 for full."""
+    tokens computed past the check layer; ``N / |R|`` for reuse; 1 for full.
+    A query-aware blend (``selection`` "query" or "mixed") first runs a reuse
+    pass: ``L * F / N`` more, with F the fresh tokens."""
     computed = prompt_tokens - cached + recomputed
     if mode == "full":
         return 1.0
     if mode == "reuse":
         return prompt_tokens / computed
-    return layers / (check_layer + (layers - check_layer) * computed / prompt_tokens)
+    first_pass = 0.0 if selection == "deviation" else layers * (prompt_tokens - cached) / prompt_tokens
+    return layers / (check_layer + (layers - check_layer) * computed / prompt_tokens + first_pass)
 
 
 def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendPrompt]:

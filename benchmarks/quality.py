@@ -4,8 +4,10 @@ questions, every mode side by side on the same prompts.
 Modes: full prefill; reuse (every chunk's KV as stored, nothing recomputed);
 prefix (the system prompt and first document from a prefix cache, the rest
 computed: what vLLM's prefix caching gives); blend at several recompute
-ratios; and, at ratio 0.15, key deviation instead of value deviation, gradual
-filtering over several check layers, and attention-sink repair. Metrics, for
+ratios, choosing the recomputed tokens by KV deviation (CacheBlend's HKVD),
+by the question's attention ("query") or half each ("mixed"); and, at ratio
+0.15, key deviation instead of value deviation, gradual filtering over several
+check layers, and attention-sink repair. Metrics, for
 1-hop and 2-hop questions: exact match and token F1 after normalization,
 whether the answer is contained in the reply (what suits a chat model that
 answers in a sentence); for all questions: agreement with full prefill's reply
@@ -18,6 +20,7 @@ package index, with shorter documents and a short-answer prompt
 (docs/results/quality-smollm2.md), or a checkpoint directory (the reader's task).
 
     python -m benchmarks quality [--model reader|smollm2|DIR] [--quick] [--json] [--questions 300]
+                                 [--device cpu|cuda] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 
 from blend_integrations.chat import RAG_SYSTEM_PROMPT, rag_prompt
-from blend_integrations.config import BlendConfig
+from blend_integrations.config import SELECTIONS, BlendConfig
 from blend_integrations.engines import load_engine
 from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.quality import reader_model_dir
@@ -76,7 +79,7 @@ DEFAULT = BlendConfig()
 
 # The plain algorithm every mode starts from, spelled out so that a table means the same whatever the defaults are
 # (the defaults are read off the tables).
-BASE = {"deviation": "v", "check_layers": (1,), "sink_tokens": 0}
+BASE = {"deviation": "v", "check_layers": (1,), "sink_tokens": 0, "selection": "deviation"}
 # name -> (config, generate() arguments); "prefix" is computed separately
 MODES: dict[str, tuple[dict, dict]] = {
     "full": (BASE, {"mode": "full"}),
@@ -90,6 +93,10 @@ MODES: dict[str, tuple[dict, dict]] = {
     "blend@0.15 gradual": (BASE | {"check_layers": (1, 2, 3)}, {"recompute_ratio": 0.15}),
     "blend@0.15 sink4": (BASE | {"sink_tokens": 4}, {"recompute_ratio": 0.15}),
 }
+SELECTION_RATIOS = (0.05, 0.10, 0.15)
+for _selection in ("query", "mixed"):
+    for _ratio in SELECTION_RATIOS:
+        MODES[f"blend@{_ratio:.2f} {_selection}"] = (BASE | {"selection": _selection}, {"recompute_ratio": _ratio})
 
 
 def first_token_logprobs(entries: dict[int, float], vocab: int) -> torch.Tensor:
@@ -113,7 +120,7 @@ def prefix_cached(hf_model, tokenizer, tp: TokenizedPrompt, max_tokens: int) -> 
     rest computed on top."""
     from transformers import DynamicCache
 
-    ids = torch.tensor([tp.token_ids])
+    ids = torch.tensor([tp.token_ids], device=hf_model.device)
     cut = tp.chunk_spans[0][1]
     cache = DynamicCache()
     hf_model(input_ids=ids[:, :cut], past_key_values=cache, use_cache=True)
@@ -128,7 +135,7 @@ def prefix_cached(hf_model, tokenizer, tp: TokenizedPrompt, max_tokens: int) -> 
         pad_token_id=tokenizer.pad_token_id,
     )
     text = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
-    return text, torch.log_softmax(out.scores[0][0].float(), dim=-1)
+    return text, torch.log_softmax(out.scores[0][0].float(), dim=-1).cpu()
 
 
 def model_and_task(model: str | None) -> tuple[Path, Task, str]:
@@ -154,11 +161,15 @@ def run(args) -> dict:
     for changes, _ in modes.values():
         key = tuple(sorted(changes.items()))
         if key not in engines:
-            engines[key] = load_engine(str(model_dir), store=store, config=DEFAULT.replace(**changes), device="cpu")
+            engines[key] = load_engine(
+                str(model_dir), store=store, config=DEFAULT.replace(**changes), device=args.device, dtype=args.dtype
+            )
     engine = next(iter(engines.values()))
     tokenizer, vocab = engine.tokenizer, len(engine.tokenizer)
     hf_model = (
-        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval() if "prefix" in modes else None
+        AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.dtype)).to(args.device).eval()
+        if "prefix" in modes
+        else None
     )
 
     examples = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
@@ -226,8 +237,11 @@ def run(args) -> dict:
             "check_layers": list(DEFAULT.check_layers),
             "deviation": DEFAULT.deviation,
             "sink_tokens": DEFAULT.sink_tokens,
+            "selection": DEFAULT.selection,
         },
         "cpu": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "dtype": args.dtype,
         "minutes": round((time.time() - started) / 60, 1),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -284,25 +298,32 @@ def recommended_defaults(modes: dict, accuracy: str = "em") -> dict[str, tuple[o
     ``accuracy``: the metric the rules read, ``"em"`` (exact match) or
     ``"contains"`` (the answer contained in the reply), on both question sets.
 
-    The ratio: the smallest measured one within EM_TOLERANCE accuracy of full
-    prefill on both sets whose first-token KL is under KL_LIMIT. The variants,
-    measured at 0.15 against blend@0.15: key deviation costs the same, so it wins
-    when its accuracy is at least as high on both sets and its KL lower;
-    gradual filtering and sink tokens compute more, so they win only when they
-    raise accuracy by more than EM_TOLERANCE on a set without lowering the other."""
+    The ratio and the selection: the smallest measured ratio, of any
+    selection, within EM_TOLERANCE accuracy of full prefill on both sets whose
+    first-token KL is under KL_LIMIT; at the same ratio the lower KL wins. The
+    variants, measured at 0.15 against blend@0.15: key deviation costs the same,
+    so it wins when its accuracy is at least as high on both sets and its KL
+    lower; gradual filtering and sink tokens compute more, so they win only when
+    they raise accuracy by more than EM_TOLERANCE on a set without lowering the
+    other."""
     keys, label = (f"{accuracy}_1hop", f"{accuracy}_2hop"), ACCURACY[accuracy]
     full, base = modes["full"], modes.get("blend@0.15")
     out: dict[str, tuple[object, str]] = {}
-    ratios = sorted((float(n.split("@")[1]), n) for n in modes if n.startswith("blend@") and " " not in n)
-    for ratio, name in ratios:
-        gaps = [round(full[k] - modes[name][k], 6) for k in keys]  # 0.9 - 0.88 is not 0.02 in floats
-        if max(gaps) <= EM_TOLERANCE and modes[name]["kl"] <= KL_LIMIT:
-            why = (
-                f"{name}: {label} {-gaps[0]:+.3f} (1-hop) and {-gaps[1]:+.3f} (2-hop) against full prefill, "
-                f"first-token KL {modes[name]['kl']:.4f}"
-            )
-            out["recompute_ratio"] = (ratio, why)
-            break
+    qualified = []  # (ratio, KL, selection, why): the smallest qualifying ratio of each selection
+    for selection in SELECTIONS:
+        for ratio, name in series(modes, selection)[1 if "reuse" in modes else 0 :]:
+            gaps = [round(full[k] - modes[name][k], 6) for k in keys]  # 0.9 - 0.88 is not 0.02 in floats
+            if max(gaps) <= EM_TOLERANCE and modes[name]["kl"] <= KL_LIMIT:
+                why = (
+                    f"{name}: {label} {-gaps[0]:+.3f} (1-hop) and {-gaps[1]:+.3f} (2-hop) against full prefill, "
+                    f"first-token KL {modes[name]['kl']:.4f}"
+                )
+                qualified.append((ratio, modes[name]["kl"], selection, why))
+                break
+    if qualified:
+        ratio, _, selection, why = min(qualified)
+        out["recompute_ratio"] = (ratio, why)
+        out["selection"] = (selection, why)
     if base is None:
         return out
 
@@ -341,12 +362,14 @@ def defaults_note(report: dict) -> str:
         "deviation": d["deviation"],
         "check_layers": tuple(d["check_layers"]),
         "sink_tokens": d["sink_tokens"],
+        "selection": d.get("selection", "deviation"),
     }
     rec = recommended_defaults(m, accuracy)
     rules = (
         f"How BlendConfig's defaults follow from this table (`recommended_defaults` in "
-        f"benchmarks/quality.py): the ratio is the smallest within {EM_TOLERANCE} {label} of "
-        f"full prefill on both sets whose first-token KL is under {KL_LIMIT}; key deviation (same cost) must "
+        f"benchmarks/quality.py): the ratio and selection are the smallest ratio, of any selection, within "
+        f"{EM_TOLERANCE} {label} of full prefill on both sets whose first-token KL is under {KL_LIMIT} (at the same "
+        f"ratio, the lower KL); key deviation (same cost) must "
         f"match value deviation's {label} and lower its KL; gradual filtering and sink tokens (more "
         f"computed tokens) must raise {label} by more than {EM_TOLERANCE} on a set."
     )
@@ -379,6 +402,17 @@ def defaults_note(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def series(modes: dict, selection: str) -> list[tuple[float, str]]:
+    """(ratio, mode name) of the blend modes of one selection, reuse as ratio 0."""
+    suffix = "" if selection == "deviation" else f" {selection}"
+    points = sorted(
+        (float(n.split("@")[1].split(" ")[0]), n)
+        for n in modes
+        if n.startswith("blend@") and n.removeprefix("blend@").partition(" ")[2] == suffix.strip()
+    )
+    return ([(0.0, "reuse")] if "reuse" in modes else []) + points
+
+
 def plot(report: dict, path: Path) -> None:
     """Exact match and first-token KL against the recompute ratio; reuse is ratio 0."""
     import matplotlib
@@ -388,9 +422,7 @@ def plot(report: dict, path: Path) -> None:
 
     modes = report["modes"]
     accuracy = report["config"].get("accuracy", "em")
-    points = sorted((float(n.split("@")[1]), n) for n in modes if n.startswith("blend@") and " " not in n)
-    if "reuse" in modes:
-        points.insert(0, (0.0, "reuse"))
+    points = series(modes, "deviation")
     x = [r for r, _ in points]
     fig, (em_ax, kl_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
     for metric, colour in ((f"{accuracy}_1hop", "tab:blue"), (f"{accuracy}_2hop", "tab:orange")):
@@ -406,8 +438,20 @@ def plot(report: dict, path: Path) -> None:
     em_ax.set_ylabel(ACCURACY[accuracy])
     em_ax.set_ylim(0, 1.05)
     em_ax.legend(fontsize=7, loc="center right")
-    kl = [(r, modes[n]["kl"]) for r, n in points if modes[n]["kl"]]
-    kl_ax.plot([r for r, _ in kl], [v for _, v in kl], "o-", color="tab:green")
+    for selection, colour in (("deviation", "tab:green"), ("query", "tab:red"), ("mixed", "tab:brown")):
+        line = series(modes, selection)
+        if selection != "deviation" and len(line) > 1:
+            em_ax.plot(
+                [r for r, _ in line],
+                [modes[n]["agree"] for _, n in line],
+                "^:",
+                color=colour,
+                label=f"agrees with full, {selection}",
+            )
+        kl = [(r, modes[n]["kl"]) for r, n in line if modes[n]["kl"]]
+        if len(kl) > 1 or selection == "deviation":
+            kl_ax.plot([r for r, _ in kl], [v for _, v in kl], "o-", color=colour, label=selection)
+    kl_ax.legend(fontsize=7)
     kl_ax.set_yscale("log")
     kl_ax.set_xlabel("recompute ratio (0: reuse)")
     kl_ax.set_ylabel("first-token KL vs full prefill")
@@ -415,6 +459,50 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run_shards(args) -> dict:
+    """``run`` with the modes split over ``args.shards`` processes, every one
+    on the same questions (the same seed) and each with its own full prefill
+    as the reference (greedy, deterministic: the same in every shard); their
+    tables are merged into one."""
+    import subprocess
+
+    names = [n for n in (args.modes or MODES) if n != "full"]
+    shards = [names[i :: args.shards] for i in range(args.shards)]
+    passed = ["--model", args.model, "--questions", str(args.questions), "--device", args.device]
+    passed += ["--dtype", args.dtype] + (["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="blend-quality-shards-") as tmp:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks",
+                    "quality",
+                    *passed,
+                    "--out",
+                    "",
+                    "--report",
+                    f"{tmp}/{i}.json",
+                    "--modes",
+                    "full",
+                    *shard,
+                ]
+            )
+            for i, shard in enumerate(shards)
+            if shard
+        ]
+        if any([p.wait() != 0 for p in procs]):  # a list: wait for every shard
+            raise SystemExit("a shard of the quality benchmark failed (its output is above)")
+        reports = [json.loads(Path(f"{tmp}/{i}.json").read_text()) for i, shard in enumerate(shards) if shard]
+    config = reports[0]["config"] | {"minutes": round((time.time() - started) / 60, 1), "shards": len(reports)}
+    for other in reports[1:]:
+        if other["modes"]["full"] != reports[0]["modes"]["full"]:
+            raise SystemExit("the shards' full prefill differs: the merged table would not compare like with like")
+    merged = {name: r["modes"][name] for name in MODES for r in reports if name in r["modes"]}
+    return {"config": config, "modes": merged}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -430,13 +518,27 @@ def main(argv: list[str] | None = None) -> None:
         help="reader (the bundled reader model, the default), smollm2, or a checkpoint directory",
     )
     parser.add_argument("--modes", nargs="*", help=f"subset of: {', '.join(MODES)}")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="run the modes in this many processes side by side (each also runs full prefill); for a GPU",
+    )
+    parser.add_argument("--report", help=argparse.SUPPRESS)  # a shard writes its report here
     args = parser.parse_args(argv)
     if args.quick:
         args.questions = 24
     unknown = set(args.modes or []) - set(MODES)
     if unknown:
         parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
-    report = run(args)
+    if args.shards < 1:
+        parser.error("--shards must be at least 1")
+    report = run_shards(args) if args.shards > 1 else run(args)
+    if args.report:
+        Path(args.report).write_text(json.dumps(report))
+        return
     text = markdown(report)
     print(text)
     print(defaults_note(report))

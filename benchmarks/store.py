@@ -165,7 +165,7 @@ def measure(args, model_dir, tiers: Tiers) -> dict:
         if last.loading is not None:
             row["controller"] = {
                 "ratio": [g.loading.recompute_ratio for g in runs],
-                "chunks_recomputed": [g.usage.chunks_recomputed for g in runs],
+                "chunks_computed": [g.usage.chunks_computed for g in runs],
                 "est_load_ms": statistics.median(g.loading.est_load_ms for g in runs),
                 "est_compute_ms": statistics.median(g.loading.est_compute_ms or 0.0 for g in runs),
             }
@@ -217,7 +217,7 @@ def render(report: dict) -> str:
             ""
             if c is None
             else (
-                f"{min(c['ratio']):.3f}-{max(c['ratio']):.3f} | {min(c['chunks_recomputed'])}-{max(c['chunks_recomputed'])} | "
+                f"{min(c['ratio']):.3f}-{max(c['ratio']):.3f} | {min(c['chunks_computed'])}-{max(c['chunks_computed'])} | "
                 f"{c['est_load_ms']:.0f} / {c['est_compute_ms']:.0f}"
             )
         )

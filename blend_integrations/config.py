@@ -9,6 +9,8 @@ from typing import Literal
 Deviation = Literal["k", "v"]
 Mode = Literal["blend", "full", "reuse"]
 MODES: tuple[str, ...] = ("blend", "full", "reuse")
+Selection = Literal["deviation", "query", "mixed"]
+SELECTIONS: tuple[str, ...] = ("deviation", "query", "mixed")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,12 @@ class BlendConfig:
         near 1 at the first check layer to ``recompute_ratio`` at the last.
     deviation: compare fresh and loaded values ("v", as the CacheBlend paper)
         or keys ("k") at the check layer.
+    selection: how the recomputed tokens are chosen at a check layer.
+        "deviation": the reused tokens whose fresh KV deviates most from the
+        loaded KV (CacheBlend's HKVD); "query": the reused tokens the query
+        pays the most attention to (the query is every token after the last
+        chunk but the prompt's last one: the question and the template tail);
+        "mixed": half of the count by query attention, the rest by deviation.
     separator: text placed between prefix, chunks and suffix; tokenized once,
         on its own. May be empty.
     sink_tokens: the first N tokens of every reused chunk are always
@@ -47,6 +55,7 @@ class BlendConfig:
     recompute_ratio: float = 0.15
     check_layers: tuple[int, ...] = (1,)
     deviation: Deviation = "v"
+    selection: Selection = "deviation"
     separator: str = "\n\n"
     sink_tokens: int = 0
     loading_controller: bool = False
@@ -64,6 +73,7 @@ class BlendConfig:
         object.__setattr__(self, "check_layers", layers)
         if self.deviation not in ("k", "v"):
             raise ValueError(f'deviation must be "k" or "v", got {self.deviation!r}')
+        check_selection(self.selection)
         if not isinstance(self.separator, str):
             raise ValueError(f"separator must be a string, got {type(self.separator).__name__}")
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
@@ -86,6 +96,12 @@ def check_mode(mode: str, *, name: str = "mode") -> str:
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"{name} must be one of {', '.join(MODES)}; got {mode!r:.60}")
     return mode
+
+
+def check_selection(selection: str, *, name: str = "selection") -> str:
+    if not isinstance(selection, str) or selection not in SELECTIONS:
+        raise ValueError(f"{name} must be one of {', '.join(SELECTIONS)}; got {selection!r:.60}")
+    return selection
 
 
 def check_ratio(recompute_ratio: float, *, name: str = "recompute_ratio") -> float:

@@ -21,7 +21,7 @@ from .engines import Engine, load_engine
 from .store import ChunkStore
 
 # The options a call may set; every other keyword is an error.
-CALL_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "mode", "recompute_ratio", "stop")
+CALL_SETTINGS = ("max_tokens", "temperature", "top_p", "seed", "mode", "recompute_ratio", "selection", "stop")
 
 
 def _api_key_from_env() -> SecretStr | None:
@@ -76,6 +76,10 @@ class BlendModelBase(BaseModel):
 
     recompute_ratio: float | None = None
     """Every call's default share of chunk tokens to recompute; ``None``: the engine config's."""
+
+    selection: str | None = None
+    """Every call's default way of choosing the tokens to recompute: ``"deviation"`` (CacheBlend's),
+    ``"query"`` (by the question's attention) or ``"mixed"``; ``None``: the engine config's."""
 
     max_tokens: int = 256
     """The most tokens a reply has."""

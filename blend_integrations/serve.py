@@ -35,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import BlendConfig
+from .config import SELECTIONS, BlendConfig
 from .engines.vllm_contract import BlendParamsError, blend_engine_args, blend_engine_env, parse_blend_params
 from .models.gguf import gguf_file
 from .models.loading import resolve_model_dir
@@ -200,6 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--recompute-ratio", type=float, default=BlendConfig().recompute_ratio)
+    parser.add_argument(
+        "--selection",
+        choices=SELECTIONS,
+        default=BlendConfig().selection,
+        help="how recomputed tokens are chosen: by KV deviation (CacheBlend), by the query's attention, or half each",
+    )
     parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU backend: GiB of RAM for the KV cache")
     parser.add_argument(
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             model,
             store=store,
             max_model_len=args.max_model_len,
-            config=BlendConfig(recompute_ratio=args.recompute_ratio),
+            config=BlendConfig(recompute_ratio=args.recompute_ratio, selection=args.selection),
             dtype=args.dtype,
             extra=extra,
         )

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import TypedDict
 
 from typing_extensions import Unpack
 
-from ..config import BlendConfig, check_mode, check_ratio
+from ..config import BlendConfig, check_mode, check_ratio, check_selection
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import ChunkKeys
 from ..prompt import PromptError, PromptInput, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
@@ -29,7 +30,13 @@ class Usage:
     recomputed_tokens: int = 0  # of the cached tokens, those blending recomputed anyway
     chunks_hit: int = 0  # chunks whose KV was loaded from the store
     chunks_missed: int = 0  # chunks not in the store (computed, and stored after the answer)
-    chunks_recomputed: int = 0  # chunks in the store that the loading controller computed instead of loading
+    chunks_computed: int = 0  # chunks in the store that the loading controller computed instead of loading
+
+    @property
+    def chunks_recomputed(self) -> int:
+        """Deprecated name of ``chunks_computed`` (0.x): those chunks were computed, never recomputed."""
+        warnings.warn("Usage.chunks_recomputed is deprecated: use chunks_computed", DeprecationWarning, stacklevel=2)
+        return self.chunks_computed
 
 
 @dataclass
@@ -76,6 +83,7 @@ class GenerateOptions(TypedDict, total=False):
     seed: int | None  # sampling seed
     mode: str  # "blend" (default), "reuse" or "full"
     recompute_ratio: float | None  # None: the engine config's
+    selection: str | None  # how recomputed tokens are chosen; None: the engine config's
     logprobs: int | None  # return the top-k log-probabilities of every token
 
 
@@ -91,6 +99,7 @@ class Request:
     seed: int | None
     mode: str
     recompute_ratio: float | None  # None: the engine's configured ratio
+    selection: str | None  # None: the engine's configured selection
     logprobs: int | None
     started: float  # perf_counter() when the call came in: time to first token counts from here
 
@@ -203,7 +212,8 @@ class Engine(ABC):
 
         mode: "full" (ordinary prefill, the reference), "reuse" (cached chunks
         loaded at their new positions, only fresh tokens computed) or "blend"
-        (CacheBlend). recompute_ratio overrides ``config.recompute_ratio``.
+        (CacheBlend). recompute_ratio and selection override the engine
+        config's (``BlendConfig``).
         logprobs: also return the top-k log-probabilities of every token.
         The other options and their defaults: ``GenerateOptions``.
         """
@@ -223,6 +233,7 @@ class Engine(ABC):
         seed: int | None = None,
         mode: str = "blend",
         recompute_ratio: float | None = None,
+        selection: str | None = None,
         logprobs: int | None = None,
     ) -> Request:
         """Check the options, apply their defaults and tokenize: what every engine does first."""
@@ -230,9 +241,20 @@ class Engine(ABC):
         check_mode(mode)
         check_sampling(max_tokens, temperature, top_p, logprobs)
         ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
+        selection = None if selection is None else check_selection(selection)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Request(
-            self.tokenize(prompt), max_tokens, temperature, top_p, stops, seed, mode, ratio, logprobs, started
+            self.tokenize(prompt),
+            max_tokens,
+            temperature,
+            top_p,
+            stops,
+            seed,
+            mode,
+            ratio,
+            selection,
+            logprobs,
+            started,
         )
 
     @abstractmethod

@@ -107,7 +107,13 @@ class TransformersEngine(Engine):
             n_prompt = len(tp)
             max_tokens = min(req.max_tokens, self.context_length - n_prompt)
             cache = KVCache.allocate(self.layers, n_prompt + max_tokens)
-            plan = self.blender.plan(tp.token_ids, tp.chunk_spans, mode=req.mode, recompute_ratio=req.recompute_ratio)
+            plan = self.blender.plan(
+                tp.token_ids,
+                tp.chunk_spans,
+                mode=req.mode,
+                recompute_ratio=req.recompute_ratio,
+                selection=req.selection,
+            )
             logits, stats = self.blender.prefill(cache, tp.token_ids, plan)
             text = TextAssembler(self._tokenizer, req.stop)
             out_ids: list[int] = []
@@ -146,7 +152,7 @@ class TransformersEngine(Engine):
                     recomputed_tokens=stats.recomputed_tokens,
                     chunks_hit=stats.chunks_hit,
                     chunks_missed=stats.chunks_missed,
-                    chunks_recomputed=stats.chunks_recomputed,
+                    chunks_computed=stats.chunks_computed,
                 )
                 stream.generation = Generation(
                     text=text.text,

@@ -3,13 +3,14 @@
 vLLM's scheduler can only be told that a *prefix* of a prompt is already
 computed. So the blend pass runs inside the worker, in ``start_load_kv``
 (synchronous, before the forward): it computes the fused KV of every prompt
-token up to the end of the last chunk with the model's own modules and the
-shared ``Blender``, writes it into vLLM's paged cache through the attention
-backend's own ``do_kv_cache_update``, and the scheduler reports those tokens
-as matched. vLLM then computes the rest (separator, suffix) itself.
+token but the last with the model's own modules and the shared ``Blender``
+(so the question after the chunks is there for query-aware selection),
+writes it into vLLM's paged cache through the attention backend's own
+``do_kv_cache_update``, and the scheduler reports those tokens as matched.
+vLLM then computes the last token itself and samples from it.
 
 Per request the caller sends ``SamplingParams(extra_args={"kv_transfer_params":
-{"blend": {"mode", "ratio", "chunk_spans", "num_tokens"}}})`` (``vllm serve``
+{"blend": {"mode", "ratio", "selection", "chunk_spans", "num_tokens"}}})`` (``vllm serve``
 takes ``kv_transfer_params`` in the request body). Callers that only have text
 send ``{"mode", "separator"}`` instead: the chunks are the pieces between
 separators in the prompt's tokens. The scheduler side decides
@@ -240,6 +241,7 @@ class BlendConnector(KVConnectorBase_V1):
                 ratio=params.ratio,
                 store=self.store,
                 rates=self._rates,
+                selection=params.selection,
                 promise=True,
             )
         except Exception as exc:

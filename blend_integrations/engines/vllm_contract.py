@@ -15,11 +15,15 @@ blend_integrations.serve``) carries ``kv_transfer_params = {"blend": {...}}``:
 
 - ``mode``: "blend" or "reuse" ("full": not blended);
 - ``chunk_spans``: ``[[start, end], ...]``, where each chunk lies in the
-  prompt's tokens (end exclusive), with ``num_tokens`` (default: the last
-  end): the tokens the blend pass computes; vLLM computes the rest;
+  prompt's tokens (end exclusive), with ``num_tokens`` (default: every
+  token but the prompt's last): the tokens the blend pass computes; vLLM
+  computes the rest. The pass covers the question after the chunks, so that
+  query-aware selection sees it;
 - or, for callers that have only text, ``separator``: the chunks are the
   pieces between separators in the prompt's tokens;
-- ``ratio``: the recompute ratio, or null for the engine's.
+- ``ratio``: the recompute ratio, or null for the engine's;
+- ``selection``: how recomputed tokens are chosen ("deviation", "query" or
+  "mixed"), or null for the engine's.
 
 ``parse_blend_params`` holds the rules, and every reader calls it: the
 server's HTTP edge (a broken rule is an HTTP 400), the connector's scheduler
@@ -41,14 +45,14 @@ from typing import Any
 
 import torch
 
-from ..config import MODES, BlendConfig, check_mode, check_ratio
+from ..config import MODES, BlendConfig, check_mode, check_ratio, check_selection
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import PrefillPlan
 from ..models.loading import dtype_name, resolve_dtype
 from ..prompt import PromptError, check_chunk_spans
 from ..store import REMOTE_ENV, ChunkStore
 from ..store.redis_tier import redact
-from .base import Request
+from .base import Request, Usage
 
 # -- the engine ------------------------------------------------------
 
@@ -161,7 +165,7 @@ def connector_store_args(extra: dict) -> dict:
 
 # -- per request -----------------------------------------------------
 
-FIELDS = ("mode", "ratio", "chunk_spans", "num_tokens", "separator")
+FIELDS = ("mode", "ratio", "selection", "chunk_spans", "num_tokens", "separator")
 MAX_CHUNKS = 1024  # chunk spans per request: each is a store lookup on the scheduler
 MAX_SEPARATOR_CHARS = 256  # the scheduler tokenizes the separator
 
@@ -181,13 +185,16 @@ class BlendParams:
 
     mode: str
     ratio: float | None = None
+    selection: str | None = None
     chunk_spans: tuple[tuple[int, int], ...] | None = None
     num_tokens: int | None = None
     separator: str | None = None
 
     def with_spans(self, spans: list[tuple[int, int]], prompt_len: int) -> BlendParams:
         """The separator's chunks, found in the prompt's tokens, checked as if sent."""
-        return parse_blend_params({"mode": self.mode, "ratio": self.ratio, "chunk_spans": spans}, prompt_len)
+        return parse_blend_params(
+            {"mode": self.mode, "ratio": self.ratio, "selection": self.selection, "chunk_spans": spans}, prompt_len
+        )
 
 
 def _field(name: str) -> str:
@@ -226,6 +233,12 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
         ratio = None if raw.get("ratio") is None else check_ratio(raw["ratio"], name=_field("ratio"))
     except ValueError as exc:
         raise BlendParamsError(str(exc), _field("ratio")) from None
+    try:
+        selection = (
+            None if raw.get("selection") is None else check_selection(raw["selection"], name=_field("selection"))
+        )
+    except ValueError as exc:
+        raise BlendParamsError(str(exc), _field("selection")) from None
     spans, separator, num_tokens = raw.get("chunk_spans"), raw.get("separator"), raw.get("num_tokens")
     if separator is not None:
         if spans is not None or num_tokens is not None:
@@ -240,7 +253,7 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
                 f"got {separator!r:.60}",
                 _field("separator"),
             )
-        return BlendParams(mode, ratio, separator=separator)
+        return BlendParams(mode, ratio, selection, separator=separator)
     if spans is None:
         raise BlendParamsError(
             "kv_transfer_params.blend needs chunk_spans (where each chunk lies in the prompt's tokens) or "
@@ -266,8 +279,8 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
             "the prompt's last token itself, so num_tokens must be below the prompt's length",
             _field("num_tokens"),
         )
-    # Spans end by num_tokens when it is given; otherwise num_tokens is their end,
-    # which must leave the prompt's last token to vLLM.
+    # Spans end by num_tokens when it is given; otherwise by the prompt's last
+    # token, which vLLM computes, and num_tokens is every token before it.
     limit = num_tokens if num_tokens is not None else (prompt_len - 1 if prompt_len is not None else sys.maxsize)
     try:
         checked = check_chunk_spans(
@@ -280,7 +293,9 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
         )
     except PromptError as exc:
         raise BlendParamsError(str(exc), _field("chunk_spans")) from None
-    return BlendParams(mode, ratio, tuple(checked), num_tokens if num_tokens is not None else checked[-1][1])
+    if num_tokens is None:
+        num_tokens = prompt_len - 1 if prompt_len is not None else checked[-1][1]
+    return BlendParams(mode, ratio, selection, tuple(checked), num_tokens)
 
 
 def blend_params_of(kv_transfer_params: Any, prompt_len: int | None = None) -> BlendParams | None:
@@ -294,8 +309,9 @@ def blend_params_of(kv_transfer_params: Any, prompt_len: int | None = None) -> B
 def kv_transfer_params(req: Request) -> dict | None:
     """What a request tells the blend connector (embedded or over HTTP),
     checked by the same rules as on the server; None for a request with
-    nothing to blend. Everything up to the end of the last chunk is blended;
-    vLLM computes the rest, at least the last token, whose logits it samples from."""
+    nothing to blend. The blend pass computes every token but the last (the
+    question after the chunks too, for query-aware selection); vLLM computes
+    the last one, whose logits it samples from."""
     tp = req.prompt
     if req.mode == "full" or not tp.chunk_spans:
         return None
@@ -307,8 +323,9 @@ def kv_transfer_params(req: Request) -> dict | None:
     blend = {
         "mode": req.mode,
         "ratio": req.recompute_ratio,
+        "selection": req.selection,
         "chunk_spans": [list(s) for s in tp.chunk_spans],
-        "num_tokens": tp.chunk_spans[-1][1],
+        "num_tokens": len(tp) - 1,
     }
     parse_blend_params(blend, len(tp))
     return {"blend": blend}
@@ -326,5 +343,33 @@ def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str |
     controller's decisions when it ran, and why the prompt was computed in
     full instead of blended, if it was."""
     params = params or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
+    counts = _known_fields(params.get("blend") or {}, "blend", _BLEND_COUNTS)
+    for name, value in counts.items():
+        if type(value) is not int or value < 0:
+            raise ValueError(f"kv_transfer_params['blend'][{name!r}] is {value!r}: expected a count (an int >= 0)")
     loading = params.get("blend_loading")
-    return (params.get("blend") or {}, LoadingStats(**loading) if loading else None, params.get("blend_fallback"))
+    if loading:
+        loading = _known_fields(loading, "blend_loading", _LOADING_FIELDS)
+        missing = [name for name in _LOADING_FIELDS if name not in loading]
+        if missing:
+            raise ValueError(f"kv_transfer_params['blend_loading'] lacks {', '.join(missing)}")
+    fallback = params.get("blend_fallback")
+    return counts, LoadingStats(**loading) if loading else None, None if fallback is None else str(fallback)
+
+
+# The usage counts the connector reports (the token counts come from vLLM).
+_BLEND_COUNTS = [f.name for f in dataclasses.fields(Usage) if f.name not in ("prompt_tokens", "completion_tokens")]
+_LOADING_FIELDS = [f.name for f in dataclasses.fields(LoadingStats)]
+# Names an older connector or server still sends, and what they are now.
+_RENAMED = {"chunks_recomputed": "chunks_computed"}
+
+
+def _known_fields(answer: Any, key: str, names: list[str]) -> dict:
+    """``answer``'s entries named in ``names``, older names mapped to the
+    current ones; a newer connector's extra fields are dropped."""
+    if not isinstance(answer, dict):
+        raise ValueError(f"kv_transfer_params[{key!r}] must be a dict, got {type(answer).__name__}")
+    known = {_RENAMED.get(k, k): v for k, v in answer.items()}
+    return {k: v for k, v in known.items() if k in names}

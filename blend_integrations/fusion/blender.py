@@ -32,7 +32,7 @@ class PrefillStats:
     recomputed_tokens: int = 0  # of those, the ones blending recomputed
     chunks_hit: int = 0  # chunks loaded from the store
     chunks_missed: int = 0  # chunks not in the store: computed, and saved after
-    chunks_recomputed: int = 0  # chunks in the store the loading controller computed instead
+    chunks_computed: int = 0  # chunks in the store the loading controller computed instead
     loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
     missed: dict[str, list[int]] = field(default_factory=dict, repr=False)  # key -> ids, to save
 
@@ -61,11 +61,18 @@ class Blender:
         *,
         mode: str,
         recompute_ratio: float | None = None,
+        selection: str | None = None,
     ) -> PrefillPlan:
         """The plan (``Planner.plan``) from this Blender's store, at its measured rates."""
         rates = measured_rates(self.store, self.compute_rate)
         return self.planner.plan(
-            token_ids, chunk_spans, mode=mode, ratio=recompute_ratio, store=self.store, rates=rates
+            token_ids,
+            chunk_spans,
+            mode=mode,
+            ratio=recompute_ratio,
+            store=self.store,
+            rates=rates,
+            selection=selection,
         )
 
     def _expect(self, n: int):
@@ -103,7 +110,7 @@ class Blender:
             if chunk.action == MISS:
                 stats.missed[chunk.key] = ids
             elif chunk.action == COMPUTE:
-                stats.chunks_recomputed += 1
+                stats.chunks_computed += 1
             else:
                 source = self._open(chunk.key, ids, plan.promised)
                 if source is None:
@@ -111,9 +118,20 @@ class Blender:
                 else:
                     loaded.append((chunk.start, chunk.end, chunk.key, ids, source))
         schedule = self.config.check_schedule(plan.ratio) if plan.mode == "blend" else None
+        # the query: what follows the last chunk (the question, the template's tail)
+        query_start = plan.chunks[-1].end if plan.chunks else None
         first = cache.length
         while True:
-            out, walk = self._walk(cache, token_ids, loaded, schedule=schedule, logits=logits, promised=plan.promised)
+            out, walk = self._walk(
+                cache,
+                token_ids,
+                loaded,
+                schedule=schedule,
+                selection=plan.selection,
+                query_start=query_start,
+                logits=logits,
+                promised=plan.promised,
+            )
             if walk is not None:
                 break
             # A chunk failed to read or verify after its bytes may have been
@@ -123,11 +141,22 @@ class Blender:
                 stats.missed[key] = ids
             cache.length = first
         stats.chunks_hit = len(loaded)
-        stats.chunks_missed = len(plan.chunks) - stats.chunks_hit - stats.chunks_recomputed
+        stats.chunks_missed = len(plan.chunks) - stats.chunks_hit - stats.chunks_computed
         stats.cached_tokens, stats.recomputed_tokens = walk.cached_tokens, walk.recomputed_tokens
         return out, stats
 
-    def _walk(self, cache: KVCache, token_ids, loaded: list, *, schedule, logits: bool, promised: bool):
+    def _walk(
+        self,
+        cache: KVCache,
+        token_ids,
+        loaded: list,
+        *,
+        schedule,
+        selection: str,
+        query_start: int | None,
+        logits: bool,
+        promised: bool,
+    ):
         """One walk with the ``loaded`` chunks, reading the layers of those
         still in the store meanwhile (pipelined loading). Every reader is then
         settled: ``loaded`` holds its entry, or None if it failed, and the
@@ -152,6 +181,8 @@ class Blender:
                     reused=reused,
                     schedule=schedule,
                     deviation=self.config.deviation,
+                    selection=selection,
+                    query_start=query_start,
                     logits=logits,
                     loader=loader,
                 )

@@ -21,6 +21,7 @@ the ratio (``token_layers``).
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,9 +38,17 @@ class LoadingStats:
     chunks_memory: int  # stored chunks by the tier they were found in
     chunks_disk: int
     chunks_remote: int
-    chunks_recomputed: int  # of those, computed as fresh tokens instead of loaded
+    chunks_computed: int  # of those, computed as fresh tokens instead of loaded
     est_load_ms: float  # estimated time to read the loaded chunks
     est_compute_ms: float | None  # estimated time of the walk at the chosen ratio; None: throughput not measured yet
+
+    @property
+    def chunks_recomputed(self) -> int:
+        """Deprecated name of ``chunks_computed`` (0.x)."""
+        warnings.warn(
+            "LoadingStats.chunks_recomputed is deprecated: use chunks_computed", DeprecationWarning, stacklevel=2
+        )
+        return self.chunks_computed
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,7 @@ def decide(
         chunks_memory=found["memory"],
         chunks_disk=found["disk"],
         chunks_remote=found["remote"],
-        chunks_recomputed=p.load.count(False),
+        chunks_computed=p.load.count(False),
         est_load_ms=1000 * p.load_s,
         est_compute_ms=None if p.compute_s is None else 1000 * p.compute_s,
     )

@@ -64,6 +64,7 @@ class PrefillPlan:
     ratio: float  # the recompute ratio the walk uses: the floor, or the loading controller's
     chunks: tuple[ChunkPlan, ...]  # none in "full" mode
     sink_tokens: int  # each reused chunk's first tokens, computed fresh (``BlendConfig.sink_tokens``)
+    selection: str = "deviation"  # how a check layer picks the tokens it recomputes (``BlendConfig.selection``)
     promised: bool = False  # its usage was reported before it ran
     loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
 
@@ -78,7 +79,7 @@ class PrefillPlan:
             "recomputed_tokens": min(round(self.ratio * cached), cached) if self.mode == "blend" else 0,
             "chunks_hit": len(loaded),
             "chunks_missed": sum(c.action == MISS for c in self.chunks),
-            "chunks_recomputed": sum(c.action == COMPUTE for c in self.chunks),
+            "chunks_computed": sum(c.action == COMPUTE for c in self.chunks),
         }
 
 
@@ -116,26 +117,29 @@ class Planner:
         ratio: float | None,
         store: ChunkStore,
         rates: dict[str, float | None],
+        selection: str | None = None,
         promise: bool = False,
     ) -> PrefillPlan:
         """The plan for prefilling ``token_ids`` with chunks at ``chunk_spans``
         from ``store``.
 
         ratio: the request's recompute ratio (None: the config's), the floor
-        the loading controller may raise. rates: ``measured_rates`` where the
+        the loading controller may raise. selection: the request's (None:
+        the config's). rates: ``measured_rates`` where the
         walk runs. promise: the caller reports the plan's usage before it
         runs (see the module's docstring)."""
         config = self.config
         floor = config.recompute_ratio if ratio is None else ratio
+        selection = config.selection if selection is None else selection
         if mode == "full":
-            return PrefillPlan(mode, floor, (), config.sink_tokens, promise)
+            return PrefillPlan(mode, floor, (), config.sink_tokens, selection, promise)
         spans = [(int(a), int(b)) for a, b in chunk_spans]
         chunk_keys = [self.keys(token_ids[a:b]) for a, b in spans]
         control = mode == "blend" and config.loading_controller
         if not (promise or control):
             # Nothing to decide before reading: a chunk not found when read is a miss.
             chunks = tuple(ChunkPlan(a, b, key, LOAD) for (a, b), key in zip(spans, chunk_keys))
-            return PrefillPlan(mode, floor, chunks, config.sink_tokens)
+            return PrefillPlan(mode, floor, chunks, config.sink_tokens, selection)
         found: list[tuple[int, str, int]] = []  # (chunk, tier, bytes) of the chunks in the store
         for i, key in enumerate(chunk_keys):
             where = store.locate(key)
@@ -161,4 +165,4 @@ class Planner:
             for (i, _, _), load in zip(found, decided.load):
                 actions[i] = LOAD if load else COMPUTE
         chunks = tuple(ChunkPlan(a, b, key, action) for (a, b), key, action in zip(spans, chunk_keys, actions))
-        return PrefillPlan(mode, floor, chunks, config.sink_tokens, promise, loading)
+        return PrefillPlan(mode, floor, chunks, config.sink_tokens, selection, promise, loading)

@@ -6,10 +6,20 @@ tokens are computed at each layer is the *active* set:
 
 - full:   every token at every layer;
 - reuse:  only fresh tokens (no reused KV) at every layer;
-- blend:  every token up to the first check layer; at each check layer the
-          reused tokens whose KV deviates most from the fresh KV stay active
-          (a share ``ratio`` of the reused tokens), the rest keep their
-          reused KV from there on.
+- blend:  every token up to the first check layer; at each check layer a
+          share ``ratio`` of the reused tokens stays active, the rest keep
+          their reused KV from there on. Which ones (``selection``): those
+          whose fresh KV deviates most from the reused KV (CacheBlend's HKVD),
+          those the query tokens attend to most (as ProphetKV and A³ do), or
+          half of each.
+
+Query attention is summed over every layer: at the check layer it follows
+position, not the question (on SmolLM2 it turns question-specific only from
+about layer 14 of 30). So a query-aware walk runs a reuse pass first (only
+the fresh tokens computed, over the reused KV: what "reuse" costs) that adds
+up the attention the query pays each reused token at each layer, then the
+blend walk, which selects by it (ProphetKV fuses attention across layers
+likewise).
 
 Attention of active queries uses an exact causal mask by absolute position
 (key position <= query position), never a bottom-right aligned one.
@@ -67,6 +77,7 @@ class WalkStats:
     cached_tokens: int  # tokens whose KV came from the store (reused)
     recomputed_tokens: int  # of those, how many were recomputed after all
     token_layers: int = 0  # tokens computed, summed over layers (the walk's work)
+    kept: tuple[int, ...] = ()  # the reused tokens recomputed after the last check layer (offsets in the new tokens)
 
 
 def forward(
@@ -77,15 +88,25 @@ def forward(
     reused: Sequence[ReusedSpan] = (),
     schedule: list[tuple[int, float]] | None = None,
     deviation: str = "v",
+    selection: str = "deviation",
+    query_start: int | None = None,
     record: torch.Tensor | None = None,
     logits: bool = True,
+    relevance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, WalkStats]:
     """Run the new tokens ``ids`` through every layer, appending their KV to
     ``cache``. Returns the float32 logits of the last token (None when
     ``logits`` is False) and stats.
 
     reused + schedule=None is "reuse"; reused + schedule [(layer, ratio), ...]
-    is "blend"; no reused is "full". ``record``, if given
+    is "blend"; no reused is "full". ``selection`` ("deviation", "query" or
+    "mixed") picks the reused tokens a check layer keeps; the query is the new
+    tokens from offset ``query_start`` on, less the one whose logits are
+    returned (vLLM computes a prompt's last token itself, so its blend pass
+    never has it: leaving it out everywhere keeps the choice the same on every
+    engine). Without query tokens, the choice falls back to deviation.
+    ``relevance`` (``[T]``, zeros), if given, receives the query's attention to
+    every new token summed over layers (the first pass of a query-aware walk). ``record``, if given
     (``[num_layers, 2, num_kv_heads, T, head_dim]``), receives K before RoPE
     and V of every token: the standalone chunk recipe. With ``logits`` the last
     token is always computed, since its hidden state gives them.
@@ -114,6 +135,18 @@ def forward(
         raise ValueError("record needs every token computed (full mode)")
     recomputed = num_reused if schedule else 0
 
+    is_query = torch.zeros(T, dtype=torch.bool)
+    if query_start is not None:
+        is_query[query_start : T - 1 if logits else T] = True
+    query_attention = None  # per new token, the query's attention summed over layers (query-aware blend)
+    first_pass = 0  # token-layers of its reuse pass
+    if schedule and selection != "deviation" and bool(is_query.any()):
+        query_attention = torch.zeros(T, device=device)
+        _, first = forward(
+            model, cache, ids, reused=reused, query_start=query_start, logits=logits, relevance=query_attention
+        )
+        first_pass = first.token_layers
+        cache.length = start  # the blend walk below writes every row again
     act = active.to(device)  # the same indices on the model's device
     h = model.embed(ids[act])
     plans: dict = {}  # attention plan per sliding window, valid while the active set holds
@@ -139,11 +172,25 @@ def forward(
             K[:, start:end] = rotate(K[:, start:end], cos, sin)
         keep = None
         if layer in checks:
+            reused_rows = is_reused[active]
+            rows = torch.nonzero(reused_rows).flatten()
             fresh, stored = (k, K) if deviation == "k" else (v, V)
-            keep = _select(fresh, stored, start, active, is_reused, round(checks[layer] * num_reused))
-            recomputed = int((keep & is_reused[active]).sum())
+            # before the fresh KV overwrites the reused KV
+            scores = {"deviation": _deviation(fresh, stored, start, act, rows.to(device))}
         K.index_copy_(1, start + act, k)
         V.index_copy_(1, start + act, v)
+        if relevance is not None:
+            queries = torch.nonzero(is_query[active]).flatten().to(device)
+            relevance += _query_attention(
+                q[:, queries], K, positions[act[queries]], model.windows[layer], model.scaling
+            )[start:]
+        if layer in checks:
+            if query_attention is not None:
+                scores["query"] = query_attention[act[rows.to(device)]]
+            keep = ~reused_rows
+            chosen = _choose(scores, selection, round(checks[layer] * num_reused))
+            keep[rows[chosen.cpu()]] = True
+            recomputed = int((keep & reused_rows).sum())
         if keep is not None:
             keep_dev = keep.to(device)
             q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
@@ -155,22 +202,53 @@ def forward(
         attn = _attend(q, K, V, plans[window], model.scaling)
         h = model.finish(layer, h, attn)
     cache.length = end
-    return (model.logits(h[-1:])[0] if logits else None), WalkStats(num_reused, recomputed, token_layers)
+    kept = tuple(int(i) for i in active[is_reused[active]]) if schedule else ()
+    stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept)
+    return (model.logits(h[-1:])[0] if logits else None), stats
 
 
-def _select(fresh, cached, start, active, is_reused, count):
-    """Keep-mask over ``active``: fresh tokens plus the ``count`` reused tokens
-    whose fresh KV deviates most from the reused KV (L2 over heads and dims)."""
-    reused_rows = is_reused[active]
-    idx = torch.nonzero(reused_rows).flatten()
-    keep = ~reused_rows
-    count = min(count, idx.numel())
-    if count:
-        rows = idx.to(fresh.device)
-        old = cached[:, start + active[idx].to(fresh.device)]
-        dev = (fresh[:, rows].float() - old.float()).pow(2).sum(dim=(0, 2))
-        keep[idx[dev.topk(count).indices.cpu()]] = True
-    return keep
+def _deviation(fresh, stored, start, act, rows):
+    """Per reused row (``rows``, indices into the active tokens): L2 distance
+    over heads and dims between its fresh and its reused K or V."""
+    old = stored[:, start + act[rows]]
+    return (fresh[:, rows].float() - old.float()).pow(2).sum(dim=(0, 2))
+
+
+def _query_attention(q, K, q_pos, window, scale):
+    """Attention the queries ``q`` ``[H, Q, D]`` (at positions ``q_pos``) pay
+    to each key of ``K`` ``[Hkv, N, D]``: softmax over every key each query
+    sees (causal, within its sliding window), summed over heads and queries;
+    ``[N]``."""
+    keys = K.float()
+    if q.shape[0] != keys.shape[0]:  # grouped-query attention: each KV head serves several query heads
+        keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
+    k_pos = torch.arange(keys.shape[1], device=q.device)
+    mass = torch.zeros(keys.shape[1], device=q.device)
+    for lo in range(0, q.shape[1], QUERY_GROUP):  # bounded memory for long questions
+        pos = q_pos[lo : lo + QUERY_GROUP]
+        visible = pos[:, None] >= k_pos[None, :]
+        if window is not None:
+            visible &= pos[:, None] - k_pos[None, :] < window
+        logits = torch.einsum("hqd,hkd->hqk", q[:, lo : lo + QUERY_GROUP].float(), keys) * scale
+        mass += logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
+    return mass
+
+
+def _choose(scores: dict[str, torch.Tensor], selection: str, count: int) -> torch.Tensor:
+    """Indices of the ``count`` reused rows to keep: the top by deviation, by
+    query attention, or (mixed) half by query attention and the rest by
+    deviation. Without query scores (no query tokens) it ranks by deviation."""
+    deviation = scores["deviation"]
+    count = min(count, deviation.numel())
+    if selection == "deviation" or "query" not in scores:
+        return deviation.topk(count).indices
+    query = scores["query"]
+    if selection == "query":
+        return query.topk(count).indices
+    first = query.topk((count + 1) // 2).indices
+    rest = deviation.clone()
+    rest[first] = -1.0  # deviations are >= 0: the chosen rows come last
+    return torch.cat([first, rest.topk(count - first.numel()).indices])
 
 
 # Queries per attention call when an explicit mask is needed. A mask makes the

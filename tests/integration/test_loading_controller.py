@@ -212,7 +212,7 @@ def test_chunks_in_memory_are_loaded_at_the_floor_as_without_controller(controll
     ref = plain.generate(prompt, max_tokens=8, logprobs=1)
     assert ref.loading is None and "loading" not in ref.stats()
     lo = g.loading
-    assert (lo.chunks_memory, lo.chunks_disk, lo.chunks_remote, lo.chunks_recomputed) == (len(docs), 0, 0, 0)
+    assert (lo.chunks_memory, lo.chunks_disk, lo.chunks_remote, lo.chunks_computed) == (len(docs), 0, 0, 0)
     assert lo.recompute_ratio == lo.ratio_floor == 0.15  # nothing to hide compute under
     assert lo.est_compute_ms > 0 and lo.est_load_ms < lo.est_compute_ms
     assert g.usage == ref.usage
@@ -227,9 +227,9 @@ def test_slow_tier_chunks_are_computed_not_loaded(controlled, docs, tmp_path, re
     controlled.store = slow
     g = controlled.generate(prompt, max_tokens=8, logprobs=1)
     u = g.usage
-    assert (u.chunks_hit, u.chunks_missed, u.chunks_recomputed) == (0, 0, len(docs))
+    assert (u.chunks_hit, u.chunks_missed, u.chunks_computed) == (0, 0, len(docs))
     assert u.cached_tokens == u.recomputed_tokens == 0  # neither cached nor recomputed: fresh
-    assert (g.loading.chunks_remote, g.loading.chunks_recomputed, g.loading.est_load_ms) == (len(docs), len(docs), 0)
+    assert (g.loading.chunks_remote, g.loading.chunks_computed, g.loading.est_load_ms) == (len(docs), len(docs), 0)
     assert slow.stats.remote_hits == 0 and slow.stats.puts == 0  # never read, and not stored again
     # every token computed at every layer: full prefill's answer
     assert g.token_ids == full.token_ids
@@ -273,7 +273,7 @@ def test_ratio_rises_above_the_floor_to_hide_compute_under_slow_loads(controlled
     assert lo.est_load_ms == pytest.approx(1000 * expected.load_s)
     assert lo.est_compute_ms == pytest.approx(1000 * expected.compute_s)
     assert lo.est_compute_ms == pytest.approx(lo.est_load_ms)  # recompute hides under the loads
-    assert (lo.chunks_remote, lo.chunks_recomputed) == (len(docs), 0)
+    assert (lo.chunks_remote, lo.chunks_computed) == (len(docs), 0)
     assert g.usage.chunks_hit == len(docs) and g.usage.cached_tokens == U
     assert g.usage.recomputed_tokens == round(lo.recompute_ratio * U) > round(floor * U)
     # the loads were measured: the next request sees Redis's real bandwidth
@@ -290,9 +290,9 @@ def test_mixed_tiers_at_ratio_one_equal_full_prefill(controlled, docs, tmp_path,
     controlled.store = here
     g = controlled.generate(prompt, max_tokens=8, recompute_ratio=1.0, logprobs=1)
     lo = g.loading
-    assert (lo.chunks_memory, lo.chunks_disk, lo.chunks_remote, lo.chunks_recomputed) == (0, 2, 2, 2)
+    assert (lo.chunks_memory, lo.chunks_disk, lo.chunks_remote, lo.chunks_computed) == (0, 2, 2, 2)
     assert lo.recompute_ratio == lo.ratio_floor == 1.0
-    assert (g.usage.chunks_hit, g.usage.chunks_missed, g.usage.chunks_recomputed) == (2, 0, 2)
+    assert (g.usage.chunks_hit, g.usage.chunks_missed, g.usage.chunks_computed) == (2, 0, 2)
     assert g.usage.cached_tokens == g.usage.recomputed_tokens > 0
     assert g.token_ids == full.token_ids
     assert chosen(g) == pytest.approx(chosen(full), abs=1e-5)

@@ -37,8 +37,8 @@ def consistent(g):
     """The controller's decisions in the stats agree with the usage."""
     lo, u = g.loading, g.usage
     assert g.stats()["loading"] == dataclasses.asdict(lo)
-    assert u.chunks_recomputed == lo.chunks_recomputed
-    assert u.chunks_hit + u.chunks_recomputed == lo.chunks_memory + lo.chunks_disk + lo.chunks_remote
+    assert u.chunks_computed == lo.chunks_computed
+    assert u.chunks_hit + u.chunks_computed == lo.chunks_memory + lo.chunks_disk + lo.chunks_remote
     assert u.recomputed_tokens == round(lo.recompute_ratio * u.cached_tokens)
     assert lo.recompute_ratio >= lo.ratio_floor
 
@@ -68,9 +68,9 @@ def test_fresh_engine_loads_everything_at_the_floor_and_ratio_one_equals_full_pr
     lo = first.loading
     assert lo.est_compute_ms is None and lo.est_load_ms > 0
     # the scheduler's view of the store is the shared tiers: the worker's memory copies count as disk
-    assert (lo.chunks_memory, lo.chunks_disk, lo.chunks_remote, lo.chunks_recomputed) == (0, len(docs), 0, 0)
+    assert (lo.chunks_memory, lo.chunks_disk, lo.chunks_remote, lo.chunks_computed) == (0, len(docs), 0, 0)
     assert lo.recompute_ratio == lo.ratio_floor == 1.0
-    assert (first.usage.chunks_hit, first.usage.chunks_missed, first.usage.chunks_recomputed) == (len(docs), 0, 0)
+    assert (first.usage.chunks_hit, first.usage.chunks_missed, first.usage.chunks_computed) == (len(docs), 0, 0)
     consistent(first)
 
     full = controlled.generate(prompt, max_tokens=12, mode="full", logprobs=2)
@@ -95,8 +95,8 @@ def test_decisions_agree_with_usage(controlled, docs):
     lo, u = g.loading, g.usage
     assert lo.ratio_floor == 0.15 and lo.est_compute_ms > 0
     # chunks on this machine's disk load in far less time than the walk: all loaded
-    assert (lo.chunks_disk, lo.chunks_recomputed) == (len(docs), 0)
-    assert (u.chunks_hit, u.chunks_missed, u.chunks_recomputed) == (len(docs), 0, 0)
+    assert (lo.chunks_disk, lo.chunks_computed) == (len(docs), 0)
+    assert (u.chunks_hit, u.chunks_missed, u.chunks_computed) == (len(docs), 0, 0)
     assert u.cached_tokens == tokens_of(controlled, docs)
 
 
@@ -114,9 +114,9 @@ def test_a_chunk_slower_to_load_than_to_compute_is_computed(controlled, model_di
     full = controlled.generate(prompt, max_tokens=8, mode="full", logprobs=1)
     g = controlled.generate(prompt, max_tokens=8, recompute_ratio=1.0, logprobs=1)
     lo, u = g.loading, g.usage
-    assert (lo.chunks_memory, lo.chunks_disk, lo.chunks_remote, lo.chunks_recomputed) == (0, 2, 2, 2)
+    assert (lo.chunks_memory, lo.chunks_disk, lo.chunks_remote, lo.chunks_computed) == (0, 2, 2, 2)
     assert lo.recompute_ratio == lo.ratio_floor == 1.0
-    assert (u.chunks_hit, u.chunks_missed, u.chunks_recomputed) == (2, 0, 2)
+    assert (u.chunks_hit, u.chunks_missed, u.chunks_computed) == (2, 0, 2)
     assert u.cached_tokens == u.recomputed_tokens == tokens_of(controlled, here)
     consistent(g)
     assert g.token_ids == full.token_ids
@@ -126,9 +126,9 @@ def test_a_chunk_slower_to_load_than_to_compute_is_computed(controlled, model_di
     # scheduler took them, before the worker ran.
     one = controlled.generate(prompt, max_tokens=1)
     assert one.usage.completion_tokens == 1
-    assert (one.usage.chunks_hit, one.usage.chunks_missed, one.usage.chunks_recomputed) == (2, 0, 2)
+    assert (one.usage.chunks_hit, one.usage.chunks_missed, one.usage.chunks_computed) == (2, 0, 2)
     assert one.usage.cached_tokens == tokens_of(controlled, here)
-    assert one.stats()["loading"]["chunks_recomputed"] == 2
+    assert one.stats()["loading"]["chunks_computed"] == 2
     consistent(one)
 
     # the slow chunks were never read from Redis, nor stored again by the worker
@@ -150,8 +150,8 @@ def test_a_damaged_chunk_planned_to_load_is_computed_and_usage_stays_true(contro
     prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
     full = controlled.generate(prompt, max_tokens=8, mode="full", logprobs=1)
     g = controlled.generate(prompt, max_tokens=8, recompute_ratio=1.0, logprobs=1)
-    assert (g.loading.chunks_disk, g.loading.chunks_recomputed) == (len(docs), 0)
-    assert (g.usage.chunks_hit, g.usage.chunks_missed, g.usage.chunks_recomputed) == (len(docs), 0, 0)
+    assert (g.loading.chunks_disk, g.loading.chunks_computed) == (len(docs), 0)
+    assert (g.usage.chunks_hit, g.usage.chunks_missed, g.usage.chunks_computed) == (len(docs), 0, 0)
     consistent(g)
     assert g.token_ids == full.token_ids
     assert chosen(g) == pytest.approx(chosen(full), abs=1e-3)

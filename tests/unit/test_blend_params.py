@@ -35,6 +35,8 @@ BROKEN = [
     ({"ratio": math.nan}, "ratio", "got nan"),
     ({"ratio": math.inf}, "ratio", "got inf"),
     ({"ratio": True}, "ratio", "must be a number"),
+    ({"selection": "HKVD"}, "selection", "must be one of deviation, query, mixed; got 'HKVD'"),
+    ({"selection": 1}, "selection", "must be one of deviation, query, mixed; got 1"),
     ({"chunk_spans": "2-10"}, "chunk_spans", "must be a list of [start, end] pairs, got str"),
     ({"chunk_spans": [["2", "10"]]}, "chunk_spans", "chunk_spans[0] must hold integers"),
     ({"chunk_spans": [[2.0, 10]]}, "chunk_spans", "chunk_spans[0] must hold integers (not floats"),
@@ -93,15 +95,20 @@ def test_separator_rules():
         parse_blend_params({"mode": "blend", "separator": "\n\n", "num_tokens": 3})
     # the spans a separator gives are checked as if they were sent
     found = BlendParams("blend", separator="\n\n").with_spans([(2, 5), (7, 9)], 12)
-    assert (found.chunk_spans, found.num_tokens) == (((2, 5), (7, 9)), 9)
+    assert (found.chunk_spans, found.num_tokens) == (((2, 5), (7, 9)), 11)  # every token but the last
     with pytest.raises(BlendParamsError, match=r"chunk_spans\[0\] ends at 12, past 11 \(the prompt has 12 tokens"):
         BlendParams("blend", separator="\n\n").with_spans([(2, 12)], 12)
 
 
 def test_good_params_and_defaults():
-    assert parse_blend_params(GOOD, PROMPT_LEN) == BlendParams("blend", 0.5, ((2, 10), (12, 20)), 20)
-    # num_tokens defaults to the last end, ratio to the engine's (None); the prompt length may be unknown
-    assert parse_blend_params({"mode": "reuse", "chunk_spans": [[0, 3]]}) == BlendParams("reuse", None, ((0, 3),), 3)
+    assert parse_blend_params(GOOD, PROMPT_LEN) == BlendParams("blend", 0.5, None, ((2, 10), (12, 20)), 20)
+    # num_tokens defaults to every token but the prompt's last (the last end while the prompt length is
+    # unknown), ratio and selection to the engine's (None)
+    assert parse_blend_params({"mode": "reuse", "chunk_spans": [[0, 3]]}) == BlendParams(
+        "reuse", None, None, ((0, 3),), 3
+    )
+    assert parse_blend_params({"mode": "reuse", "chunk_spans": [[0, 3]]}, 9).num_tokens == 8
+    assert parse_blend_params({"mode": "blend", "chunk_spans": [[0, 3]], "selection": "query"}).selection == "query"
     assert (
         parse_blend_params({"mode": "blend", "chunk_spans": [[0, 3]], "ratio": None, "num_tokens": 5}, 6).num_tokens
         == 5
@@ -123,10 +130,61 @@ def test_results_of_a_fallback():
         "recomputed_tokens": 0,
         "chunks_hit": 0,
         "chunks_missed": 0,
-        "chunks_recomputed": 0,
+        "chunks_computed": 0,
     }
     assert loading is None and why == "kv_transfer_params.blend.ratio must be ..."
     assert blend_results(None) == ({}, None, None)
+
+
+LOADING = {
+    "recompute_ratio": 0.2,
+    "ratio_floor": 0.15,
+    "chunks_memory": 1,
+    "chunks_disk": 2,
+    "chunks_remote": 0,
+    "chunks_computed": 1,
+    "est_load_ms": 3.5,
+    "est_compute_ms": None,
+}
+
+
+def test_results_of_an_older_or_newer_server():
+    """An older server's chunks_recomputed is read as chunks_computed, a newer
+    one's extra fields are dropped, and the old attribute names still read."""
+    old_loading = dict(LOADING)
+    old_loading["chunks_recomputed"] = old_loading.pop("chunks_computed")
+    usage, loading, why = blend_results(
+        {
+            "blend": {"cached_tokens": 9, "chunks_recomputed": 2, "tokens_from_the_future": 1},
+            "blend_loading": old_loading,
+        }
+    )
+    assert usage == {"cached_tokens": 9, "chunks_computed": 2} and why is None
+    assert loading is not None and loading.chunks_computed == 1
+    with pytest.warns(DeprecationWarning, match="use chunks_computed"):
+        assert loading.chunks_recomputed == 1
+    from blend_integrations.engines.base import Usage
+
+    with pytest.warns(DeprecationWarning, match="use chunks_computed"):
+        assert Usage(**usage).chunks_recomputed == 2
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        ([1, 2], "kv_transfer_params must be a dict, got list"),
+        ({"blend": "3"}, "kv_transfer_params['blend'] must be a dict, got str"),
+        ({"blend": {"chunks_hit": -1}}, "kv_transfer_params['blend']['chunks_hit'] is -1: expected a count"),
+        ({"blend": {"cached_tokens": True}}, "kv_transfer_params['blend']['cached_tokens'] is True"),
+        ({"blend": {"cached_tokens": 2.0}}, "kv_transfer_params['blend']['cached_tokens'] is 2.0"),
+        ({"blend_loading": {"chunks_memory": 1}}, "kv_transfer_params['blend_loading'] lacks recompute_ratio"),
+        ({"blend_loading": 7}, "kv_transfer_params['blend_loading'] must be a dict, got int"),
+    ],
+)
+def test_results_not_written_by_this_package_are_refused(params, words):
+    with pytest.raises(ValueError) as err:
+        blend_results(params)
+    assert words in str(err.value)
 
 
 def test_tokenized_prompts_are_checked_by_the_same_span_rules():

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from blend_integrations.config import SELECTIONS
 from blend_integrations.fusion import KVCache, ReusedSpan, forward
 from blend_integrations.models import HFDecoder
 
@@ -89,3 +90,55 @@ def test_reuse_computes_only_the_fresh_tokens(model, ids):
 def test_the_cache_must_hold_the_new_tokens(model, ids):
     with pytest.raises(ValueError, match="do not fit the KV cache"):
         forward(model, KVCache.allocate(model, len(ids) - 1), ids)
+
+
+QUERY = 30  # the new tokens from here on (but the last) are the query
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+def test_ratio_one_equals_full_prefill_for_every_selection(model, ids, selection):
+    full, _ = walk(model, ids)
+    span = [ReusedSpan(CHUNK.start, recorded(model, ids[CHUNK]))]
+    every, stats = walk(model, ids, reused=span, schedule=[(1, 1.0)], selection=selection, query_start=QUERY)
+    torch.testing.assert_close(every, full, atol=1e-4, rtol=1e-4)
+    assert stats.recomputed_tokens == stats.cached_tokens == len(stats.kept) == CHUNK.stop - CHUNK.start
+
+
+def test_query_selection_ranks_by_the_query_and_pays_for_a_reuse_pass(model, ids):
+    span = [ReusedSpan(CHUNK.start, recorded(model, ids[CHUNK]))]
+    _, deviation = walk(model, ids, reused=span, schedule=SCHEDULE, query_start=QUERY)
+    _, query = walk(model, ids, reused=span, schedule=SCHEDULE, selection="query", query_start=QUERY)
+    _, mixed = walk(model, ids, reused=span, schedule=SCHEDULE, selection="mixed", query_start=QUERY)
+    _, reuse = walk(model, ids, reused=span)
+    n = round(0.15 * (CHUNK.stop - CHUNK.start))
+    assert len(deviation.kept) == len(query.kept) == len(mixed.kept) == n
+    assert all(CHUNK.start <= i < CHUNK.stop for i in query.kept + mixed.kept)
+    assert query.kept != deviation.kept
+    # the query's attention is summed over every layer in a reuse pass first
+    assert query.token_layers == deviation.token_layers + reuse.token_layers
+    assert mixed.token_layers == query.token_layers
+    # mixed: half by the query's attention, the rest by deviation
+    assert set(mixed.kept) <= set(query.kept) | set(deviation.kept)
+
+
+@pytest.mark.parametrize("query_start", [None, 39])
+def test_without_query_tokens_query_selection_ranks_by_deviation(model, ids, query_start):
+    """No query (none given, or only the token whose logits are returned, which
+    vLLM's blend pass never has): the choice falls back to deviation, at no extra cost."""
+    span = [ReusedSpan(CHUNK.start, recorded(model, ids[CHUNK]))]
+    _, deviation = walk(model, ids, reused=span, schedule=SCHEDULE)
+    _, query = walk(model, ids, reused=span, schedule=SCHEDULE, selection="query", query_start=query_start)
+    assert (query.kept, query.token_layers) == (deviation.kept, deviation.token_layers)
+
+
+def test_a_question_before_the_documents_still_has_a_query(model, ids):
+    """The query is what follows the last chunk: with the question first, the
+    template's tail."""
+    first = slice(20, 36)  # the chunk: the question (tokens 0-19) stands before it
+    span = [ReusedSpan(first.start, recorded(model, ids[first]))]
+    full, _ = walk(model, ids)
+    _, deviation = walk(model, ids, reused=span, schedule=SCHEDULE)
+    _, query = walk(model, ids, reused=span, schedule=SCHEDULE, selection="query", query_start=first.stop)
+    every, _ = walk(model, ids, reused=span, schedule=[(1, 1.0)], selection="query", query_start=first.stop)
+    assert query.kept != deviation.kept
+    torch.testing.assert_close(every, full, atol=1e-4, rtol=1e-4)
