@@ -171,6 +171,34 @@ def test_recommended_defaults_rules():
     modes["blend@0.30"] = row(0.8, 0.5, 0.002)
     assert "recompute_ratio" not in recommended_defaults(modes)
 
+    # query-aware selection (a reuse pass more) must match blend@0.15's agreement and KL
+    def agreeing(em1, em2, kl, agree):
+        return row(em1, em2, kl) | {"agree": agree}
+
+    modes["blend@0.15"] = agreeing(0.88, 0.49, 0.008, 0.90)
+    modes["blend@0.15 query"] = agreeing(0.87, 0.49, 0.002, 0.91)
+    modes["blend@0.15 mixed"] = agreeing(0.88, 0.49, 0.004, 0.92)
+    assert recommended_defaults(modes)["selection"][0] == "query"  # both qualify: the lower KL
+    modes["blend@0.15 query"] = agreeing(0.87, 0.49, 0.002, 0.89)  # lower KL, but fewer replies agree
+    assert recommended_defaults(modes)["selection"][0] == "mixed"
+    modes["blend@0.15 mixed"] = agreeing(0.85, 0.49, 0.004, 0.92)  # 0.03 exact match lost
+    assert recommended_defaults(modes)["selection"][0] == "deviation"
+
+
+def test_the_selection_default_follows_both_selection_tables():
+    """A default selection other than deviation needs the reader's table and
+    SmolLM2's to pick it alike."""
+    from benchmarks.quality import recommended_defaults
+    from blend_integrations import BlendConfig
+
+    picks = []
+    for name in ("quality", "quality-smollm2"):
+        report = json.loads((ROOT / "docs" / "results" / "selection" / f"{name}.json").read_text())
+        assert {"blend@0.15", "blend@0.15 query", "blend@0.15 mixed", "reuse"} <= set(report["modes"])
+        picks.append(recommended_defaults(report["modes"], report["config"]["accuracy"])["selection"][0])
+    assert picks == ["query", "deviation"]  # the tables of 2026-11-24 disagree
+    assert BlendConfig().selection == (picks[0] if picks[0] == picks[1] else "deviation")
+
 
 @pytest.fixture(scope="module")
 def short_runs(tmp_path_factory):
@@ -218,6 +246,7 @@ def test_quality_bench_quick(short_runs):
         "blend@0.15 k-deviation",
         "blend@0.15 gradual",
         "blend@0.15 sink4",
+        *(f"blend@{r} {s}" for s in ("query", "mixed") for r in ("0.05", "0.10", "0.15")),
     } == set(table)
     accuracy = {f"{m}_{h}hop" for m in ("em", "f1", "contains") for h in (1, 2)} | {"agree"}
     for metrics in table.values():
