@@ -160,6 +160,7 @@ class Planner:
                 floor=floor,
                 throughput=rates["compute"],
                 overlapped=config.pipelined_loading,
+                query_pass=selection != "deviation",
             )
             floor = decided.ratio
             for (i, _, _), load in zip(found, decided.load):
