@@ -117,3 +117,15 @@ def test_bad_selections_get_clear_errors(engine, docs, blend_server):
     prompt = BlendPrompt("Read.", docs, QUESTION)
     full = served.generate(prompt, max_tokens=6, mode="full")
     assert served.generate(prompt, max_tokens=6, recompute_ratio=1.0, selection="query").token_ids == full.token_ids
+
+
+def test_sink_tokens_and_gradual_filtering_compose_with_query_selection(engines, docs):
+    engine = engines(config=BlendConfig(sink_tokens=2, check_layers=(1, 2), selection="query"))
+    engine.warm(docs)
+    prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+    full = engine.generate(prompt, max_tokens=8, mode="full")
+    assert engine.generate(prompt, max_tokens=8, recompute_ratio=1.0).token_ids == full.token_ids
+    usage = engine.generate(prompt, max_tokens=1).usage
+    chunk_tokens = sum(len(engine.tokenizer.encode(d, add_special_tokens=False)) for d in docs)
+    assert usage.cached_tokens == chunk_tokens - 2 * len(docs)  # each chunk's first 2 tokens are fresh
+    assert usage.recomputed_tokens == round(0.15 * usage.cached_tokens)  # the last check layer's share
