@@ -39,8 +39,8 @@ def test_every_model_has_the_core_fields_each_documented():
 
 @pytest.mark.parametrize("model", MODELS)
 def test_call_settings_are_the_fields_overridden_per_call(model, engine):
-    llm = model(engine=engine, max_tokens=7, stop=["a"], mode="full")
-    settings = llm._call_settings({"max_tokens": 2, "stop": ["b"]}, ["c"])
+    llm = model(engine=engine, max_tokens=7, stop=["a"], mode="full", selection="mixed")
+    settings = llm._call_settings({"max_tokens": 2, "stop": ["b"], "selection": "query"}, ["c"])
     assert settings == {
         "max_tokens": 2,
         "temperature": 0.0,
@@ -48,8 +48,10 @@ def test_call_settings_are_the_fields_overridden_per_call(model, engine):
         "seed": None,
         "mode": "full",
         "recompute_ratio": None,
+        "selection": "query",
         "stop": ["a", "b", "c"],
     }
+    assert llm._call_settings({})["selection"] == "mixed"
     with pytest.raises(TypeError, match="unexpected generation arguments: colour"):
         llm._call_settings({"colour": "red"})
 
