@@ -202,7 +202,7 @@ def forward(
         attn = _attend(q, K, V, plans[window], model.scaling)
         h = model.finish(layer, h, attn)
     cache.length = end
-    kept = tuple(int(i) for i in active[is_reused[active]]) if schedule else ()
+    kept = tuple(active[is_reused[active]].tolist()) if schedule else ()
     stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept)
     return (model.logits(h[-1:])[0] if logits else None), stats
 
@@ -219,18 +219,20 @@ def _query_attention(q, K, q_pos, window, scale):
     to each key of ``K`` ``[Hkv, N, D]``: softmax over every key each query
     sees (causal, within its sliding window), summed over heads and queries;
     ``[N]``."""
+    H, Q, D = q.shape
     keys = K.float()
-    if q.shape[0] != keys.shape[0]:  # grouped-query attention: each KV head serves several query heads
-        keys = keys.repeat_interleave(q.shape[0] // keys.shape[0], dim=0)
+    # Grouped-query attention: query head h reads KV head h // (H / Hkv), so the
+    # query heads of one KV head stand side by side (no copy of K per query head).
+    q = q.float().reshape(keys.shape[0], H // keys.shape[0], Q, D)
     k_pos = torch.arange(keys.shape[1], device=q.device)
     mass = torch.zeros(keys.shape[1], device=q.device)
-    for lo in range(0, q.shape[1], QUERY_GROUP):  # bounded memory for long questions
+    for lo in range(0, Q, QUERY_GROUP):  # bounded memory for long questions
         pos = q_pos[lo : lo + QUERY_GROUP]
         visible = pos[:, None] >= k_pos[None, :]
         if window is not None:
             visible &= pos[:, None] - k_pos[None, :] < window
-        logits = torch.einsum("hqd,hkd->hqk", q[:, lo : lo + QUERY_GROUP].float(), keys) * scale
-        mass += logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
+        logits = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP], keys) * scale
+        mass += logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).sum(dim=(0, 1, 2))
     return mass
 
 
