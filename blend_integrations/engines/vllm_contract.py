@@ -38,6 +38,7 @@ in full instead of blended, when it was).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import sys
 from dataclasses import dataclass
@@ -76,7 +77,13 @@ def check_vllm_version(version: str) -> None:
 
 
 def blend_engine_args(
-    *, store: ChunkStore, config: BlendConfig, max_model_len: int, on_gpu: bool, dtype: str = "auto"
+    *,
+    store: ChunkStore,
+    config: BlendConfig,
+    max_model_len: int,
+    on_gpu: bool,
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """The vLLM engine arguments blending needs, by vLLM's argument names: the
     embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
@@ -84,6 +91,7 @@ def blend_engine_args(
     args = {
         "dtype": dtype_name(resolve_dtype(dtype, torch.device("cuda" if on_gpu else "cpu"))),
         "max_model_len": max_model_len,
+        "tensor_parallel_size": tensor_parallel_size,
         "load_format": "blend",  # vLLM's default loading; hands the model to the connector
         "kv_transfer_config": {
             "kv_connector": "BlendConnector",
@@ -127,12 +135,57 @@ def _remote_config(store: ChunkStore) -> dict:
     }
 
 
-def blend_engine_env(store: ChunkStore) -> dict[str, str]:
+def blend_engine_env(store: ChunkStore, *, tensor_parallel_size: int = 1, on_gpu: bool = False) -> dict[str, str]:
     """The environment variables vLLM's processes need besides the engine
-    arguments: the store's Redis URL when it has a password."""
-    if store.remote is None or redact(store.remote) == store.remote:
-        return {}
-    return {REMOTE_ENV: store.remote}
+    arguments: the store's Redis URL when it has a password, and on CPU with
+    tensor parallelism a thread binding vLLM can start with."""
+    env = {}
+    if store.remote is not None and redact(store.remote) != store.remote:
+        env[REMOTE_ENV] = store.remote
+    if not on_gpu:
+        binding = cpu_thread_binding(tensor_parallel_size)
+        if binding is not None:
+            env[CPU_BINDING_ENV] = binding
+    return env
+
+
+CPU_BINDING_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_thread_binding(tensor_parallel_size: int) -> str | None:
+    """The CPUs of each tensor-parallel rank on vLLM's CPU backend, as
+    ``VLLM_CPU_OMP_THREADS_BIND`` takes them ("0,1|2,3"), or None where vLLM's
+    own binding works or the user set one. vLLM binds each rank to a NUMA
+    node of its own and refuses to start with fewer nodes than ranks, which
+    most machines have; then this splits the CPUs this process may use evenly."""
+    if tensor_parallel_size == 1 or CPU_BINDING_ENV in os.environ:
+        return None
+    nodes = len(glob.glob("/sys/devices/system/node/node[0-9]*")) or 1
+    if nodes >= tensor_parallel_size:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} on vLLM's CPU backend needs a CPU per rank, "
+            f"and this process may use {len(cpus)}"
+        )
+    per_rank = len(cpus) // tensor_parallel_size
+    ranks = [cpus[i * per_rank : (i + 1) * per_rank] for i in range(tensor_parallel_size)]
+    return "|".join(",".join(map(str, rank)) for rank in ranks)
+
+
+def check_tensor_parallel(hf_config, tensor_parallel_size: int) -> None:
+    """Refuse a tensor-parallel size the model's heads cannot be split over,
+    before vLLM starts (its own error comes from a worker process)."""
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tensor_parallel_size or (kv_heads % tensor_parallel_size and tensor_parallel_size % kv_heads):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} cannot split the model's {heads} attention heads and "
+            f"{kv_heads} KV heads: it must divide the attention heads, and divide or be a multiple of the KV heads"
+        )
 
 
 def connector_store_args(extra: dict) -> dict:

@@ -27,6 +27,7 @@ from .vllm_contract import (
     blend_engine_args,
     blend_engine_env,
     blend_results,
+    check_tensor_parallel,
     check_vllm_version,
     kv_transfer_params,
 )
@@ -61,6 +62,7 @@ class VLLMEngine(Engine):
         max_model_len: int | None = None,
         kv_cache_gib: int = 2,
         max_num_seqs: int = 64,
+        tensor_parallel_size: int = 1,
         **llm_kwargs,
     ) -> None:
         import vllm
@@ -71,6 +73,7 @@ class VLLMEngine(Engine):
         model_dir = resolve_model_dir(model)
         hf_config = AutoConfig.from_pretrained(model_dir)
         check_supported(hf_config)
+        check_tensor_parallel(hf_config, tensor_parallel_size)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' for the vLLM backend, got {device!r}")
         on_gpu = resolve_device(device).type == "cuda"
@@ -88,6 +91,7 @@ class VLLMEngine(Engine):
             on_gpu=on_gpu,
             dtype=dtype,
             max_model_len=max_model_len or int(hf_config.max_position_embeddings),
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.dtype_name = args["dtype"]
         kwargs = dict(
@@ -102,7 +106,7 @@ class VLLMEngine(Engine):
         kwargs.update(llm_kwargs)
         # vLLM starts its processes (and their connectors) in LLM(); they keep
         # the variables, this process gets its own back.
-        with _environ(blend_engine_env(self.store)):
+        with _environ(blend_engine_env(self.store, tensor_parallel_size=tensor_parallel_size, on_gpu=on_gpu)):
             self.llm = vllm.LLM(**kwargs)
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._ids = itertools.count()

@@ -76,8 +76,21 @@ class Blender:
         )
 
     def _expect(self, n: int):
+        """The shape and dtype of a stored chunk of ``n`` tokens: every KV head
+        of the model, whatever the tensor-parallel group computing it."""
         m = self.model
-        return (m.num_layers, m.num_kv_heads, n, m.head_dim, m.dtype)
+        heads = m.tp.total_kv_heads if m.tp is not None else m.num_kv_heads
+        return (m.num_layers, heads, n, m.head_dim, m.dtype)
+
+    def _missing_anywhere(self, missing: list[bool]) -> list[bool]:
+        """Under tensor parallelism, a chunk one rank could not read is missing
+        on every rank: the ranks' walks run in lockstep and must reuse the same
+        chunks (a store may change between two ranks' reads)."""
+        tp = self.model.tp
+        if tp is None or not missing:
+            return missing
+        flags = torch.tensor(missing, dtype=torch.float32, device=self.model.device)
+        return (tp.sum(flags) > 0).tolist()
 
     def compute_chunk(self, token_ids: Sequence[int], key: str | None = None) -> ChunkKV:
         """The standalone recipe: ``[BOS] + chunk`` at positions 0..n, BOS row
@@ -87,13 +100,16 @@ class Blender:
         ids = ([bos] if bos is not None else []) + list(token_ids)
         record = torch.empty((m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim), dtype=m.dtype, device=m.device)
         self._forward(KVCache.allocate(m, len(ids)), ids, record=record, logits=False)
+        if m.tp is not None:  # a stored chunk holds every head, so any group size can read it
+            record = m.tp.gather_kv_heads(record)
         skip = 1 if bos is not None else 0
         return ChunkKV(key or self.keys(token_ids), record[:, :, :, skip:].to("cpu").contiguous())
 
     def ensure(self, token_ids: Sequence[int]) -> bool:
         """Compute and store a chunk unless the store has it; True if computed."""
         key = self.keys(token_ids)
-        if self.store.get(key, expect=self._expect(len(token_ids))) is not None:
+        [missing] = self._missing_anywhere([self.store.get(key, expect=self._expect(len(token_ids))) is None])
+        if not missing:
             return False
         self.store.put(self.compute_chunk(token_ids, key))
         return True
@@ -104,7 +120,7 @@ class Blender:
         """Prefill ``token_ids`` into an empty ``cache`` as ``plan`` says (see
         ``plan.py``). Call ``save_missed`` after."""
         stats = PrefillStats(loading=plan.loading)
-        loaded = []  # (start, end, key, ids, ChunkKV or LayerReader) of the chunks reused
+        opened = []  # (chunk, ids, ChunkKV or LayerReader or None) of the chunks to load
         for chunk in plan.chunks:
             ids = list(token_ids[chunk.start : chunk.end])
             if chunk.action == MISS:
@@ -112,11 +128,16 @@ class Blender:
             elif chunk.action == COMPUTE:
                 stats.chunks_computed += 1
             else:
-                source = self._open(chunk.key, ids, plan.promised)
-                if source is None:
-                    stats.missed[chunk.key] = ids
-                else:
-                    loaded.append((chunk.start, chunk.end, chunk.key, ids, source))
+                opened.append((chunk, ids, self._open(chunk.key, ids)))
+        missing = self._missing_anywhere([source is None for *_, source in opened])
+        loaded = []  # (start, end, key, ids, ChunkKV or LayerReader) of the chunks reused
+        for (chunk, ids, source), gone in zip(opened, missing):
+            if gone:
+                source = self._unreadable(chunk.key, ids, plan.promised)
+            if source is None:
+                stats.missed[chunk.key] = ids
+            else:
+                loaded.append((chunk.start, chunk.end, chunk.key, ids, source))
         schedule = self.config.check_schedule(plan.ratio) if plan.mode == "blend" else None
         # the query: what follows the last chunk (the question, the template's tail)
         query_start = plan.chunks[-1].end if plan.chunks else None
@@ -162,11 +183,12 @@ class Blender:
         settled: ``loaded`` holds its entry, or None if it failed, and the
         walk's stats are None if any did (its result must not be used)."""
         sink = self.config.sink_tokens
+        heads = self.model.tp.kv_heads if self.model.tp is not None else slice(None)  # this rank's
         loader = LayerLoader([source for *_, source in loaded if isinstance(source, LayerReader)])
         reused = [
             ReusedSpan(
                 start + sink,
-                source.kv[:, :, :, sink:],
+                source.kv[:, :, heads, sink:],
                 loader.ready(source) if isinstance(source, LayerReader) else None,
             )
             for start, end, _, _, source in loaded
@@ -201,12 +223,13 @@ class Blender:
                 loaded[i] = (start, end, key, ids, entry)
         return out, walk
 
-    def _open(self, key: str, ids: list[int], promised: bool) -> ChunkKV | LayerReader | None:
+    def _open(self, key: str, ids: list[int]) -> ChunkKV | LayerReader | None:
         """A chunk's entry from the store (or a reader of its layers, with
-        pipelined loading); None on a miss."""
-        expect = self._expect(len(ids))
-        source = (self.store.open_layers if self.config.pipelined_loading else self.store.get)(key, expect=expect)
-        return source if source is not None else self._unreadable(key, ids, promised)
+        pipelined loading); None on a miss. Under tensor parallelism entries
+        are read whole: a layer failing to load halfway through one rank's
+        walk would leave the other ranks waiting for it."""
+        pipelined = self.config.pipelined_loading and self.model.tp is None
+        return (self.store.open_layers if pipelined else self.store.get)(key, expect=self._expect(len(ids)))
 
     def _unreadable(self, key: str, ids: list[int], promised: bool) -> ChunkKV | None:
         """For a chunk not read from the store: None (the walk computes it

@@ -12,15 +12,30 @@ from typing import Protocol
 import torch
 
 
+class TensorParallel(Protocol):
+    """A model split over a tensor-parallel group: every rank computes its own
+    heads, and the walk on every rank must choose the same tokens."""
+
+    kv_heads: slice  # this rank's KV heads among the model's (a stored chunk holds them all)
+    total_kv_heads: int  # the model's KV heads, over every rank
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the group's ranks; the same tensor on every rank."""
+
+    def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[layers, 2, kv_heads, T, D]`` of this rank's KV heads -> of all the model's."""
+
+
 class LayerModel(Protocol):
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int  # computed here: under tensor parallelism, this rank's
+    num_kv_heads: int  # likewise
     head_dim: int
     scaling: float  # softmax scale of attention
     windows: tuple[int | None, ...]  # per layer sliding window; None: every earlier key is visible
     dtype: torch.dtype
     device: torch.device
+    tp: TensorParallel | None  # None: this process computes every head
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[T]`` -> hidden ``[T, hidden]``."""

@@ -147,6 +147,7 @@ def forward(
         )
         first_pass = first.token_layers
         cache.length = start  # the blend walk below writes every row again
+        query_attention = _over_ranks(model, query_attention)
     act = active.to(device)  # the same indices on the model's device
     h = model.embed(ids[act])
     plans: dict = {}  # attention plan per sliding window, valid while the active set holds
@@ -176,7 +177,7 @@ def forward(
             rows = torch.nonzero(reused_rows).flatten()
             fresh, stored = (k, K) if deviation == "k" else (v, V)
             # before the fresh KV overwrites the reused KV
-            scores = {"deviation": _deviation(fresh, stored, start, act, rows.to(device))}
+            scores = {"deviation": _over_ranks(model, _deviation(fresh, stored, start, act, rows.to(device)))}
         K.index_copy_(1, start + act, k)
         V.index_copy_(1, start + act, v)
         if relevance is not None:
@@ -205,6 +206,12 @@ def forward(
     kept = tuple(active[is_reused[active]].tolist()) if schedule else ()
     stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept)
     return (model.logits(h[-1:])[0] if logits else None), stats
+
+
+def _over_ranks(model: LayerModel, scores: torch.Tensor) -> torch.Tensor:
+    """Per-token scores summed over a tensor-parallel group's heads: each rank
+    scores its own heads, and every rank must choose the same tokens."""
+    return scores if model.tp is None else model.tp.sum(scores)
 
 
 def _deviation(fresh, stored, start, act, rows):

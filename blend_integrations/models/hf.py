@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..fusion.layers import TensorParallel
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -61,6 +63,7 @@ class HFDecoder:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.windows = layer_windows(config)
+        self.tp: TensorParallel | None = None  # one process computes every head
         self.has_qk_norm = hasattr(attn, "q_norm")
         self.dtype = self.lm_head.weight.dtype
         self.device = self.lm_head.weight.device

@@ -10,7 +10,35 @@ from __future__ import annotations
 
 import torch
 
+from ..fusion.layers import TensorParallel
 from .hf import check_supported, heads_first, layer_windows
+
+
+class VLLMTensorParallel:
+    """``TensorParallel`` over vLLM's tensor-parallel group (its own
+    communicator, as the model's layers use it).
+
+    vLLM gives rank r the KV heads ``r * n / size`` up to the next rank's when
+    the model has n >= size KV heads; with fewer, each head is copied to
+    ``size / n`` neighbouring ranks, so rank r holds head ``r // (size / n)``.
+    """
+
+    def __init__(self, local_kv_heads: int, total_kv_heads: int) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        self.group = get_tp_group()
+        self.size, rank = self.group.world_size, self.group.rank_in_group
+        self.total_kv_heads = total_kv_heads
+        self.replicas = max(1, self.size // total_kv_heads)  # ranks holding each KV head
+        first = rank // self.replicas * local_kv_heads
+        self.kv_heads = slice(first, first + local_kv_heads)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(x)
+
+    def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        every = self.group.all_gather(x.contiguous(), dim=2)
+        return every[:, :, :: self.replicas] if self.replicas > 1 else every
 
 
 class VLLMDecoder:
@@ -22,10 +50,9 @@ class VLLMDecoder:
         self.inner = model.model
         self.layers = list(self.inner.layers)
         attn = self.layers[0].self_attn
-        if attn.num_heads != config.num_attention_heads:
-            raise NotImplementedError(
-                "blending with tensor parallelism is not supported yet: every rank must pick the same tokens"
-            )
+        # Under tensor parallelism the modules hold this rank's heads only.
+        tp = VLLMTensorParallel(attn.num_kv_heads, config.num_key_value_heads or config.num_attention_heads)
+        self.tp: TensorParallel | None = tp if tp.size > 1 else None
         rope = attn.rotary_emb
         if not rope.is_neox_style or rope.rotary_dim != attn.head_dim:
             raise NotImplementedError("blending needs full-width neox-style RoPE (the Llama-family layout)")

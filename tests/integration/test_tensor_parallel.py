@@ -1,0 +1,153 @@
+"""Tensor parallelism: the vLLM engine split over two ranks (vLLM's CPU backend,
+one CPU each) blends as one rank does, and shares its chunk store with it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import pytest
+
+from blend_integrations import BlendPrompt, ChunkStore, load_engine
+from blend_integrations.engines.vllm_contract import CPU_BINDING_ENV, check_tensor_parallel, cpu_thread_binding
+from tests.fixtures.local_models import build_model
+
+QUESTION = "Question: which city is named in the documents? Answer:"
+
+
+def tp2_engine(model_dir, store_path):
+    engine = load_engine(
+        model_dir,
+        backend="vllm",
+        store=ChunkStore(store_path),
+        max_model_len=2048,
+        kv_cache_gib=1,
+        tensor_parallel_size=2,
+    )
+    assert CPU_BINDING_ENV not in os.environ  # the binding went to vLLM's processes only
+    return engine
+
+
+@pytest.fixture(scope="module")
+def vllm_tp2(model_dirs, store):
+    """The session's llama model (4 heads, 2 KV heads: one per rank) on two
+    ranks, over the session store's directory."""
+    engine = tp2_engine(model_dirs("llama"), store.path)
+    yield engine
+    engine.close()
+
+
+def chosen(gen):
+    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
+
+
+def test_fewer_kv_heads_than_ranks(mqa_engines):
+    """One KV head on two ranks: vLLM copies it to both, and a stored chunk
+    still holds it once, readable by the transformers engine."""
+    tp2, transformers, docs = mqa_engines
+    transformers.warm(docs)
+    prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+    full = tp2.generate(prompt, max_tokens=10, mode="full")
+    blend = tp2.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+    assert (blend.usage.chunks_hit, blend.fallback) == (len(docs), None)
+    assert blend.token_ids == full.token_ids == transformers.generate(prompt, max_tokens=10, mode="full").token_ids
+    # and back: chunks the two ranks computed are hits for one process
+    more = [d + " The end." for d in docs]
+    assert tp2.warm(more) == len(more)
+    assert transformers.generate(BlendPrompt("Read.", more, QUESTION), max_tokens=1).usage.chunks_hit == len(more)
+
+
+@pytest.fixture
+def mqa_engines(tmp_path_factory, docs):
+    model_dir = str(build_model(tmp_path_factory.mktemp("mqa"), num_kv_heads=1))
+    store_path = tmp_path_factory.mktemp("mqa-store")
+    tp2 = tp2_engine(model_dir, store_path)
+    transformers = load_engine(model_dir, store=ChunkStore(store_path))
+    yield tp2, transformers, docs
+    tp2.close()
+
+
+def test_ratio_one_equals_full_prefill_and_one_rank(vllm_tp2, vllm_engine, docs):
+    vllm_engine.warm(docs)  # stored by one rank: every KV head in one entry
+    prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
+    full = vllm_tp2.generate(prompt, max_tokens=12, mode="full", logprobs=2)
+    blend = vllm_tp2.generate(prompt, max_tokens=12, recompute_ratio=1.0, logprobs=2)
+    one_rank = vllm_engine.generate(prompt, max_tokens=12, recompute_ratio=1.0, logprobs=2)
+    assert (blend.usage.chunks_hit, blend.fallback) == (len(docs), None)
+    assert blend.usage.cached_tokens == blend.usage.recomputed_tokens > 0
+    assert blend.token_ids == full.token_ids == one_rank.token_ids
+    assert chosen(blend) == pytest.approx(chosen(full), abs=1e-3)
+    assert chosen(blend) == pytest.approx(chosen(one_rank), abs=1e-3)
+
+
+def test_reordered_chunks_hit_and_are_shared_with_one_rank(vllm_tp2, vllm_engine, engine, docs):
+    first = vllm_tp2.generate(BlendPrompt("Read.", docs, QUESTION), max_tokens=2)
+    assert (first.usage.chunks_missed, first.fallback) == (len(docs), None)
+    order = [docs[2], docs[0], docs[3], docs[1]]
+    again = vllm_tp2.generate(BlendPrompt("Read.", order, QUESTION), max_tokens=2)
+    chunk_tokens = sum(len(vllm_tp2.tokenizer.encode(d, add_special_tokens=False)) for d in docs)
+    assert (again.usage.chunks_hit, again.usage.chunks_missed) == (len(docs), 0)
+    assert again.usage.recomputed_tokens == round(0.15 * chunk_tokens)
+    # the same keys and entries for one rank, on either engine
+    prompt = BlendPrompt("Read.", order[::-1], QUESTION)
+    for one_rank in (vllm_engine, engine):
+        blend = one_rank.generate(prompt, max_tokens=8, recompute_ratio=1.0)
+        assert blend.usage.chunks_hit == len(docs)
+        assert blend.token_ids == one_rank.generate(prompt, max_tokens=8, mode="full").token_ids
+
+
+@pytest.mark.parametrize("selection", ["deviation", "query", "mixed"])
+def test_two_ranks_choose_what_one_rank_chooses(vllm_tp2, vllm_engine, docs, selection):
+    """Each rank scores its own heads; the scores summed over both ranks pick
+    the tokens one rank picks from all heads, so the replies agree."""
+    vllm_engine.warm(docs)
+    prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+    two = vllm_tp2.generate(prompt, max_tokens=12, selection=selection, logprobs=2)
+    one = vllm_engine.generate(prompt, max_tokens=12, selection=selection, logprobs=2)
+    assert two.fallback is None and two.usage == one.usage
+    assert two.token_ids == one.token_ids
+    assert chosen(two) == pytest.approx(chosen(one), abs=1e-3)
+
+
+def test_cpu_binding_and_head_checks(monkeypatch):
+    monkeypatch.delenv(CPU_BINDING_ENV, raising=False)
+    assert cpu_thread_binding(1) is None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:  # these machines have one NUMA node: vLLM's own binding would refuse to start
+        half = len(cpus) // 2
+        assert cpu_thread_binding(2) == "|".join(",".join(map(str, c)) for c in (cpus[:half], cpus[half : 2 * half]))
+    with pytest.raises(ValueError, match=f"needs a CPU per rank, and this process may use {len(cpus)}"):
+        cpu_thread_binding(len(cpus) + 1)
+    monkeypatch.setenv(CPU_BINDING_ENV, "0-1|2-3")  # the user's own binding is kept
+    assert cpu_thread_binding(2) is None
+
+    class Config:
+        num_attention_heads, num_key_value_heads = 4, 2
+
+    check_tensor_parallel(Config, 4)  # each KV head copied to two ranks
+    with pytest.raises(ValueError, match="cannot split the model's 4 attention heads and 2 KV heads"):
+        check_tensor_parallel(Config, 3)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+            check_tensor_parallel(Config, bad)
+
+
+def test_engine_and_server_refuse_an_impossible_split(model_dirs, tmp_path, capsys):
+    from blend_integrations import serve
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 cannot split the model's 4 attention heads"):
+        load_engine(model_dirs("llama"), backend="vllm", store=ChunkStore(tmp_path), tensor_parallel_size=3)
+    with pytest.raises(SystemExit):
+        serve.main([model_dirs("llama"), "--store", str(tmp_path), "-tp", "3", "--print"])
+    assert "tensor_parallel_size=3 cannot split" in capsys.readouterr().err
+
+
+def test_server_command_splits_the_model_and_binds_cpu_ranks(model_dirs, tmp_path, monkeypatch, capsys):
+    from blend_integrations import serve
+
+    monkeypatch.delenv(CPU_BINDING_ENV, raising=False)
+    serve.main([model_dirs("llama"), "--store", str(tmp_path), "--tensor-parallel-size", "2", "--print"])
+    words = shlex.split(capsys.readouterr().out)
+    cmd = words[words.index("-m") - 1 :]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert f"{CPU_BINDING_ENV}={cpu_thread_binding(2)}" in words[: words.index("-m") - 1]
