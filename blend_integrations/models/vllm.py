@@ -49,6 +49,13 @@ class VLLMDecoder:
         check_supported(config)
         self.inner = model.model
         self.layers = list(self.inner.layers)
+        from vllm.distributed.parallel_state import get_pp_group
+
+        if get_pp_group().world_size > 1:
+            raise NotImplementedError(
+                "blending with pipeline parallelism is not supported: the blend pass walks every layer in one "
+                "worker; use tensor parallelism (tensor_parallel_size) instead"
+            )
         attn = self.layers[0].self_attn
         # Under tensor parallelism the modules hold this rank's heads only.
         tp = VLLMTensorParallel(attn.num_kv_heads, config.num_key_value_heads or config.num_attention_heads)
