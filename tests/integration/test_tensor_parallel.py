@@ -151,3 +151,28 @@ def test_server_command_splits_the_model_and_binds_cpu_ranks(model_dirs, tmp_pat
     cmd = words[words.index("-m") - 1 :]
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert f"{CPU_BINDING_ENV}={cpu_thread_binding(2)}" in words[: words.index("-m") - 1]
+
+
+def test_rank_reports_are_merged_by_vllm_as_the_slowest_rank():
+    """What each rank measured (loading controller rates) and which blend
+    passes failed reach the scheduler through vLLM's own output aggregator."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from blend_integrations.engines.vllm_connector import BlendWorkerMetadata
+
+    reports = [
+        BlendWorkerMetadata({"disk": 2e9, "remote": None, "compute": 5e5}, {"a": "rank 0 could not read it"}),
+        BlendWorkerMetadata({"disk": 1e9, "remote": 1e8, "compute": 7e5}, {"b": "rank 1 ran out of memory"}),
+    ]
+    outputs = [
+        ModelRunnerOutput(
+            req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=r)
+        )
+        for r in reports
+    ]
+    merged = (
+        KVOutputAggregator(expected_finished_count=2).aggregate(outputs).kv_connector_output.kv_connector_worker_meta
+    )
+    assert merged.rates == {"disk": 1e9, "remote": None, "compute": 5e5}  # unmeasured on one rank: unknown
+    assert merged.failed == {"a": "rank 0 could not read it", "b": "rank 1 ran out of memory"}
