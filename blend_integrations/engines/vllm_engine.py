@@ -203,7 +203,11 @@ class VLLMEngine(Engine):
         outputs: queue.Queue = queue.Queue()
         self._requests[rid] = outputs
         with self._lock:
-            self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=req.prompt.token_ids), params)
+            # vLLM 0.32 and 0.33 deprecate raw prompts in add_request; it takes what the
+            # engine's renderer makes of one (the raw path ran the same renderer inside).
+            engine = self.llm.llm_engine
+            (prompt,) = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=req.prompt.token_ids)])
+            engine.add_request(rid, prompt, params)
         self._wake.set()
         return self._follow(stream, rid, outputs, req)
 
