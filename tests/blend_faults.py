@@ -58,3 +58,22 @@ class FaultInjection(BlendWorkerExtension):
     def blend_fault_log(self) -> list[str]:
         """What the connector logged since faults were switched on."""
         return list(_records.messages)
+
+    def blend_lose_on_rank(self, rank: int, chunk_ids: list[int] | None) -> None:
+        """From now on, the store of tensor-parallel rank ``rank`` alone no
+        longer finds the chunk ``chunk_ids`` (as if evicted between two ranks'
+        reads). None: it finds everything again."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from vllm.distributed.parallel_state import get_tp_group
+
+        connector = get_kv_transfer_group()
+        store = connector.store
+        store.__dict__.pop("get", None)
+        if chunk_ids is None or get_tp_group().rank_in_group != rank:
+            return
+        lost = connector.planner.keys(chunk_ids)
+
+        def get(key, **kwargs):
+            return None if key == lost else type(store).get(store, key, **kwargs)
+
+        store.get = get

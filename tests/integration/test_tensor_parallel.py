@@ -23,6 +23,7 @@ def tp2_engine(model_dir, store_path):
         max_model_len=2048,
         kv_cache_gib=1,
         tensor_parallel_size=2,
+        worker_extension_cls="blend_faults.FaultInjection",  # tests/blend_faults.py
     )
     assert CPU_BINDING_ENV not in os.environ  # the binding went to vLLM's processes only
     return engine
@@ -94,6 +95,21 @@ def test_reordered_chunks_hit_and_are_shared_with_one_rank(vllm_tp2, vllm_engine
         blend = one_rank.generate(prompt, max_tokens=8, recompute_ratio=1.0)
         assert blend.usage.chunks_hit == len(docs)
         assert blend.token_ids == one_rank.generate(prompt, max_tokens=8, mode="full").token_ids
+
+
+@pytest.mark.timeout(600)  # ranks that disagreed would wait for each other forever
+def test_a_chunk_one_rank_cannot_read_is_computed_on_every_rank(vllm_tp2, docs):
+    vllm_tp2.warm(docs)
+    lost = vllm_tp2.tokenizer.encode(docs[1], add_special_tokens=False)
+    vllm_tp2.llm.collective_rpc("blend_lose_on_rank", args=(1, lost))
+    try:
+        prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+        blend = vllm_tp2.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+    finally:
+        vllm_tp2.llm.collective_rpc("blend_lose_on_rank", args=(1, None))
+    # The scheduler had planned to load it and reported it so: both ranks computed it standalone instead.
+    assert (blend.usage.chunks_hit, blend.fallback) == (len(docs), None)
+    assert blend.token_ids == vllm_tp2.generate(prompt, max_tokens=10, mode="full").token_ids
 
 
 @pytest.mark.parametrize("selection", ["deviation", "query", "mixed"])
