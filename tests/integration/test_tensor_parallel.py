@@ -192,3 +192,18 @@ def test_rank_reports_are_merged_by_vllm_as_the_slowest_rank():
     )
     assert merged.rates == {"disk": 1e9, "remote": None, "compute": 5e5}  # unmeasured on one rank: unknown
     assert merged.failed == {"a": "rank 0 could not read it", "b": "rank 1 ran out of memory"}
+
+
+def test_a_server_on_two_ranks(model_dirs, store, vllm_engine, docs):
+    from tests.fixtures.blend_server import BlendServer
+
+    vllm_engine.warm(docs)  # stored by one rank
+    args = ["--max-model-len", "2048", "--kv-cache-gib", "1", "--tensor-parallel-size", "2"]
+    log = store.path.parent / "server-tp2.log"
+    with BlendServer(model_dirs("llama"), store=store.path, log=log, args=args) as server:
+        client = load_engine(server.url, backend="server")
+        prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
+        served = client.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+        assert (served.usage.chunks_hit, served.usage.recomputed_tokens > 0, served.fallback) == (len(docs), True, None)
+        assert served.token_ids == vllm_engine.generate(prompt, max_tokens=10, mode="full").token_ids
+    assert "local_rank=1" in log.read_text()  # vLLM started two CPU ranks
