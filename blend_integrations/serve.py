@@ -260,9 +260,13 @@ def main(argv: list[str] | None = None) -> None:
             tensor_parallel_size=tp,
             extra=extra,
         )
+        try:
+            engine_env = blend_engine_env(store, tensor_parallel_size=tp, on_gpu=not cpu)
+        except ValueError as exc:  # more CPU ranks than CPUs
+            parser.error(str(exc))
         env = {
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib)),
-            **blend_engine_env(store, tensor_parallel_size=tp, on_gpu=not cpu),
+            **engine_env,
         }
     if args.api_key is not None:
         if not args.api_key:

@@ -156,6 +156,15 @@ def test_engine_and_server_refuse_an_impossible_split(model_dirs, tmp_path, caps
     with pytest.raises(SystemExit):
         serve.main([model_dirs("llama"), "--store", str(tmp_path), "-tp", "3", "--print"])
     assert "tensor_parallel_size=3 cannot split" in capsys.readouterr().err
+    # more CPU ranks than CPUs this process may use (these machines have one NUMA node)
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        with pytest.raises(SystemExit):
+            serve.main([model_dirs("llama"), "--store", str(tmp_path), "-tp", "2", "--print"])
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert "needs a CPU per rank, and this process may use 1" in capsys.readouterr().err
 
 
 def test_server_command_splits_the_model_and_binds_cpu_ranks(model_dirs, tmp_path, monkeypatch, capsys):
