@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import shlex
 
@@ -16,6 +17,7 @@ from blend_integrations.engines.vllm_contract import (
     check_vllm_version,
     connector_store_args,
 )
+from blend_integrations.fusion.plan import Planner
 from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.store import DEFAULT_READ_BANDWIDTH
 
@@ -363,6 +365,56 @@ def test_explicit_spans_follow_the_rules_on_the_embedded_engine(vllm_engine, doc
     with pytest.raises(PromptError, match="the prompt ends with chunk 0: vLLM computes the prompt's last token itself"):
         vllm_engine.generate(TokenizedPrompt(ids, [(2, len(ids))]), max_tokens=2)
     assert vllm_engine.generate(TokenizedPrompt(ids, [(2, len(ids) - 1)]), max_tokens=2).usage.chunks_missed == 1
+
+
+@pytest.mark.timeout(300)  # without the fallback, the engine dies and the requests wait forever
+def test_a_failing_plan_costs_one_request_not_the_engine(model_dirs, tmp_path, monkeypatch, caplog, docs):
+    """The scheduler fails to plan one request's blend pass (here its chunk
+    lookup raises). That request is computed in full and says why, once in the
+    log; the requests beside it are blended; the engine goes on serving. The
+    engine runs vLLM's scheduler in this process, so that the fault can be put
+    into it."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine = load_engine(
+        model_dirs("llama"),
+        backend="vllm",
+        store=ChunkStore(tmp_path / "store"),
+        max_model_len=2048,
+        kv_cache_gib=1,
+        distributed_executor_backend="uni",
+    )
+    try:
+        connector = engine.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        planner = connector.planner
+        poison = engine.tokenizer.encode(docs[3], add_special_tokens=False)
+
+        class FailingPlanner(Planner):
+            def plan(self, token_ids, *args, **kwargs):
+                if any(list(token_ids[i : i + len(poison)]) == poison for i in range(len(token_ids))):
+                    raise OSError("injected fault: the chunk store could not be read")
+                return super().plan(token_ids, *args, **kwargs)
+
+        engine.warm(docs)
+        prompts = [BlendPrompt("Read.", [docs[i % 3], docs[(i + 1) % 3]], QUESTION) for i in range(3)]
+        prompts.insert(1, BlendPrompt("Read.", [docs[3], docs[0]], QUESTION))
+        full = [engine.generate(p, max_tokens=8, mode="full").token_ids for p in prompts]
+        connector.planner = FailingPlanner(planner.config, planner.keys, planner.num_layers)
+        with caplog.at_level(logging.WARNING, logger="blend_integrations.engines.vllm_connector"):
+            gens = engine.generate_many(prompts, max_tokens=8, recompute_ratio=1.0)
+        connector.planner = planner
+        assert [g.token_ids for g in gens] == full
+        failed = gens.pop(1)
+        assert all(g.fallback is None and (g.usage.chunks_hit, g.usage.chunks_missed) == (2, 0) for g in gens)
+        assert failed.fallback == (
+            "planning the blend pass failed: OSError('injected fault: the chunk store could not be read')"
+        )
+        assert (failed.usage.cached_tokens, failed.usage.chunks_hit) == (0, 0)
+        logged = [r.getMessage() for r in caplog.records if r.name == "blend_integrations.engines.vllm_connector"]
+        assert len(logged) == 1 and "planning the blend pass failed" in logged[0], logged
+        again = engine.generate(prompts[1], max_tokens=8, recompute_ratio=1.0)
+        assert again.fallback is None and again.usage.chunks_hit == 2 and again.token_ids == full[1]
+    finally:
+        engine.close()
 
 
 def test_a_failing_blend_pass_costs_one_request_not_the_engine(vllm_engine, docs):
