@@ -30,7 +30,11 @@ def main() -> None:
     # documents here are short: the splitter keeps each one whole
     chunks = RecursiveCharacterTextSplitter(chunk_size=3000, chunk_overlap=0).split_documents(load_documents(DATA))
     chat = ChatBlend(
-        model=args.model or default_model(), backend=args.backend, store_path=args.store, max_tokens=args.max_tokens
+        model=args.model or default_model(),
+        backend=args.backend,
+        store_path=args.store,
+        max_tokens=args.max_tokens,
+        recompute_ratio=args.recompute_ratio,
     )
     # Ingestion: the chunk KV of every piece is computed once and stored.
     chunks = BlendCacheWarmer(chat, show_progress=True).transform_documents(chunks)

@@ -22,7 +22,11 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
 
     llm = BlendLLM(
-        args.model or default_model(), backend=args.backend, store_path=args.store, max_tokens=args.max_tokens
+        args.model or default_model(),
+        backend=args.backend,
+        store_path=args.store,
+        max_tokens=args.max_tokens,
+        recompute_ratio=args.recompute_ratio,
     )
     embed_model = LlamaIndexMiniLM()
     # Ingestion: split, embed, and compute every node's chunk KV once.
