@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from blend_integrations.config import check_ratio
 from blend_integrations.quality.metrics import contains
 
 DATA = Path(__file__).parent / "data"
@@ -31,6 +32,14 @@ def default_model() -> str:
     from blend_integrations.models.smollm2 import smollm2_dir
 
     return str(smollm2_dir())
+
+
+def ratio(text: str) -> float:
+    """--recompute-ratio's value, refused here with the reason rather than after the model loads."""
+    try:
+        return check_ratio(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -45,7 +54,7 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
         "--recompute-ratio",
-        type=float,
+        type=ratio,
         help="share of the reused chunk tokens that blend recomputes (default: BlendConfig's, 0.15); "
         "on SmolLM2 blend answers the example questions as full prefill does only near 0.9 (docs/tuning.md)",
     )

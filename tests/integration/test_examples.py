@@ -35,6 +35,12 @@ def test_langchain_rag_example_answers_right_blended_at_a_high_ratio(run):
     assert out.rstrip().endswith("expected answer: 'Brimford'; blend right: True, full right: True")
 
 
+def test_examples_refuse_a_ratio_outside_0_to_1_before_loading_a_model():
+    for example in ("examples/langchain_rag.py", "examples/llamaindex_rag.py"):
+        out = run_python(example, "--recompute-ratio", "1.5", timeout=120, returncode=2)
+        assert "argument --recompute-ratio: recompute_ratio must be a number in [0, 1], got 1.5" in out.stderr
+
+
 def test_llamaindex_rag_example(run):
     out = run(["examples/llamaindex_rag.py"])
     assert "retrieved: ['ada_okafor.txt'" in out and "(4/4 chunks)" in out
