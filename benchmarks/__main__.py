@@ -1,8 +1,8 @@
-"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift] [options]``; no part runs them all."""
+"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration] [options]``; no part runs them all."""
 
 import sys
 
-from . import drift, fuzz, quality, store, ttft, vllm_bench
+from . import calibration, drift, fuzz, quality, store, ttft, vllm_bench
 
 PARTS = {
     "ttft": ttft.main,
@@ -11,6 +11,7 @@ PARTS = {
     "quality": quality.main,
     "fuzz": fuzz.main,
     "drift": drift.main,
+    "calibration": calibration.main,
 }
 
 

@@ -7,6 +7,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 Deviation = Literal["k", "v"]
+# Where a request's recompute ratio came from (``Usage.ratio_source``): the
+# store's calibration for this model, the documented fallback (``"auto"``
+# without a calibration), the request's own, the engine config's, or the
+# per-request guard, which raised the calibrated ratio for this request.
+RatioSource = Literal["calibrated", "fallback", "request", "config", "guard"]
+RATIO_SOURCES: tuple[str, ...] = ("calibrated", "fallback", "request", "config", "guard")
+# The ratio ``"auto"`` uses for a model the store holds no calibration for:
+# what the answer-quality benchmark picks on the bundled reader
+# (docs/results/quality.md). It is too low for small chat models (SmolLM2
+# needs 0.5 or more): calibrate (``engine.calibrate``, docs/calibration.md).
+FALLBACK_RATIO = 0.15
 Mode = Literal["blend", "full", "reuse"]
 MODES: tuple[str, ...] = ("blend", "full", "reuse")
 Selection = Literal["deviation", "query", "mixed"]
@@ -17,15 +28,19 @@ SELECTIONS: tuple[str, ...] = ("deviation", "query", "mixed")
 class BlendConfig:
     """How a prompt made of cached chunks is fused.
 
-    The defaults of recompute_ratio, check_layers, deviation and sink_tokens
-    are set from the answer-quality benchmark (docs/results/quality.md, and
-    ``recommended_defaults`` in benchmarks/quality.py, which says how);
-    selection from the reader's and SmolLM2's tables together
-    (docs/results/selection/): a default changes only when both pick it.
+    The defaults of check_layers, deviation and sink_tokens, and
+    ``FALLBACK_RATIO``, are set from the answer-quality benchmark
+    (docs/results/quality.md, and ``recommended_defaults`` in
+    benchmarks/quality.py, which says how); selection from the reader's and
+    SmolLM2's tables together (docs/results/selection/): a default changes
+    only when both pick it.
 
     recompute_ratio: share of the reused (loaded) chunk tokens whose KV is
         recomputed, picked by largest deviation at the check layer. 1.0
         recomputes everything (equals full prefill), 0.0 is plain reuse.
+        "auto" (the default): the ratio the store's calibration for this
+        model and dtype chose (``engine.calibrate``), with its per-request
+        guard; without a calibration, ``FALLBACK_RATIO``, logged once.
     check_layers: layers where deviation is measured and the recompute set is
         chosen. Layers before the first one are computed for every token.
         Several layers give gradual filtering: the ratio shrinks linearly from
@@ -54,7 +69,7 @@ class BlendConfig:
         The answer is the same as without it.
     """
 
-    recompute_ratio: float = 0.15
+    recompute_ratio: float | Literal["auto"] = "auto"
     check_layers: tuple[int, ...] = (1,)
     deviation: Deviation = "v"
     selection: Selection = "deviation"
@@ -64,7 +79,8 @@ class BlendConfig:
     pipelined_loading: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "recompute_ratio", check_ratio(self.recompute_ratio))
+        if self.recompute_ratio != "auto":
+            object.__setattr__(self, "recompute_ratio", check_ratio(self.recompute_ratio, auto=True))
         layers = tuple(self.check_layers) if not isinstance(self.check_layers, int) else (self.check_layers,)
         if not layers:
             raise ValueError("check_layers must name at least one layer, e.g. (1,)")
@@ -88,8 +104,11 @@ class BlendConfig:
         return dataclasses.replace(self, **changes)
 
     def check_schedule(self, recompute_ratio: float | None = None) -> list[tuple[int, float]]:
-        """(layer, ratio) per check layer; the last ratio is the recompute ratio."""
+        """(layer, ratio) per check layer; the last ratio is the recompute ratio
+        (None: the config's, which must then be a number, not "auto")."""
         r = self.recompute_ratio if recompute_ratio is None else recompute_ratio
+        if isinstance(r, str):
+            raise ValueError('check_schedule needs a ratio: the config\'s is "auto", resolved per request')
         n = len(self.check_layers)
         return [(layer, r + (1.0 - r) * (n - 1 - i) / n) for i, layer in enumerate(self.check_layers)]
 
@@ -106,12 +125,25 @@ def check_selection(selection: str, *, name: str = "selection") -> str:
     return selection
 
 
-def check_ratio(recompute_ratio: float, *, name: str = "recompute_ratio") -> float:
-    """A finite number in [0, 1] (NaN and infinities fail the range check)."""
+def check_ratio(recompute_ratio: float, *, name: str = "recompute_ratio", auto: bool = False) -> float:
+    """A finite number in [0, 1] (NaN and infinities fail the range check).
+    ``auto``: the message says "auto" is allowed too (checked by the caller)."""
     if (
         isinstance(recompute_ratio, bool)
         or not isinstance(recompute_ratio, (int, float))
         or not 0.0 <= recompute_ratio <= 1.0
     ):
-        raise ValueError(f"{name} must be a number in [0, 1], got {recompute_ratio!r:.60}")
+        allowed = 'a number in [0, 1] or "auto"' if auto else "a number in [0, 1]"
+        raise ValueError(f"{name} must be {allowed}, got {recompute_ratio!r:.60}")
     return float(recompute_ratio)
+
+
+def parse_ratio(text: str) -> float | str:
+    """A command line's ratio: "auto" or a number in [0, 1] (for argparse's ``type=``)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f'recompute_ratio must be a number in [0, 1] or "auto", got {text!r:.60}') from None
+    return check_ratio(value, auto=True)

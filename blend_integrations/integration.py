@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf, SecretStr, field_validator, model_validator
 
@@ -74,8 +74,10 @@ class BlendModelBase(BaseModel):
     mode: str = "blend"
     """Every call's default mode: ``"blend"``, ``"full"`` (full prefill) or ``"reuse"``."""
 
-    recompute_ratio: float | None = None
-    """Every call's default share of chunk tokens to recompute; ``None``: the engine config's."""
+    recompute_ratio: float | Literal["auto"] | None = None
+    """Every call's default share of chunk tokens to recompute; ``None``: the engine config's (``"auto"``
+    by default: the model's calibration in the store); ``"auto"``: the calibration even if the config sets a
+    ratio. Responses say which ratio was used and why (``recompute_ratio``, ``ratio_source``)."""
 
     selection: str | None = None
     """Every call's default way of choosing the tokens to recompute: ``"deviation"`` (CacheBlend's),
@@ -159,11 +161,18 @@ def warmer_engine(llm: Any, warmer: str) -> Engine:
     return engine
 
 
-def warm(engine: Engine, texts: Iterable[str], show_progress: bool | None) -> None:
+def warm(
+    engine: Engine, texts: Iterable[str], show_progress: bool | None, *, calibrate: bool = False, **options: Any
+) -> None:
     """Compute and store the chunk KV of every non-empty text (what both
     frameworks' warmers do at ingestion). ``show_progress=None``: a bar for
-    more than 8 texts."""
-    engine.warm([t for t in texts if t], progress=show_progress)
+    more than 8 texts. ``calibrate``: then, if the store holds no calibration
+    of this model yet, calibrate it on these texts (``Engine.calibrate`` with
+    ``options``), so that ``recompute_ratio="auto"`` uses a measured ratio."""
+    texts = [t for t in texts if t]
+    engine.warm(texts, progress=show_progress)
+    if calibrate and engine.calibrations.record() is None:
+        engine.calibrate(texts, progress=show_progress is not False, **options)
 
 
 def renamed(old: str, new: str, value: Any, *, stacklevel: int = 3) -> Any:

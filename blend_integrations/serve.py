@@ -35,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import SELECTIONS, BlendConfig
+from .config import SELECTIONS, BlendConfig, parse_ratio
 from .engines.vllm_contract import (
     BlendParamsError,
     blend_engine_args,
@@ -211,7 +211,12 @@ def main(argv: list[str] | None = None) -> None:
         help="Redis URL of the store's shared tier (default: $BLEND_STORE_REMOTE; '' for none)",
     )
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--recompute-ratio", type=float, default=BlendConfig().recompute_ratio)
+    parser.add_argument(
+        "--recompute-ratio",
+        type=parse_ratio,
+        default=BlendConfig().recompute_ratio,
+        help='"auto" (the model\'s calibration in the store, else the fallback ratio) or a number in [0, 1]',
+    )
     parser.add_argument(
         "--selection",
         choices=SELECTIONS,

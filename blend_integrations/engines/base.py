@@ -14,6 +14,7 @@ from typing import TypedDict
 
 from typing_extensions import Unpack
 
+from ..calibration import CalibrationRecord, Calibrations
 from ..config import BlendConfig, check_mode, check_ratio, check_selection
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import ChunkKeys
@@ -31,6 +32,14 @@ class Usage:
     chunks_hit: int = 0  # chunks whose KV was loaded from the store
     chunks_missed: int = 0  # chunks not in the store (computed, and stored after the answer)
     chunks_computed: int = 0  # chunks in the store that the loading controller computed instead of loading
+    # The ratio blending used and where it came from: "calibrated" (the store's calibration, for
+    # recompute_ratio="auto"), "fallback" ("auto" without one), "request", "config", or "guard" (the
+    # per-request guard raised the calibrated ratio); None when the prompt was not blended.
+    recompute_ratio: float | None = None
+    ratio_source: str | None = None
+    # The share of the reused tokens' deviation (at the check layer) that the recomputed ones hold;
+    # None where the engine does not report it (the vLLM engine) or nothing was blended.
+    deviation_captured: float | None = None
 
     @property
     def chunks_recomputed(self) -> int:
@@ -82,7 +91,7 @@ class GenerateOptions(TypedDict, total=False):
     stop: str | Sequence[str] | None  # stop strings
     seed: int | None  # sampling seed
     mode: str  # "blend" (default), "reuse" or "full"
-    recompute_ratio: float | None  # None: the engine config's
+    recompute_ratio: float | str | None  # None: the engine config's; "auto": the calibrated one
     selection: str | None  # how recomputed tokens are chosen; None: the engine config's
     logprobs: int | None  # return the top-k log-probabilities of every token
 
@@ -98,7 +107,7 @@ class Request:
     stop: list[str]
     seed: int | None
     mode: str
-    recompute_ratio: float | None  # None: the engine's configured ratio
+    recompute_ratio: float | str | None  # None: the engine's configured ratio; "auto": the calibrated one
     selection: str | None  # None: the engine's configured selection
     logprobs: int | None
     started: float  # perf_counter() when the call came in: time to first token counts from here
@@ -232,7 +241,7 @@ class Engine(ABC):
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
         mode: str = "blend",
-        recompute_ratio: float | None = None,
+        recompute_ratio: float | str | None = None,
         selection: str | None = None,
         logprobs: int | None = None,
     ) -> Request:
@@ -240,7 +249,9 @@ class Engine(ABC):
         started = time.perf_counter()
         check_mode(mode)
         check_sampling(max_tokens, temperature, top_p, logprobs)
-        ratio = None if recompute_ratio is None else check_ratio(recompute_ratio)
+        ratio = recompute_ratio
+        if ratio is not None and ratio != "auto":
+            ratio = check_ratio(ratio, auto=True)  # type: ignore[arg-type]  # any other str fails here
         selection = None if selection is None else check_selection(selection)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Request(
@@ -277,3 +288,24 @@ class Engine(ABC):
     @abstractmethod
     def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:
         """Compute and store the KV of chunks not yet in the store; returns how many were computed."""
+
+    @property
+    @abstractmethod
+    def calibrations(self) -> Calibrations:
+        """This model's calibration in the store (what ``recompute_ratio="auto"`` uses)."""
+
+    def calibrate(
+        self,
+        documents: Sequence[str] | None = None,
+        *,
+        prompts: Sequence[PromptInput] | None = None,
+        target: float = 0.95,
+        **options,
+    ) -> CalibrationRecord:
+        """Measure the recompute ratio this model needs to agree with full
+        prefill on ``target`` of prompts about ``documents`` (or on
+        ``prompts``), store it for every engine on this store, and return it.
+        Options and method: ``calibration.calibrate``."""
+        from ..calibration import calibrate
+
+        return calibrate(self, documents, prompts=prompts, target=target, **options)

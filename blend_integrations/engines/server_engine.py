@@ -74,6 +74,14 @@ class ServerEngine(Engine):
     def chunk_key(self, token_ids: Sequence[int]) -> str:
         raise NotImplementedError("chunk keys depend on the served checkpoint; the server computes them")
 
+    @property
+    def calibrations(self):
+        raise NotImplementedError(
+            "calibrating through the HTTP server is not supported yet: calibrate the model with the engine "
+            "that serves it, on the server's store (`python -m blend_integrations.calibrate MODEL --store DIR "
+            "--documents ...`); the server reads the record from its store"
+        )
+
     def __repr__(self) -> str:
         return f"ServerEngine({self.base_url!r}, model={self.model_name!r})"
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..fusion import Blender, KVCache, forward
 from ..models import HFDecoder, check_supported
@@ -64,6 +65,10 @@ class TransformersEngine(Engine):
     @property
     def tokenizer(self):
         return self._tokenizer
+
+    @property
+    def calibrations(self) -> Calibrations:
+        return self.blender.calibrations
 
     @property
     def store(self) -> ChunkStore:
@@ -153,6 +158,9 @@ class TransformersEngine(Engine):
                     chunks_hit=stats.chunks_hit,
                     chunks_missed=stats.chunks_missed,
                     chunks_computed=stats.chunks_computed,
+                    recompute_ratio=stats.recompute_ratio,
+                    ratio_source=stats.ratio_source,
+                    deviation_captured=stats.deviation_captured,
                 )
                 stream.generation = Generation(
                     text=text.text,

@@ -81,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..fusion import Blender, ChunkKeys, KVCache, Planner, PrefillPlan, PrefillStats
 from ..fusion.plan import measured_rates
@@ -152,13 +153,18 @@ class BlendConnector(KVConnectorBase_V1):
         model_config = vllm_config.model_config
         fingerprint, bos = _model_identity(model_config.model, model_config.tokenizer)
         num_layers = model_config.hf_text_config.num_hidden_layers
-        self.planner = Planner(self.config, ChunkKeys(fingerprint, model_config.dtype, bos), num_layers)
         self.block_size = vllm_config.cache_config.block_size
         self.tokenizer_name = model_config.tokenizer
         store_args = connector_store_args(extra)
         if role == KVConnectorRole.SCHEDULER:
             store_args["memory_limit_bytes"] = 0  # the scheduler only asks which keys exist
         self.store = ChunkStore(**store_args)
+        # recompute_ratio="auto" reads the model's calibration from the store. No guard: the
+        # worker's report of a raised ratio reaches this side after the usage of a request that
+        # ends in its prefill step is out, so plans keep the calibrated single ratio.
+        calibrations = Calibrations(self.store, fingerprint, model_config.dtype, self.config, label=model_config.model)
+        keys = ChunkKeys(fingerprint, model_config.dtype, bos)
+        self.planner = Planner(self.config, keys, num_layers, calibrations, guard=False)
         # scheduler side
         self._to_load: dict[str, tuple[BlendParams, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
         self._planned: dict[str, PrefillPlan] = {}  # req_id -> its plan, whose usage it reports

@@ -21,7 +21,8 @@ blend_integrations.serve``) carries ``kv_transfer_params = {"blend": {...}}``:
   query-aware selection sees it;
 - or, for callers that have only text, ``separator``: the chunks are the
   pieces between separators in the prompt's tokens;
-- ``ratio``: the recompute ratio, or null for the engine's;
+- ``ratio``: the recompute ratio, or null for the engine's, or ``"auto"``
+  for the store's calibration of the model (the fallback ratio without one);
 - ``selection``: how recomputed tokens are chosen ("deviation", "query" or
   "mixed"), or null for the engine's.
 
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ..config import MODES, BlendConfig, check_mode, check_ratio, check_selection
+from ..config import MODES, RATIO_SOURCES, BlendConfig, check_mode, check_ratio, check_selection
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import PrefillPlan
 from ..models.loading import dtype_name, resolve_dtype
@@ -239,7 +240,7 @@ class BlendParams:
     set, or ``separator`` (until the connector finds the spans)."""
 
     mode: str
-    ratio: float | None = None
+    ratio: float | str | None = None  # None: the engine's; "auto": the calibrated one
     selection: str | None = None
     chunk_spans: tuple[tuple[int, int], ...] | None = None
     num_tokens: int | None = None
@@ -285,7 +286,9 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
     except ValueError as exc:
         raise BlendParamsError(str(exc), _field("mode")) from None
     try:
-        ratio = None if raw.get("ratio") is None else check_ratio(raw["ratio"], name=_field("ratio"))
+        ratio = raw.get("ratio")
+        if ratio not in (None, "auto"):
+            ratio = check_ratio(ratio, name=_field("ratio"), auto=True)
     except ValueError as exc:
         raise BlendParamsError(str(exc), _field("ratio")) from None
     try:
@@ -400,9 +403,12 @@ def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str |
     params = params or {}
     if not isinstance(params, dict):
         raise ValueError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
-    counts = _known_fields(params.get("blend") or {}, "blend", _BLEND_COUNTS)
+    counts = _known_fields(params.get("blend") or {}, "blend", _BLEND_COUNTS + list(_BLEND_RATIO))
     for name, value in counts.items():
-        if type(value) is not int or value < 0:
+        if name in _BLEND_RATIO:
+            if value is not None and not _BLEND_RATIO[name](value):
+                raise ValueError(f"kv_transfer_params['blend'][{name!r}] is {value!r:.60}: not a valid {name}")
+        elif type(value) is not int or value < 0:
             raise ValueError(f"kv_transfer_params['blend'][{name!r}] is {value!r}: expected a count (an int >= 0)")
     loading = params.get("blend_loading")
     if loading:
@@ -414,8 +420,18 @@ def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str |
     return counts, LoadingStats(**loading) if loading else None, None if fallback is None else str(fallback)
 
 
+# The usage the connector reports besides counts: the ratio, where it came from, the deviation it covers.
+_BLEND_RATIO = {
+    "recompute_ratio": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0,
+    "ratio_source": lambda v: v in RATIO_SOURCES,
+    "deviation_captured": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0,
+}
 # The usage counts the connector reports (the token counts come from vLLM).
-_BLEND_COUNTS = [f.name for f in dataclasses.fields(Usage) if f.name not in ("prompt_tokens", "completion_tokens")]
+_BLEND_COUNTS = [
+    f.name
+    for f in dataclasses.fields(Usage)
+    if f.name not in ("prompt_tokens", "completion_tokens") and f.name not in _BLEND_RATIO
+]
 _LOADING_FIELDS = [f.name for f in dataclasses.fields(LoadingStats)]
 # Names an older connector or server still sends, and what they are now.
 _RENAMED = {"chunks_recomputed": "chunks_computed"}

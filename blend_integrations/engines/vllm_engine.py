@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
+from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..models import check_supported
 from ..models.loading import resolve_device, resolve_model_dir
@@ -94,6 +95,11 @@ class VLLMEngine(Engine):
             tensor_parallel_size=tensor_parallel_size,
         )
         self.dtype_name = args["dtype"]
+        # What "auto" resolves to is decided by the connector's scheduler side, which reads the same
+        # record from the store (within calibration.RELOAD_S of a write); this copy is for callers.
+        self._calibrations = Calibrations(
+            self.store, self.fingerprint, self.dtype_name, self.config, label=self.model_name
+        )
         kwargs = dict(
             args,
             model=model_dir,
@@ -176,6 +182,10 @@ class VLLMEngine(Engine):
                     computed += self.llm.collective_rpc("blend_warm", args=(part,))[0]
                 bar.update(len(part))
         return computed
+
+    @property
+    def calibrations(self) -> Calibrations:
+        return self._calibrations
 
     # -- generation -----------------------------------------------------
     def _sampling_params(self, req: Request):

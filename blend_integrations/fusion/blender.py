@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..store import ChunkKV, ChunkStore
 from ..store.layered import LayerReader
@@ -33,6 +34,9 @@ class PrefillStats:
     chunks_hit: int = 0  # chunks loaded from the store
     chunks_missed: int = 0  # chunks not in the store: computed, and saved after
     chunks_computed: int = 0  # chunks in the store the loading controller computed instead
+    recompute_ratio: float | None = None  # the ratio the walk blended at (None: not blended)
+    ratio_source: str | None = None  # where it came from (``config.RATIO_SOURCES``)
+    deviation_captured: float | None = None  # the share of the reused tokens' deviation that ratio covers
     loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
     missed: dict[str, list[int]] = field(default_factory=dict, repr=False)  # key -> ids, to save
 
@@ -44,9 +48,12 @@ class Blender:
         if config.check_layers[-1] >= model.num_layers:
             raise ValueError(f"check_layers {config.check_layers} must be below the model's {model.num_layers} layers")
         self.model = model
-        self.store = store
         self.config = config
-        self.planner = Planner(config, ChunkKeys(fingerprint, model.dtype, bos_token_id), model.num_layers)
+        self.calibrations = Calibrations(store, fingerprint, model.dtype, config)
+        self.planner = Planner(
+            config, ChunkKeys(fingerprint, model.dtype, bos_token_id), model.num_layers, self.calibrations
+        )
+        self.store = store
         # Token-layers per second of this model's walk, measured on every prefill.
         self.compute_rate = Rate()
 
@@ -54,13 +61,22 @@ class Blender:
     def keys(self) -> ChunkKeys:
         return self.planner.keys
 
+    @property
+    def store(self) -> ChunkStore:
+        return self._store
+
+    @store.setter
+    def store(self, store: ChunkStore) -> None:
+        self._store = store
+        self.calibrations.use_store(store)
+
     def plan(
         self,
         token_ids: Sequence[int],
         chunk_spans: Sequence[tuple[int, int]],
         *,
         mode: str,
-        recompute_ratio: float | None = None,
+        recompute_ratio: float | str | None = None,
         selection: str | None = None,
     ) -> PrefillPlan:
         """The plan (``Planner.plan``) from this Blender's store, at its measured rates."""
@@ -152,6 +168,7 @@ class Blender:
                 query_start=query_start,
                 logits=logits,
                 promised=plan.promised,
+                guard=plan.guard,
             )
             if walk is not None:
                 break
@@ -164,6 +181,10 @@ class Blender:
         stats.chunks_hit = len(loaded)
         stats.chunks_missed = len(plan.chunks) - stats.chunks_hit - stats.chunks_computed
         stats.cached_tokens, stats.recomputed_tokens = walk.cached_tokens, walk.recomputed_tokens
+        if plan.mode == "blend":  # the planned ratio, or the guard's (the walk's is None when nothing was reused)
+            stats.recompute_ratio = walk.ratio if walk.ratio is not None else plan.ratio
+            stats.ratio_source = "guard" if walk.guarded else plan.ratio_source
+            stats.deviation_captured = walk.captured
         return out, stats
 
     def _walk(
@@ -177,6 +198,7 @@ class Blender:
         query_start: int | None,
         logits: bool,
         promised: bool,
+        guard=None,
     ):
         """One walk with the ``loaded`` chunks, reading the layers of those
         still in the store meanwhile (pipelined loading). Every reader is then
@@ -207,6 +229,8 @@ class Blender:
                     query_start=query_start,
                     logits=logits,
                     loader=loader,
+                    guard=guard,
+                    schedule_for=self.config.check_schedule,
                 )
         except LoadFailed:
             pass  # settled below

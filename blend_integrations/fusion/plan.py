@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..calibration import Calibrations, Guard, RatioChoice, choose_ratio
 from ..config import BlendConfig
 from ..store import ChunkStore, chunk_key
 from ..store.rate import Rate
@@ -67,19 +68,25 @@ class PrefillPlan:
     selection: str = "deviation"  # how a check layer picks the tokens it recomputes (``BlendConfig.selection``)
     promised: bool = False  # its usage was reported before it ran
     loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
+    ratio_source: str = "request"  # where ``ratio`` came from (``config.RATIO_SOURCES``)
+    guard: Guard | None = None  # may raise the ratio in the walk (calibrated "auto" only)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """The usage the prefill reports (``Usage`` fields), when every chunk
-        planned to load is loaded and no token is forced fresh (the walk's
-        ``logits=False`` case): exact for a promised plan."""
+        planned to load is loaded, no token is forced fresh (the walk's
+        ``logits=False`` case) and no guard raises the ratio: exact for a
+        promised plan (whose planner runs no guard)."""
         loaded = [c for c in self.chunks if c.action == LOAD]
         cached = sum(max(0, c.end - c.start - self.sink_tokens) for c in loaded)
+        blend = self.mode == "blend"
         return {
             "cached_tokens": cached,
-            "recomputed_tokens": min(round(self.ratio * cached), cached) if self.mode == "blend" else 0,
+            "recomputed_tokens": min(round(self.ratio * cached), cached) if blend else 0,
             "chunks_hit": len(loaded),
             "chunks_missed": sum(c.action == MISS for c in self.chunks),
             "chunks_computed": sum(c.action == COMPUTE for c in self.chunks),
+            "recompute_ratio": self.ratio if blend else None,
+            "ratio_source": self.ratio_source if blend else None,
         }
 
 
@@ -107,6 +114,9 @@ class Planner:
     config: BlendConfig
     keys: ChunkKeys
     num_layers: int
+    # the model's calibration in the store, for recompute_ratio="auto" (None: the fallback ratio)
+    calibrations: Calibrations | None = None
+    guard: bool = True  # the walk that runs the plans can report a ratio the guard raised
 
     def plan(
         self,
@@ -114,7 +124,7 @@ class Planner:
         chunk_spans: Sequence[tuple[int, int]],
         *,
         mode: str,
-        ratio: float | None,
+        ratio: float | str | None,
         store: ChunkStore,
         rates: dict[str, float | None],
         selection: str | None = None,
@@ -123,23 +133,31 @@ class Planner:
         """The plan for prefilling ``token_ids`` with chunks at ``chunk_spans``
         from ``store``.
 
-        ratio: the request's recompute ratio (None: the config's), the floor
-        the loading controller may raise. selection: the request's (None:
+        ratio: the request's recompute ratio (None: the config's; "auto":
+        the calibrated one, ``choose_ratio``), the floor the loading
+        controller may raise. selection: the request's (None:
         the config's). rates: ``measured_rates`` where the
         walk runs. promise: the caller reports the plan's usage before it
         runs (see the module's docstring)."""
         config = self.config
-        floor = config.recompute_ratio if ratio is None else ratio
-        selection = config.selection if selection is None else selection
         if mode == "full":
-            return PrefillPlan(mode, floor, (), config.sink_tokens, selection, promise)
+            selection = config.selection if selection is None else selection
+            return PrefillPlan(mode, 1.0, (), config.sink_tokens, selection, promise, ratio_source="request")
+        choice = (
+            choose_ratio(ratio, config, self.calibrations, guard=self.guard)
+            if mode == "blend"
+            else RatioChoice(0.0, "request")  # reuse: nothing recomputed
+        )
+        floor, source, guard = choice.ratio, choice.source, choice.guard
+        if selection is None:
+            selection = choice.selection or config.selection
         spans = [(int(a), int(b)) for a, b in chunk_spans]
         chunk_keys = [self.keys(token_ids[a:b]) for a, b in spans]
         control = mode == "blend" and config.loading_controller
         if not (promise or control):
             # Nothing to decide before reading: a chunk not found when read is a miss.
             chunks = tuple(ChunkPlan(a, b, key, LOAD) for (a, b), key in zip(spans, chunk_keys))
-            return PrefillPlan(mode, floor, chunks, config.sink_tokens, selection)
+            return PrefillPlan(mode, floor, chunks, config.sink_tokens, selection, ratio_source=source, guard=guard)
         found: list[tuple[int, str, int]] = []  # (chunk, tier, bytes) of the chunks in the store
         for i, key in enumerate(chunk_keys):
             where = store.locate(key)
@@ -166,4 +184,4 @@ class Planner:
             for (i, _, _), load in zip(found, decided.load):
                 actions[i] = LOAD if load else COMPUTE
         chunks = tuple(ChunkPlan(a, b, key, action) for (a, b), key, action in zip(spans, chunk_keys, actions))
-        return PrefillPlan(mode, floor, chunks, config.sink_tokens, selection, promise, loading)
+        return PrefillPlan(mode, floor, chunks, config.sink_tokens, selection, promise, loading, source, guard)

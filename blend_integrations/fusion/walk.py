@@ -29,11 +29,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .layers import LayerModel, rotate
+
+if TYPE_CHECKING:
+    from ..calibration import Guard
 
 
 @dataclass
@@ -78,6 +82,10 @@ class WalkStats:
     recomputed_tokens: int  # of those, how many were recomputed after all
     token_layers: int = 0  # tokens computed, summed over layers (the walk's work)
     kept: tuple[int, ...] = ()  # the reused tokens recomputed after the last check layer (offsets in the new tokens)
+    ratio: float | None = None  # the recompute ratio used (blend only): the schedule's, or the guard's
+    guarded: bool = False  # the guard raised the ratio
+    # the share of the reused tokens' deviation at the first check layer that the top ``ratio`` of them hold
+    captured: float | None = None
 
 
 def forward(
@@ -93,6 +101,8 @@ def forward(
     record: torch.Tensor | None = None,
     logits: bool = True,
     relevance: torch.Tensor | None = None,
+    guard: Guard | None = None,
+    schedule_for: Callable[[float], list[tuple[int, float]]] | None = None,
 ) -> tuple[torch.Tensor | None, WalkStats]:
     """Run the new tokens ``ids`` through every layer, appending their KV to
     ``cache``. Returns the float32 logits of the last token (None when
@@ -106,7 +116,10 @@ def forward(
     never has it: leaving it out everywhere keeps the choice the same on every
     engine). Without query tokens, the choice falls back to deviation.
     ``relevance`` (``[T]``, zeros), if given, receives the query's attention to
-    every new token summed over layers (the first pass of a query-aware walk). ``record``, if given
+    every new token summed over layers (the first pass of a query-aware walk).
+    ``guard`` (blend): at the first check layer, raise the ratio for this
+    request as the guard says (``calibration.Guard``), the schedule then being
+    ``schedule_for(ratio)``. ``record``, if given
     (``[num_layers, 2, num_kv_heads, T, head_dim]``), receives K before RoPE
     and V of every token: the standalone chunk recipe. With ``logits`` the last
     token is always computed, since its hidden state gives them.
@@ -128,6 +141,8 @@ def forward(
     if num_reused == 0:
         reused, schedule = (), None
     checks = dict(schedule or ())
+    ratio = schedule[-1][1] if schedule else None
+    guarded, captured = False, None
     # Layers before the first check layer compute every token; their reused KV is never read.
     load_from = min(checks) if checks else 0
     active = torch.arange(T) if (schedule or not num_reused) else torch.nonzero(~is_reused).flatten()
@@ -178,6 +193,14 @@ def forward(
             fresh, stored = (k, K) if deviation == "k" else (v, V)
             # before the fresh KV overwrites the reused KV
             scores = {"deviation": _over_ranks(model, _deviation(fresh, stored, start, act, rows.to(device)))}
+            if captured is None:  # the first check layer: every reused token is still active
+                share = _captured(scores["deviation"])
+                if guard is not None and schedule_for is not None and ratio is not None:
+                    raised = guard.ratio(share)
+                    if raised > ratio:
+                        ratio, guarded = raised, True
+                        checks = dict(schedule_for(raised))
+                captured = share(ratio if ratio is not None else 0.0)
         K.index_copy_(1, start + act, k)
         V.index_copy_(1, start + act, v)
         if relevance is not None:
@@ -204,7 +227,7 @@ def forward(
         h = model.finish(layer, h, attn)
     cache.length = end
     kept = tuple(active[is_reused[active]].tolist()) if schedule else ()
-    stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept)
+    stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept, ratio, guarded, captured)
     return (model.logits(h[-1:])[0] if logits else None), stats
 
 
@@ -212,6 +235,19 @@ def _over_ranks(model: LayerModel, scores: torch.Tensor) -> torch.Tensor:
     """Per-token scores summed over a tensor-parallel group's heads: each rank
     scores its own heads, and every rank must choose the same tokens."""
     return scores if model.tp is None else model.tp.sum(scores)
+
+
+def _captured(deviation: torch.Tensor) -> Callable[[float], float]:
+    """``share(r)``: the part of the total deviation that the top ``r`` of
+    the reused tokens hold (1.0 when nothing deviates)."""
+    cumulative = deviation.float().sort(descending=True).values.cumsum(0).tolist()
+    n, total = len(cumulative), cumulative[-1] if cumulative else 0.0
+
+    def share(r: float) -> float:
+        count = min(round(r * n), n)
+        return 1.0 if total <= 0 else (cumulative[count - 1] / total if count else 0.0)
+
+    return share
 
 
 def _deviation(fresh, stored, start, act, rows):

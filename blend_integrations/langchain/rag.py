@@ -73,8 +73,11 @@ class BlendCacheWarmer(BaseDocumentTransformer):
     document's chunk KV, so the first query that retrieves it already hits.
     Documents pass through unchanged. ``llm``: a ``ChatBlend``, ``BlendLLM`` or
     ``Engine``; ``show_progress=None``: a progress bar for more than 8
-    documents. LlamaIndex's ``BlendCacheWarmer`` takes the same arguments
-    (``model=`` and ``progress=`` are the deprecated names of these two)."""
+    documents. ``calibrate=True``: after warming, calibrate the model on these
+    documents if the store holds no calibration of it yet (``Engine.calibrate``;
+    ``calibrate_options`` are its options), so that ``recompute_ratio="auto"``
+    uses a measured ratio. LlamaIndex's ``BlendCacheWarmer`` takes the same
+    arguments (``model=`` and ``progress=`` are the deprecated names of the first two)."""
 
     def __init__(
         self,
@@ -83,6 +86,8 @@ class BlendCacheWarmer(BaseDocumentTransformer):
         show_progress: bool | None = None,
         model: ChatBlend | BlendLLM | Engine | None = None,
         progress: bool | None = None,
+        calibrate: bool = False,
+        calibrate_options: dict[str, Any] | None = None,
     ) -> None:
         if model is not None:
             llm = renamed("model", "llm", model)
@@ -90,9 +95,12 @@ class BlendCacheWarmer(BaseDocumentTransformer):
             show_progress = renamed("progress", "show_progress", progress)
         self.engine = warmer_engine(llm, type(self).__name__)
         self.show_progress = show_progress
+        self.calibrate = calibrate
+        self.calibrate_options = dict(calibrate_options or {})
 
     def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:
-        warm(self.engine, [d.page_content for d in documents], self.show_progress)
+        texts = [d.page_content for d in documents]
+        warm(self.engine, texts, self.show_progress, calibrate=self.calibrate, **self.calibrate_options)
         return documents
 
     async def atransform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:

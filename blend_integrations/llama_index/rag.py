@@ -156,9 +156,22 @@ class BlendCacheWarmer(TransformComponent):
     model_config = ConfigDict(arbitrary_types_allowed=True)
     llm: Any = Field(description="a BlendLLM or an Engine")
     show_progress: bool | None = Field(default=None, description="progress bar; None: for more than 8 nodes")
+    calibrate: bool = Field(
+        default=False, description="calibrate the model on the nodes if the store has no calibration"
+    )
+    calibrate_options: dict[str, Any] = Field(default_factory=dict, description="options of Engine.calibrate")
 
-    def __init__(self, llm: BlendLLM | Engine, *, show_progress: bool | None = None) -> None:
-        super().__init__(llm=llm, show_progress=show_progress)
+    def __init__(
+        self,
+        llm: BlendLLM | Engine,
+        *,
+        show_progress: bool | None = None,
+        calibrate: bool = False,
+        calibrate_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            llm=llm, show_progress=show_progress, calibrate=calibrate, calibrate_options=dict(calibrate_options or {})
+        )
 
     @property
     def engine(self) -> Engine:
@@ -166,7 +179,8 @@ class BlendCacheWarmer(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         show_progress = True if kwargs.get("show_progress") else self.show_progress  # the pipeline's flag wins
-        warm(self.engine, [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes], show_progress)
+        texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in nodes]
+        warm(self.engine, texts, show_progress, calibrate=self.calibrate, **self.calibrate_options)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:

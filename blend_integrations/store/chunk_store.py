@@ -22,6 +22,11 @@ the caller recomputes. After a Redis failure the store leaves Redis alone for
 ``remote_retry_s`` seconds instead of paying a timeout on every call, and
 entries put meanwhile are written to Redis, from the disk tier, once it
 answers again (the backfill).
+
+Beside the entries the store keeps a few small named blobs, records
+(``put_record``/``get_record``/``delete_record``), on disk and in Redis:
+never evicted, not entries (not in ``len()``, never read as chunks), and
+removed by ``clear()``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import NamedTuple, Self
 
 from .disk_tier import DiskTier
-from .format import ChunkKV, CorruptEntryError, encode
+from .format import ChunkKV, CorruptEntryError, check_record_name, decode_record, encode, encode_record
 from .layered import LayerReader, ReadFailed
 from .memory_tier import MemoryTier
 from .rate import Rate
@@ -100,6 +105,10 @@ class ChunkStore:
     shared) and several machines on the same ``remote``. ``clear()`` clears
     this process's memory tier and the shared disk and Redis tiers; other
     processes' memory and disk tiers keep their (still valid) copies.
+
+    Records (``put_record``, ``get_record``, ``delete_record``) are small
+    named blobs (up to 1 MiB) kept on disk and in Redis beside the entries,
+    never evicted and not counted in ``len()``; see ``docs/storage.md``.
 
     ``remote`` is a ``redis://``, ``rediss://`` or ``unix://`` URL (with the
     database number, e.g. ``redis://cache-host:6379/0``). Every Redis call
@@ -207,6 +216,11 @@ class ChunkStore:
             )
         )
         self._tiers: tuple[Tier, ...] = tuple(t for t in (self._memory, self._disk, self._remote) if t is not None)
+        # Records live in the shared tiers only: a record's value may change
+        # under its name, so a memory copy could be stale.
+        self._record_tiers: tuple[DiskTier | RemoteTier, ...] = tuple(
+            t for t in (self._disk, self._remote) if t is not None
+        )
         _live_stores.add(self)
 
     # -- reads -----------------------------------------------------------
@@ -350,9 +364,64 @@ class ChunkStore:
         where = f" from Redis {redact(self.remote or '')}" if source is self._remote else ""
         self._report.warn_once(key, f"dropped corrupt entry{where}: {reason}")
 
+    # -- records ---------------------------------------------------------
+
+    def put_record(self, name: str, data: bytes | bytearray) -> None:
+        """Store ``data`` (at most 1 MiB) as the record ``name`` on disk and
+        in Redis (write-through), replacing any record of that name.
+
+        ``name`` is 1 to 200 characters from ``A-Z a-z 0-9 . _ : -``
+        (ValueError otherwise); ``data`` must be bytes or bytearray
+        (TypeError). Disk and Redis failures are logged and swallowed.
+        """
+        raw = encode_record(name, data)
+        for tier in self._record_tiers:
+            tier.put_record(name, raw)
+
+    def get_record(self, name: str) -> bytes | None:
+        """The record ``name``, or None if there is none (or none readable).
+
+        Looks on disk, then in Redis; a Redis hit is copied to disk. A
+        damaged or foreign copy is deleted from the tier it was read from,
+        logged once and counted in ``stats.corrupt``, and the next tier is
+        tried.
+        """
+        check_record_name(name)
+        for tier in self._record_tiers:
+            raw = tier.read_record(name)
+            if raw is None:
+                continue
+            try:
+                data = decode_record(raw, name)
+            except CorruptEntryError as e:
+                self._drop_corrupt_record(name, str(e), tier, raw)
+                continue
+            if tier is not self._disk:
+                self._disk.put_record(name, raw)
+            return data
+        return None
+
+    def delete_record(self, name: str) -> None:
+        """Remove the record ``name`` from disk and Redis (failures are
+        logged; with Redis unreachable, its copy stays there)."""
+        check_record_name(name)
+        for tier in self._record_tiers:
+            tier.delete_record(name)
+
+    def _drop_corrupt_record(self, name: str, reason: str, source: DiskTier | RemoteTier, raw: bytes) -> None:
+        """Delete a bad copy of a record from ``source``, unless it was
+        rewritten meanwhile, and say so once per record and tier."""
+        self._report.count(corrupt=1)
+        source.delete_record(name, only=raw)
+        where = "disk" if source is self._disk else f"Redis {redact(self.remote or '')}"
+        self._report.warn_once(
+            f"record:{source.name}:{name}", f"dropped corrupt record from {where}: {reason}", subject=f"record {name!r}"
+        )
+
     def clear(self) -> None:
         """Remove every entry from this process's memory tier, the disk tier
-        and Redis (only the store's own ``blend:`` keys there)."""
+        and Redis (only the store's own ``blend:`` keys there), and every
+        record."""
         for tier in self._tiers:
             tier.clear()
 

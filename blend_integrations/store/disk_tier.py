@@ -5,12 +5,22 @@ diskcache is process- and thread-safe on its own; this adds what the store
 needs on top: values that are only ever raw bytes (``_BytesOnlyDisk``),
 eviction one entry at a time (``_evict_to_limit``), a size query
 (``locate``), and failures that are counted and logged instead of raised.
+
+Records (``ChunkStore.put_record``) are not in the diskcache at all: each is
+a plain file ``records/<name>.rec`` in the directory, replaced atomically.
+Kept apart, they cannot be evicted by the chunk LRU, counted in ``len()``,
+returned by a chunk read or counted against ``size_limit_bytes``, with no
+special case in the eviction or diskcache's schema; and ``os.replace`` of a
+fully written temporary file means a reader (or a concurrent writer) only
+ever sees one whole record, never a torn one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import secrets
 import sqlite3
 import threading
 from pathlib import Path
@@ -18,7 +28,7 @@ from pathlib import Path
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
-from .format import ChunkKV, CorruptEntryError, encode
+from .format import MAX_RECORD_ENCODED, ChunkKV, CorruptEntryError, encode
 from .layered import LayerReader, file_reader
 from .rate import Rate
 from .stats import Report, logger
@@ -26,6 +36,8 @@ from .tier import Expect, Hit, Tier, decode_checked
 
 # Failures of the disk tier that must never fail a request.
 DISK_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+RECORDS_DIR = "records"  # the records' folder in the store directory
+RECORD_SUFFIX = ".rec"
 
 
 class _BytesOnlyDisk(diskcache.Disk):
@@ -104,6 +116,7 @@ class DiskTier(Tier):
     def __init__(self, path: Path, size_limit_bytes: int, *, report: Report, rate: Rate) -> None:
         super().__init__(report, rate)
         self.path = path
+        self.records_path = path / RECORDS_DIR
         self.size_limit_bytes = size_limit_bytes
         self._write_error_logged = False
         path.mkdir(parents=True, exist_ok=True)
@@ -214,16 +227,18 @@ class DiskTier(Tier):
         except DISK_ERRORS as e:
             self._write_failed(entry.key, e)
 
-    def _write_failed(self, key: str, error: BaseException) -> None:
+    def _write_failed(self, key: str, error: BaseException, *, what: str | None = None) -> None:
+        """Count and log a failed write of ``key`` (shown as ``what``, by
+        default ``key <first 16 characters>...``)."""
         self.report.count(errors=1)
         with self._lock:
             first = not self._write_error_logged
             self._write_error_logged = True
         log = logger.warning if first else logger.debug
         log(
-            "chunk store %s: disk write of key %s... failed (%s: %s); not stored on disk%s",
+            "chunk store %s: disk write of %s failed (%s: %s); not stored on disk%s",
             self.report.label,
-            key[:16],
+            f"key {key[:16]}..." if what is None else what,
             type(error).__name__,
             error,
             " (further write failures are logged at DEBUG)" if first else "",
@@ -257,11 +272,106 @@ class DiskTier(Tier):
         return None
 
     def clear(self) -> None:
+        """Remove every entry and every record (and any temporary file a
+        writer of a record left behind)."""
         self.cache.clear(retry=True)
+        try:
+            with os.scandir(self.records_path) as it:
+                files = [e.path for e in it if not e.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return  # no records (a file in the folder's place is not ours)
+        for path in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    # -- records ---------------------------------------------------------
+
+    def _record_file(self, name: str) -> Path:
+        # Names are [A-Za-z0-9._:-]{1,200} (format.check_record_name): a safe
+        # file name once suffixed, never "." or "..", never a temporary file's.
+        return self.records_path / (name + RECORD_SUFFIX)
+
+    def read_record(self, name: str) -> bytes | None:
+        """Record ``name`` as stored (not decoded), or None if there is none
+        or it could not be read (counted and logged once). At most one byte
+        more than the largest record is read: decoding refuses a longer file."""
+        try:
+            with open(self._record_file(name), "rb") as f:
+                return f.read(MAX_RECORD_ENCODED + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            self.report.count(errors=1)
+            self.report.warn_once(
+                f"record:disk-read:{name}",
+                f"disk read failed ({type(e).__name__}: {e}); treating it as a disk miss",
+                subject=f"record {name!r}",
+            )
+            return None
+
+    def put_record(self, name: str, raw: bytes) -> None:
+        """Write record ``name`` atomically: a temporary file in the same
+        folder, fsync'd, then ``os.replace``d over the old one. Failures are
+        counted and logged, never raised."""
+        tmp = self.records_path / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            self.records_path.mkdir(parents=True, exist_ok=True)
+            # os.open, not mkstemp: the file gets the umask's mode (0600 would
+            # hide it from other users sharing the store), as diskcache's do.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            try:
+                with open(fd, "wb") as f:
+                    f.write(raw)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._record_file(name))
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            _fsync_dir(self.records_path)
+        except OSError as e:
+            self._write_failed(f"record:{name}", e, what=f"record {name!r}")
+
+    def delete_record(self, name: str, only: bytes | None = None) -> None:
+        """Remove record ``name``; with ``only``, only if the file still holds
+        those bytes (so a good record written meanwhile by another process
+        survives the drop of a damaged one, but for a window of microseconds
+        between the check and the unlink). Failures are counted and logged."""
+        path = self._record_file(name)
+        try:
+            if only is not None:
+                with open(path, "rb") as f:
+                    if f.read(MAX_RECORD_ENCODED + 1) != only:
+                        return
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            self.report.count(errors=1)
+            self.report.warn_once(
+                f"record:disk-delete:{name}",
+                f"deleting it from disk failed ({type(e).__name__}: {e})",
+                subject=f"record {name!r}",
+            )
 
     def close(self) -> None:
         """Close this thread's database connection (it reconnects on use)."""
         self.cache.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable, where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # not supported here (some filesystems): the rename itself is still atomic
+    finally:
+        os.close(fd)
 
 
 def _read_all(value) -> bytes | bytearray:

@@ -1,4 +1,5 @@
-"""Store layer: the on-disk format of one chunk's KV cache.
+"""Store layer: the on-disk format of one chunk's KV cache (and, at the end
+of this module, of a record: ``encode_record``).
 
 Layout (all integers little-endian)::
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import sys
 import zlib
@@ -295,3 +297,99 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
         own = bytearray(mv[payload_start : payload_start + payload_bytes])
         kv = torch.frombuffer(own, dtype=dtype).view(shape)
     return ChunkKV(key=key, kv=kv)
+
+
+# -- records ---------------------------------------------------------------
+#
+# A record is a small named blob kept beside the chunk entries (see
+# ``ChunkStore.put_record``). Layout (integers little-endian)::
+#
+#     b"BLRC"            4 bytes   magic
+#     version            uint32    RECORD_FORMAT_VERSION
+#     name_len           uint32    length of the name
+#     name               ASCII     the record's name, so a copy under another name is refused
+#     payload_len        uint32    length of the payload
+#     payload            the record's bytes
+#     crc32              uint32    zlib.crc32 of every byte before it
+
+RECORD_MAGIC = b"BLRC"
+RECORD_FORMAT_VERSION = 1
+MAX_RECORD_BYTES = 1 << 20  # largest payload
+MAX_RECORD_NAME = 200
+_RECORD_NAME = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_RECORD_NAME}}}")
+_RECORD_PREFIX = struct.Struct("<4sII")  # magic, version, name_len
+_RECORD_LEN = struct.Struct("<I")  # payload_len
+# The largest well-formed record: what a reader needs to read at most.
+MAX_RECORD_ENCODED = _RECORD_PREFIX.size + MAX_RECORD_NAME + _RECORD_LEN.size + MAX_RECORD_BYTES + _CRC.size
+
+
+def check_record_name(name: object) -> str:
+    """``name`` if it is a valid record name (a str of 1 to 200 characters
+    from ``A-Z a-z 0-9 . _ : -``); raise ValueError saying why not."""
+    if not isinstance(name, str):
+        raise ValueError(f"record name must be a str, got {type(name).__name__}")
+    if not _RECORD_NAME.fullmatch(name):
+        if not name or len(name) > MAX_RECORD_NAME:
+            raise ValueError(f"record name must be 1 to {MAX_RECORD_NAME} characters long, got {len(name)}")
+        bad = sorted({c for c in name if not _RECORD_NAME.fullmatch(c)})
+        raise ValueError(f"record name {name!r} has characters other than A-Z a-z 0-9 . _ : - ({''.join(bad)!r})")
+    return name
+
+
+def encode_record(name: str, data: bytes | bytearray) -> bytes:
+    """Frame ``data`` as the record ``name`` (layout above). Raises
+    ValueError for a bad name or a payload over ``MAX_RECORD_BYTES``,
+    TypeError if ``data`` is not bytes or bytearray."""
+    check_record_name(name)
+    if not isinstance(data, (bytes, bytearray)):
+        raise TypeError(f"record data must be bytes or bytearray, got {type(data).__name__}")
+    if len(data) > MAX_RECORD_BYTES:
+        raise ValueError(f"record data is {len(data)} bytes; the limit is {MAX_RECORD_BYTES} (1 MiB)")
+    raw = name.encode("ascii")
+    body = b"".join(
+        (_RECORD_PREFIX.pack(RECORD_MAGIC, RECORD_FORMAT_VERSION, len(raw)), raw, _RECORD_LEN.pack(len(data)), data)
+    )
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode_record(raw: bytes | bytearray | memoryview, expected_name: str) -> bytes:
+    """The payload of a record read back; raise ``CorruptEntryError`` if it
+    is truncated, has trailing bytes, a bad magic, an unknown version or a
+    bad checksum, or holds another record than ``expected_name``."""
+    check_record_name(expected_name)
+    mv = memoryview(raw).cast("B")
+    n = len(mv)
+    minimum = _RECORD_PREFIX.size + _RECORD_LEN.size + _CRC.size
+    if n < _RECORD_PREFIX.size:
+        raise CorruptEntryError(f"truncated record: {n} bytes, shorter than the {minimum}-byte minimum")
+    magic, version, name_len = _RECORD_PREFIX.unpack_from(mv, 0)
+    if magic != RECORD_MAGIC:
+        raise CorruptEntryError(f"bad magic {bytes(magic)!r} (expected {RECORD_MAGIC!r}); not a record")
+    if version != RECORD_FORMAT_VERSION:
+        raise CorruptEntryError(
+            f"unknown record format version {version} (this code reads version {RECORD_FORMAT_VERSION})"
+        )
+    if name_len > MAX_RECORD_NAME:
+        raise CorruptEntryError(f"implausible record name length {name_len}")
+    len_at = _RECORD_PREFIX.size + name_len
+    if n < len_at + _RECORD_LEN.size + _CRC.size:
+        needs = len_at + _RECORD_LEN.size + _CRC.size
+        raise CorruptEntryError(f"truncated record: {n} bytes, but an empty record named so needs {needs}")
+    (payload_len,) = _RECORD_LEN.unpack_from(mv, len_at)
+    if payload_len > MAX_RECORD_BYTES:
+        raise CorruptEntryError(f"implausible record payload length {payload_len}")
+    payload_at = len_at + _RECORD_LEN.size
+    expected_total = payload_at + payload_len + _CRC.size
+    if n < expected_total:
+        raise CorruptEntryError(f"truncated record: {n} bytes, expected {expected_total}")
+    if n > expected_total:
+        raise CorruptEntryError(f"record has {n - expected_total} unexpected trailing bytes")
+    (stored_crc,) = _CRC.unpack_from(mv, n - _CRC.size)
+    actual_crc = zlib.crc32(mv[: n - _CRC.size])
+    if actual_crc != stored_crc:
+        raise CorruptEntryError(f"record checksum mismatch (stored crc32 {stored_crc:08x}, computed {actual_crc:08x})")
+    name = bytes(mv[_RECORD_PREFIX.size : len_at])
+    if name != expected_name.encode("ascii"):
+        shown = repr(name.decode("ascii")) if name.isascii() else repr(name)
+        raise CorruptEntryError(f"foreign record: holds {shown}, expected {expected_name!r}")
+    return bytes(mv[payload_at : payload_at + payload_len])

@@ -10,6 +10,9 @@ start with ``blend:``, so the store can share a database with other data:
     blend:size          hash: key -> size of its value in bytes
     blend:bytes         sum of blend:size (the tier's footprint)
     blend:clock         the logical clock, INCR'd on every write and hit
+    blend:record:<name> a record (``format.encode_record``): a plain value,
+                        outside the index, the count and eviction
+
 
 Size limit and eviction: Redis can only enforce ``maxmemory`` for the whole
 server, so the store keeps its own byte count. Every write and every hit runs
@@ -39,6 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 PREFIX = "blend:"
 VALUE_PREFIX = PREFIX + "chunk:"
+RECORD_PREFIX = PREFIX + "record:"
 LRU, SIZES, TOTAL, CLOCK = (PREFIX + name for name in ("lru", "size", "bytes", "clock"))
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -104,6 +108,12 @@ for i = 2, #ARGV do forget(ARGV[i]) end
 return 0
 """
 )
+
+# KEYS: record key; ARGV: the bytes it must still hold to be deleted
+_DELETE_IF = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 # KEYS: LRU, SIZES, TOTAL, CLOCK; ARGV: value prefix
 _CLEAR = """
@@ -175,6 +185,7 @@ class RedisClient:
                 ("touch", _TOUCH),
                 ("forget", _FORGET_ALL),
                 ("clear", _CLEAR),
+                ("delete_if", _DELETE_IF),
             )
         }
 
@@ -203,18 +214,35 @@ class RedisClient:
         """Bytes stored under ``key``; 0 if there is none."""
         return int(self._client.strlen(VALUE_PREFIX + key))
 
+    def get_record(self, name: str) -> bytes | None:
+        """The stored bytes of record ``name``, or None."""
+        return self._client.get(RECORD_PREFIX + name)
+
+    def put_record(self, name: str, data: bytes) -> None:
+        self._client.set(RECORD_PREFIX + name, data)
+
+    def delete_record(self, name: str, only: bytes | None = None) -> None:
+        """Remove record ``name``; with ``only``, only if it still holds
+        those bytes (atomically: a record rewritten meanwhile stays)."""
+        if only is None:
+            self._client.delete(RECORD_PREFIX + name)
+        else:
+            self._scripts["delete_if"](keys=[RECORD_PREFIX + name], args=[only])
+
     def clear(self) -> None:
         """Remove every ``blend:`` key: the indexed entries atomically (so a
-        concurrent write keeps the count right), then any stray value."""
+        concurrent write keeps the count right), then any stray value, and
+        the records."""
         self._scripts["clear"](keys=[LRU, SIZES, TOTAL, CLOCK], args=[VALUE_PREFIX])
-        batch = []
-        for name in self._client.scan_iter(match=VALUE_PREFIX + "*", count=1000):
-            batch.append(name)
-            if len(batch) == 1000:
+        for prefix in (VALUE_PREFIX, RECORD_PREFIX):
+            batch = []
+            for name in self._client.scan_iter(match=prefix + "*", count=1000):
+                batch.append(name)
+                if len(batch) == 1000:
+                    self._client.unlink(*batch)
+                    batch.clear()
+            if batch:
                 self._client.unlink(*batch)
-                batch.clear()
-        if batch:
-            self._client.unlink(*batch)
 
     def close(self) -> None:
         """Close the pool's connections; a later call opens new ones."""

@@ -132,8 +132,27 @@ class RemoteTier(Tier):
         self._call("delete", self.client.delete, key)
 
     def clear(self) -> None:
-        """Remove the store's own ``blend:`` keys (nothing else in the database)."""
+        """Remove the store's own ``blend:`` keys, records included (nothing
+        else in the database)."""
         self._call("clear", self.client.clear)
+
+    # -- records: plain values, outside the size count and eviction --------
+    #
+    # Failures are handled as for entries (counted, logged, then Redis left
+    # alone for retry_s): a failed read is a miss, a failed write or delete is
+    # skipped. A record written meanwhile is not backfilled.
+
+    def read_record(self, name: str) -> bytes | None:
+        """Record ``name`` as stored (not decoded), or None."""
+        data = self._call("record read", self.client.get_record, name)
+        return None if data is _SKIPPED else data
+
+    def put_record(self, name: str, raw: bytes) -> None:
+        self._call("record write", self.client.put_record, name, raw)
+
+    def delete_record(self, name: str, only: bytes | None = None) -> None:
+        """Remove record ``name``; with ``only``, only if it still holds those bytes."""
+        self._call("record delete", self.client.delete_record, name, only)
 
     def close(self) -> None:
         """Stop the backfill (after the entry it is writing), then close the

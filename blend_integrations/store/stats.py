@@ -20,12 +20,14 @@ class StoreStats:
 
     Every ``get`` counts exactly one of ``memory_hits``, ``disk_hits``,
     ``remote_hits`` or ``misses``; ``corrupt`` counts the misses that found a
-    damaged or foreign entry (and dropped it) and ``errors`` the failures of
-    the disk tier (I/O, sqlite, lock timeouts) and of Redis (connection,
-    timeout, error replies) on reads or writes. ``bytes_read`` and
-    ``bytes_written`` are the disk tier's, ``remote_bytes_*`` Redis's
-    (backfilled entries included); ``remote_backfilled`` counts the entries
-    written to Redis by the backfill (see ``ChunkStore``).
+    damaged or foreign entry (and dropped it), and the damaged or foreign
+    records ``get_record`` dropped; ``errors`` the failures of the disk tier
+    (I/O, sqlite, lock timeouts) and of Redis (connection, timeout, error
+    replies) on reads or writes, of chunks or records. Records count in no
+    other field. ``bytes_read`` and ``bytes_written`` are the disk tier's,
+    ``remote_bytes_*`` Redis's (backfilled entries included);
+    ``remote_backfilled`` counts the entries written to Redis by the backfill
+    (see ``ChunkStore``).
     """
 
     memory_hits: int = 0
@@ -63,12 +65,17 @@ class Report:
             for name, n in counts.items():
                 setattr(self.stats, name, getattr(self.stats, name) + n)
 
-    def warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str, *, subject: str | None = None) -> None:
+        """Log ``message`` about ``key`` as a warning, unless one was already
+        logged for it. ``subject`` is what it is about (default: ``key
+        <first 16 characters of key>...``)."""
         with self._lock:
             if key in self._warned:
                 return
             self._warned.add(key)
-        logger.warning("chunk store %s: key %s...: %s", self.label, key[:16], message)
+        logger.warning(
+            "chunk store %s: %s: %s", self.label, f"key {key[:16]}..." if subject is None else subject, message
+        )
 
     def reset_after_fork(self) -> None:
         """In a forked child: a lock another parent thread may have held at fork time is replaced."""

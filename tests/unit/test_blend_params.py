@@ -30,7 +30,8 @@ BROKEN = [
     ({"mode": "BLEND"}, "mode", "must be one of"),
     ({"mode": ["blend"]}, "mode", "must be one of"),
     ({"ratio": "0.5"}, "ratio", "must be a number in [0, 1]"),
-    ({"ratio": 5}, "ratio", "must be a number in [0, 1], got 5"),
+    ({"ratio": 5}, "ratio", 'must be a number in [0, 1] or "auto", got 5'),
+    ({"ratio": "Auto"}, "ratio", 'must be a number in [0, 1] or "auto"'),
     ({"ratio": -0.1}, "ratio", "must be a number in [0, 1]"),
     ({"ratio": math.nan}, "ratio", "got nan"),
     ({"ratio": math.inf}, "ratio", "got inf"),
@@ -131,6 +132,8 @@ def test_results_of_a_fallback():
         "chunks_hit": 0,
         "chunks_missed": 0,
         "chunks_computed": 0,
+        "recompute_ratio": None,
+        "ratio_source": None,
     }
     assert loading is None and why == "kv_transfer_params.blend.ratio must be ..."
     assert blend_results(None) == ({}, None, None)
@@ -222,7 +225,7 @@ def test_the_http_edge():
     assert blend_params_problem(b"not json kv_transfer_params") is None  # vLLM answers bad JSON itself
     assert blend_params_problem(body(x=1)) is None  # another connector's parameters
     message, field = blend_params_problem(body({**GOOD, "ratio": 2}))
-    assert "ratio must be a number in [0, 1], got 2" in message and field == "kv_transfer_params.blend.ratio"
+    assert 'ratio must be a number in [0, 1] or "auto", got 2' in message and field == "kv_transfer_params.blend.ratio"
     # the prompt's length is known for token ids, one prompt or several
     assert "num_tokens is 20 but the prompt has 20 tokens" in blend_params_problem(body(GOOD, list(range(20))))[0]
     assert (

@@ -40,7 +40,15 @@ def test_full_mode_plans_nothing(tmp_path):
         stored(store, *SPANS)
         p = plan(store, "full", promise=True)
     assert p.chunks == () and p.loading is None
-    assert p.usage() == dict(cached_tokens=0, recomputed_tokens=0, chunks_hit=0, chunks_missed=0, chunks_computed=0)
+    assert p.usage() == dict(
+        cached_tokens=0,
+        recomputed_tokens=0,
+        chunks_hit=0,
+        chunks_missed=0,
+        chunks_computed=0,
+        recompute_ratio=None,
+        ratio_source=None,
+    )
 
 
 def test_an_unpromised_plan_loads_every_chunk_without_looking(tmp_path):
@@ -58,9 +66,31 @@ def test_a_promised_plan_looks_chunks_up_and_its_usage_counts_them(tmp_path):
         reuse = plan(store, "reuse", config=config, promise=True)
     assert [c.action for c in p.chunks] == [LOAD, MISS, LOAD] and p.promised and p.ratio == 0.25
     # two chunks of 10 tokens, 2 sink tokens each computed fresh: 16 cached, a quarter of them recomputed
-    assert p.usage() == dict(cached_tokens=16, recomputed_tokens=4, chunks_hit=2, chunks_missed=1, chunks_computed=0)
+    assert p.usage() == dict(
+        cached_tokens=16,
+        recomputed_tokens=4,
+        chunks_hit=2,
+        chunks_missed=1,
+        chunks_computed=0,
+        recompute_ratio=0.25,
+        ratio_source="config",
+    )
     assert reuse.usage()["recomputed_tokens"] == 0 and reuse.usage()["cached_tokens"] == 16
-    assert plan(store, config=config, ratio=1.0, promise=True).usage()["recomputed_tokens"] == 16
+    assert reuse.usage()["recompute_ratio"] is None
+    by_request = plan(store, config=config, ratio=1.0, promise=True).usage()
+    assert by_request["recomputed_tokens"] == 16 and by_request["ratio_source"] == "request"
+
+
+def test_auto_without_a_calibration_plans_the_fallback_ratio(tmp_path):
+    from blend_integrations.config import FALLBACK_RATIO
+
+    with ChunkStore(tmp_path) as store:
+        stored(store, *SPANS)
+        p = plan(store, config=BlendConfig(check_layers=(0,)), promise=True)  # "auto", the default
+        explicit = plan(store, config=BlendConfig(check_layers=(0,)), ratio="auto", promise=True)
+    assert BlendConfig().recompute_ratio == "auto"
+    assert (p.ratio, p.ratio_source, p.guard) == (FALLBACK_RATIO, "fallback", None)
+    assert p.usage()["recompute_ratio"] == FALLBACK_RATIO and explicit.ratio_source == "fallback"
 
 
 def test_the_loading_controller_computes_a_chunk_slower_to_load(tmp_path):
@@ -72,7 +102,15 @@ def test_the_loading_controller_computes_a_chunk_slower_to_load(tmp_path):
         # The walk's speed not yet measured: everything found is loaded, at the floor.
         unmeasured = plan(store, config=config)
     assert [c.action for c in slow.chunks] == [COMPUTE] * 3
-    assert slow.usage() == dict(cached_tokens=0, recomputed_tokens=0, chunks_hit=0, chunks_missed=0, chunks_computed=3)
+    assert slow.usage() == dict(
+        cached_tokens=0,
+        recomputed_tokens=0,
+        chunks_hit=0,
+        chunks_missed=0,
+        chunks_computed=3,
+        recompute_ratio=slow.ratio,
+        ratio_source="config",
+    )
     assert slow.loading.chunks_computed == 3 and slow.loading.ratio_floor == 0.15
     assert [c.action for c in unmeasured.chunks] == [LOAD] * 3 and unmeasured.ratio == 0.15
     assert unmeasured.loading.est_compute_ms is None

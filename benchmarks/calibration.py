@@ -1,0 +1,198 @@
+"""Calibration, judged on questions it never saw.
+
+Calibrates a model (``engine.calibrate``) on the documents of one set of
+synthetic questions, then asks held-out questions about other documents
+(another seed; the two sets share no document) in every mode side by side:
+full prefill; blend with the defaults, which use the calibration (the guard
+on the transformers engine, the single calibrated ratio on vLLM); blend at the
+calibrated single ratio; and blend at the uncalibrated fallback ratio. For
+each: agreement with full prefill's first ``tokens`` greedy tokens, whether
+the reply contains the answer, the mean ratio used, how often the guard raised
+it, and time to first token against full prefill's, measured side by side.
+
+    python -m benchmarks calibration [--model reader|smollm2|DIR] [--backend transformers|vllm]
+                                     [--prompts 48] [--questions 60] [--target 0.95]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from blend_integrations.chat import rag_prompt
+from blend_integrations.config import FALLBACK_RATIO
+from blend_integrations.engines import load_engine
+from blend_integrations.quality.metrics import contains
+from blend_integrations.store import ChunkStore
+from training.data import make_examples
+
+from . import write_results
+from .quality import HELD_OUT_SEED, model_and_task
+
+CALIBRATION_SEED = 30_000  # the documents calibration probes; the held-out questions use HELD_OUT_SEED
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = fields.get("Flags", "")
+    ext = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags.split()]
+    return f"{fields.get('Model name', '?').strip()} ({', '.join(ext) or 'no AVX2'})"
+
+
+def run(args) -> dict:
+    model_dir, task, label = model_and_task(args.model)
+    store = ChunkStore(tempfile.mkdtemp(prefix="blend-calibration-store-"), remote="")
+    started = time.perf_counter()
+    engine = load_engine(str(model_dir), store=store, backend=args.backend)
+    calibration_docs = sorted(
+        {d for e in make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=task.doc_tokens) for d in e.documents}
+    )
+    held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
+    seen = set(calibration_docs) & {d for e in held_out for d in e.documents}
+    assert not seen, f"{len(seen)} held-out documents were calibrated on"
+    t0 = time.perf_counter()
+    record = engine.calibrate(
+        calibration_docs, num_prompts=args.prompts, target=args.target, plot=args.out / f"calibration-{args.tag}.png"
+    )
+    calibrate_s = time.perf_counter() - t0
+
+    prompts = [
+        rag_prompt(e.documents, e.question, engine.tokenizer, engine.config.separator, system=task.system)
+        for e in held_out
+    ]
+    engine.warm([d for e in held_out for d in e.documents], progress=True)
+    modes = {
+        "full": {"mode": "full"},
+        "default (calibrated)": {},
+        f"calibrated single ratio ({record.ratio})": {"recompute_ratio": record.ratio},
+        f"fallback ({FALLBACK_RATIO})": {"recompute_ratio": FALLBACK_RATIO},
+    }
+    rows: dict[str, list[dict]] = {name: [] for name in modes}
+    for example, tp in zip(held_out, prompts):
+        full = None
+        for name, options in modes.items():
+            gen = engine.generate(tp, max_tokens=task.max_tokens, **options)
+            if name == "full":
+                full = gen
+            assert full is not None
+            rows[name].append(
+                {
+                    "agree": gen.token_ids[: record.tokens] == full.token_ids[: record.tokens],
+                    "right": contains(gen.text, example.answer),
+                    "ttft": gen.ttft_s,
+                    "ratio": gen.usage.recompute_ratio,
+                    "source": gen.usage.ratio_source,
+                }
+            )
+    full_ttft = statistics.fmean(r["ttft"] for r in rows["full"])
+    table = {}
+    for name, rs in rows.items():
+        ratios = [r["ratio"] for r in rs if r["ratio"] is not None]
+        table[name] = {
+            "agreement": round(statistics.fmean(r["agree"] for r in rs), 4),
+            "right": round(statistics.fmean(r["right"] for r in rs), 4),
+            "mean_ratio": round(statistics.fmean(ratios), 4) if ratios else None,
+            "guard_fired": round(statistics.fmean(r["source"] == "guard" for r in rs), 4),
+            "ttft_s": round(statistics.fmean(r["ttft"] for r in rs), 4),
+            "ttft_speedup": round(full_ttft / statistics.fmean(r["ttft"] for r in rs), 3),
+        }
+    return {
+        "config": {
+            "model": label,
+            "backend": args.backend,
+            "dtype": engine.dtype_name,
+            "cpu": cpu_name(),
+            "calibration_documents": len(calibration_docs),
+            "calibration_prompts": record.n,
+            "calibration_seconds": round(calibrate_s, 1),
+            "held_out_questions": len(held_out),
+            "mean_prompt_tokens": round(statistics.fmean(len(tp) for tp in prompts)),
+            "target": record.target,
+            "confidence": record.confidence,
+            "tokens_compared": record.tokens,
+            "minutes": round((time.perf_counter() - started) / 60, 1),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "calibration": {
+            "ratio": record.ratio,
+            "guard": None if record.guard is None else {"base": record.guard.base, "threshold": record.guard.threshold},
+            "meets_target": record.meets_target,
+            "selection": record.selection,
+            "curve": record.curve,
+        },
+        "held_out": table,
+    }
+
+
+def markdown(report: dict) -> str:
+    c, cal = report["config"], report["calibration"]
+    guard = cal["guard"]
+    lines = [
+        f"Model: {c['model']} ({c['dtype']}, {c['backend']} engine) on {c['cpu']}; {c['date']}.",
+        f"Calibration: {c['calibration_prompts']} probe prompts from {c['calibration_documents']} documents in "
+        f"{c['calibration_seconds']:.0f} s; target {c['target']} agreement with full prefill's first "
+        f"{c['tokens_compared']} tokens, at a {c['confidence']:.0%} lower confidence bound.",
+        f"Chosen: single ratio {cal['ratio']}"
+        + (f"; guard base {guard['base']}, threshold {guard['threshold']}" if guard else "; no guard")
+        + ("" if cal["meets_target"] else " (no ratio below 1.0 meets the target: blending cannot hold it here)")
+        + ".",
+        "",
+        "Calibration curve (probe prompts):",
+        "",
+        "| ratio | agreement | lower bound | first-token KL | TTFT full / blend |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for p in cal["curve"]:
+        if p["policy"] == "ratio":
+            kl = "-" if p["kl"] is None else f"{p['kl']:.4f}"
+            lines.append(
+                f"| {p['ratio']:.2f} | {p['agreement']:.3f} | {p['lower_bound']:.3f} | {kl} | {p['ttft_speedup']:.2f}x |"
+            )
+    lines += [
+        "",
+        f"Held out: {c['held_out_questions']} questions about documents calibration never saw "
+        f"({c['mean_prompt_tokens']} prompt tokens on average):",
+        "",
+        f"| mode | agrees with full (first {c['tokens_compared']} tokens) | answer right | mean ratio | "
+        "guard raised it | TTFT full / mode |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in report["held_out"].items():
+        ratio = "-" if r["mean_ratio"] is None else f"{r['mean_ratio']:.3f}"
+        lines.append(
+            f"| {name} | {r['agreement']:.3f} | {r['right']:.3f} | {ratio} | {r['guard_fired']:.2f} | "
+            f"{r['ttft_speedup']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks calibration", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="reader", help="reader, smollm2 or a checkpoint directory")
+    parser.add_argument("--backend", default="transformers", choices=("transformers", "vllm"))
+    parser.add_argument("--prompts", type=int, default=48, help="calibration probe prompts")
+    parser.add_argument("--questions", type=int, default=60, help="held-out questions")
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    name = args.model if args.model in ("reader", "smollm2") else Path(args.model).name
+    args.tag = f"{name}-{args.backend}"
+    report = run(args)
+    write_results(
+        args.out,
+        f"calibration-{args.tag}",
+        f"Calibration: {report['config']['model']}, {args.backend} engine",
+        markdown(report),
+        report,
+        command=f"`python -m benchmarks calibration --model {args.model} --backend {args.backend}`",
+    )

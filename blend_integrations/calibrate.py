@@ -1,0 +1,104 @@
+"""Calibrate a model's recompute ratio on your documents and store it for every engine on the store.
+
+    python -m blend_integrations.calibrate MODEL --store DIR --documents PATH [PATH ...] [--target 0.95]
+
+Documents: a folder (each .txt or .md file in it is one document), a text
+file (one document), or a .jsonl file (one document per line: a string, or an
+object with a "text" field). Use the documents your application retrieves.
+The record goes into the store (disk, and Redis with --store-remote), keyed by
+the model's fingerprint and dtype; engines with ``recompute_ratio="auto"``
+(the default) use it from then on, in any process. See docs/calibration.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .calibration import LADDER, CalibrationError
+from .store import ChunkStore
+
+DOCUMENT_SUFFIXES = (".txt", ".md")
+
+
+def read_documents(paths: list[str]) -> list[str]:
+    """The documents in ``paths`` (see the module docstring); raises ValueError naming a bad path or line."""
+    docs: list[str] = []
+    for name in paths:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.suffix in DOCUMENT_SUFFIXES and p.is_file())
+            if not files:
+                raise ValueError(f"{name}: no {' or '.join(DOCUMENT_SUFFIXES)} file in this folder")
+            docs += [f.read_text(encoding="utf-8", errors="replace") for f in files]
+        elif path.suffix == ".jsonl":
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{name}:{i}: not JSON ({e.msg})") from None
+                text = item.get("text") if isinstance(item, dict) else item
+                if not isinstance(text, str):
+                    raise ValueError(f'{name}:{i}: expected a string or an object with a "text" string')
+                docs.append(text)
+        elif path.is_file():
+            docs.append(path.read_text(encoding="utf-8", errors="replace"))
+        else:
+            raise ValueError(f"{name}: no such file or folder")
+    return docs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m blend_integrations.calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="local checkpoint directory, .gguf file, or hub id")
+    parser.add_argument("--store", help="chunk store directory (default: $BLEND_STORE_PATH or the user cache)")
+    parser.add_argument("--store-remote", metavar="URL", help="Redis URL of the store's shared tier ('' for none)")
+    parser.add_argument("--documents", nargs="+", required=True, metavar="PATH", help="folders or files of documents")
+    parser.add_argument("--target", type=float, default=0.95, help="agreement with full prefill to hold, in (0, 1]")
+    parser.add_argument("--confidence", type=float, default=0.8, help="of the lower bound the target is held at")
+    parser.add_argument("--prompts", type=int, default=48, help="probe prompts")
+    parser.add_argument("--tokens", type=int, default=4, help="greedy tokens that must agree with full prefill's")
+    parser.add_argument("--ratios", type=float, nargs="+", default=list(LADDER), help="the ladder measured")
+    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="PNG", help="write agreement and TTFT speedup against the ratio here")
+    args = parser.parse_args(argv)
+    if not 0.0 < args.target <= 1.0:
+        parser.error(f"--target must be in (0, 1], got {args.target}")
+    try:
+        documents = read_documents(args.documents)
+    except (OSError, ValueError) as e:
+        parser.error(f"--documents: {e}")
+
+    from .engines import load_engine
+
+    with ChunkStore(args.store, remote=args.store_remote) as store:
+        engine = load_engine(args.model, backend=args.backend, store=store, dtype=args.dtype, device=args.device)
+        try:
+            engine.calibrate(
+                documents,
+                target=args.target,
+                confidence=args.confidence,
+                num_prompts=args.prompts,
+                tokens=args.tokens,
+                ratios=args.ratios,
+                seed=args.seed,
+                plot=args.plot,
+            )
+        except CalibrationError as e:
+            sys.exit(f"calibration failed: {e}")
+        finally:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+    print(f"stored in {store.path}" + (f" and {args.store_remote}" if args.store_remote else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,633 @@
+"""Calibration: the recompute ratio a model needs, measured on the user's own documents, stored, and used.
+
+The ratio that keeps a model's answers depends on the model: 0.15 is plenty
+for the bundled reader and loses half of SmolLM2-135M's. ``calibrate`` measures it:
+
+1. Probe prompts from the user's documents (random subsets in random orders,
+   with a question about one of them, through the model's chat template),
+   or the user's own prompts; a fixed seed.
+2. Each prompt's full prefill, then blend at every ratio of a ladder (and
+   each selection asked for), on the engine being calibrated. A blended reply
+   *agrees* when its first ``tokens`` greedy tokens are full prefill's. The
+   first token's KL divergence from full prefill's (over full prefill's top
+   ``KL_TOP`` tokens and the rest as one bucket) and the time to first token
+   are recorded too.
+3. Policies: one ratio for every request, and the per-request *guard*: at
+   the check layer the walk knows how much of the reused tokens' deviation the
+   top ``base`` share of them holds; when that is below ``threshold``, the
+   request gets the next ratio of the ladder whose top share holds it (up to
+   1.0, full prefill). Every blended reply reports the share its ratio holds
+   (``Usage.deviation_captured``), so a guard policy's outcome on the probes
+   is known exactly from the ladder runs, without running it.
+4. The cheapest policy (mean recompute ratio) whose agreement meets
+   ``target`` with a one-sided Wilson lower bound at ``confidence`` wins.
+   If none below 1.0 does, the record says so: blending cannot hold that
+   target on this model, and ``"auto"`` recomputes everything.
+
+The record (``CalibrationRecord``) goes into the chunk store (disk and
+Redis, ``ChunkStore.put_record``) under the model's fingerprint and dtype,
+so every engine opened on that store, in any process, uses it. A record of
+another model or dtype, a damaged one, or one measured under other blend
+settings (check layers, deviation, sink tokens) is refused with a warning,
+and the fallback ratio is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import json
+import logging
+import math
+import os
+import random
+import re
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import NormalDist
+from typing import TYPE_CHECKING, Any
+
+from .config import FALLBACK_RATIO, BlendConfig, check_ratio, check_selection
+from .store import ChunkStore
+from .store.format import dtype_name
+
+if TYPE_CHECKING:
+    from .engines.base import Engine, Generation
+    from .prompt import PromptInput
+
+logger = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
+# Ratios measured; 1.0 is full prefill's equal and is not run.
+LADDER: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
+KL_TOP = 20  # the first token's KL is over full prefill's top KL_TOP tokens and the rest as one bucket
+# The blend settings a ratio is measured under: a record measured under others does not apply.
+SETTINGS = ("check_layers", "deviation", "sink_tokens")
+# How often an engine looks for a new calibration record in its store (another process may write one).
+RELOAD_S = 1.0
+
+
+class CalibrationError(ValueError):
+    """Calibration cannot run as asked; the message says why."""
+
+
+def record_name(fingerprint: str, dtype: Any) -> str:
+    """The store record of a model's calibration: one per checkpoint and KV dtype."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    return f"calibration.{fingerprint[:64]}.{name}"
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Recompute more for a request whose deviation is spread out: when the
+    top ``base`` share of its reused tokens holds less than ``threshold`` of
+    their deviation at the check layer, use the first ratio of ``ladder``
+    above ``base`` whose top share holds ``threshold`` (1.0 if none does)."""
+
+    base: float
+    threshold: float
+    ladder: tuple[float, ...] = LADDER
+
+    def ratio(self, captured: Callable[[float], float]) -> float:
+        """The request's ratio, given ``captured(r)``: the share of its
+        deviation the top ``r`` of its reused tokens hold."""
+        for r in (r for r in (*self.ladder, 1.0) if r >= self.base):
+            if r >= 1.0 or captured(r) >= self.threshold:
+                return r
+        return 1.0
+
+
+@dataclass(frozen=True)
+class RatioChoice:
+    """The recompute ratio a request is planned with, where it came from, and
+    the guard that may raise it in the walk."""
+
+    ratio: float
+    source: str  # config.RATIO_SOURCES
+    guard: Guard | None = None
+    selection: str | None = None  # the calibrated selection; None: the config's
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """What calibration measured and chose for one model and dtype.
+
+    ratio: the cheapest single ratio meeting the target (1.0 if none below
+    does); guard: the guard policy, when cheaper than ``ratio`` at the target
+    (engines that run the walk in-process use it; the vLLM engine, whose
+    worker cannot report a per-request ratio for every request yet, uses
+    ``ratio``). curve: every policy measured, with its agreement, lower
+    bound, KL, mean ratio and TTFT speedup."""
+
+    model: str
+    fingerprint: str
+    dtype: str
+    settings: dict  # SETTINGS as measured under
+    selection: str
+    ratio: float
+    guard: Guard | None
+    meets_target: bool
+    target: float
+    confidence: float
+    tokens: int
+    n: int
+    curve: list[dict]
+    date: str
+    package_version: str
+    engine: str
+    seconds: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        data = dataclasses.asdict(self)
+        data["guard"] = dataclasses.asdict(self.guard) if self.guard is not None else None
+        return json.dumps({"kind": "blend-calibration", "version": RECORD_VERSION, **data}, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, fingerprint: str, dtype: str) -> CalibrationRecord:
+        """Parse and check a stored record; raises CalibrationError naming what is wrong."""
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CalibrationError(f"the calibration record is not JSON ({e})") from None
+        if not isinstance(data, dict) or data.get("kind") != "blend-calibration":
+            raise CalibrationError("the record is not a blend calibration record")
+        if data.get("version") != RECORD_VERSION:
+            raise CalibrationError(
+                f"calibration record version {data.get('version')!r}; this package reads {RECORD_VERSION}"
+            )
+        if data.get("fingerprint") != fingerprint or data.get("dtype") != dtype:
+            raise CalibrationError(
+                f"the calibration record is for another model or dtype ({str(data.get('fingerprint'))[:12]}... "
+                f"{data.get('dtype')}), not this one ({fingerprint[:12]}... {dtype})"
+            )
+        try:
+            guard = data["guard"]
+            record = cls(
+                **{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name not in ("guard",)},
+                guard=None
+                if guard is None
+                else Guard(float(guard["base"]), float(guard["threshold"]), tuple(float(r) for r in guard["ladder"])),
+            )
+            check_ratio(record.ratio)
+            if record.guard is not None:
+                check_ratio(record.guard.base)
+                check_ratio(record.guard.threshold, name="guard threshold")
+                if not record.guard.ladder or list(record.guard.ladder) != sorted(record.guard.ladder):
+                    raise ValueError("the guard's ladder must be increasing")
+                for r in record.guard.ladder:
+                    check_ratio(r, name="guard ladder ratio")
+            check_selection(record.selection)
+            if not isinstance(record.settings, dict) or set(record.settings) != set(SETTINGS):
+                raise ValueError(f"settings must name {', '.join(SETTINGS)}")
+        except (KeyError, TypeError, ValueError) as e:
+            raise CalibrationError(f"the calibration record is damaged: {type(e).__name__}: {e}") from None
+        return record
+
+    def settings_mismatch(self, config: BlendConfig) -> str | None:
+        """Why this record does not apply under ``config``, or None if it does."""
+        mine = settings_of(config)
+        diff = [
+            f"{k}={self.settings[k]!r} (the engine has {mine[k]!r})" for k in SETTINGS if self.settings[k] != mine[k]
+        ]
+        return None if not diff else "it was measured with " + ", ".join(diff)
+
+    def choice(self, *, guard: bool = True) -> RatioChoice:
+        if guard and self.guard is not None and self.meets_target:
+            return RatioChoice(self.guard.base, "calibrated", self.guard, self.selection)
+        return RatioChoice(self.ratio, "calibrated", None, self.selection)
+
+
+def settings_of(config: BlendConfig) -> dict:
+    return {"check_layers": list(config.check_layers), "deviation": config.deviation, "sink_tokens": config.sink_tokens}
+
+
+class Calibrations:
+    """One model's calibration as its engine sees it: the store's record,
+    read again at most every ``RELOAD_S`` seconds (another process may have
+    calibrated), and checked. Says once per problem why it is not used."""
+
+    def __init__(
+        self, store: ChunkStore, fingerprint: str, dtype: Any, config: BlendConfig, *, label: str = ""
+    ) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        self.config = config
+        self.label = label or fingerprint[:12]
+        self.name = record_name(fingerprint, self.dtype)
+        self._record: CalibrationRecord | None = None
+        self._read_at = -math.inf
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def use_store(self, store: ChunkStore) -> None:
+        with self._lock:
+            self.store, self._record, self._read_at = store, None, -math.inf
+
+    def record(self) -> CalibrationRecord | None:
+        with self._lock:
+            if time.monotonic() - self._read_at >= RELOAD_S:
+                self._read_at = time.monotonic()
+                self._record = self._read()
+            return self._record
+
+    def set(self, record: CalibrationRecord) -> None:
+        """Use ``record`` now (just written by ``calibrate``)."""
+        with self._lock:
+            self._record, self._read_at = record, time.monotonic()
+
+    def _read(self) -> CalibrationRecord | None:
+        try:
+            raw = self.store.get_record(self.name)
+        except Exception as e:  # a store problem is a miss, never a failed request
+            self._say(f"reading the calibration record failed ({type(e).__name__}: {e})")
+            return None
+        if raw is None:
+            return None
+        try:
+            record = CalibrationRecord.from_bytes(raw, fingerprint=self.fingerprint, dtype=self.dtype)
+        except CalibrationError as e:
+            self._say(f"the store's calibration record is refused: {e}")
+            return None
+        why = record.settings_mismatch(self.config)
+        if why is not None:
+            self._say(f"the store's calibration record does not apply: {why}; calibrate again with these settings")
+            return None
+        return record
+
+    def _say(self, why: str) -> None:
+        if why not in self._said:
+            self._said.add(why)
+            logger.warning("model %s: %s", self.label, why)
+
+    def fallback(self) -> RatioChoice:
+        self._say(
+            f"no calibration for this model in the store {self.store.path}: blending at the fallback ratio "
+            f"{FALLBACK_RATIO}, which may cost answers on small models. Calibrate once: "
+            f"engine.calibrate(documents) or `python -m blend_integrations.calibrate MODEL --store "
+            f"{self.store.path} --documents DIR`"
+        )
+        return RatioChoice(FALLBACK_RATIO, "fallback")
+
+
+def choose_ratio(
+    request_ratio: float | str | None, config: BlendConfig, calibrations: Calibrations | None, *, guard: bool = True
+) -> RatioChoice:
+    """The ratio a blend request is planned with: the request's own, else the
+    config's, else (``"auto"``) the calibrated one, else ``FALLBACK_RATIO``
+    (logged once). ``guard``: the engine can run the per-request guard."""
+    if request_ratio is not None and request_ratio != "auto":
+        return RatioChoice(float(request_ratio), "request")
+    if request_ratio is None and config.recompute_ratio != "auto":
+        return RatioChoice(float(config.recompute_ratio), "config")
+    record = calibrations.record() if calibrations is not None else None
+    if record is not None:
+        return record.choice(guard=guard)
+    if calibrations is not None:
+        return calibrations.fallback()
+    return RatioChoice(FALLBACK_RATIO, "fallback")
+
+
+# -- measuring ---------------------------------------------------------------
+
+QUESTIONS = (
+    "What do the documents say about {topic}?",
+    "According to the documents, what is true of {topic}?",
+    "Which document mentions {topic}, and what does it say?",
+    "Answer briefly: what is said about {topic}?",
+)
+MIN_PROBE_TOKENS = 8  # a document shorter than this (alone) tells nothing about blending
+
+
+def wilson_lower(successes: int, n: int, confidence: float) -> float:
+    """One-sided Wilson score lower bound of a proportion."""
+    if n == 0:
+        return 0.0
+    z = NormalDist().inv_cdf(confidence)
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    margin = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (centre - margin) / (1 + z * z / n))
+
+
+def _topic(document: str, rng: random.Random) -> str:
+    """A few words from one sentence of ``document``: what a probe asks about."""
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", document) if len(s.split()) >= 3]
+    words = rng.choice(sentences).split() if sentences else document.split()
+    start = rng.randrange(max(1, len(words) - 3))
+    return " ".join(words[start : start + 4]).strip(" ,.;:!?\"'()")
+
+
+def probe_prompts(engine: Engine, documents: Sequence[str], count: int, seed: int, per_prompt: int = 4) -> list:
+    """``count`` probe prompts from ``documents``: random subsets of up to
+    ``per_prompt`` in random orders, each with a question about one of them,
+    in the RAG layout of the integrations (``chat.rag_prompt``)."""
+    from .chat import rag_prompt
+
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        docs = rng.sample(list(documents), min(per_prompt, len(documents)))
+        question = rng.choice(QUESTIONS).format(topic=_topic(rng.choice(docs), rng))
+        prompts.append(rag_prompt(docs, question, engine.tokenizer, engine.config.separator))
+    return prompts
+
+
+def _agree(full: Generation, blend: Generation, tokens: int) -> bool:
+    return full.token_ids[:tokens] == blend.token_ids[:tokens]
+
+
+def _first_token_kl(full: Generation, blend: Generation) -> float | None:
+    """KL(full || blend) of the first token over full's top KL_TOP tokens and
+    the rest as one bucket (a lower bound on the whole-vocabulary KL)."""
+    if not full.logprobs or not blend.logprobs:
+        return None
+    p, q = full.logprobs[0], blend.logprobs[0]
+    floor = min(q.values()) if q else -30.0  # a token outside blend's top-k has at most its smallest probability
+    kl, p_rest, q_rest = 0.0, 1.0, 1.0
+    for token, lp in p.items():
+        lq = q.get(token, floor)
+        kl += math.exp(lp) * (lp - lq)
+        p_rest -= math.exp(lp)
+        q_rest -= math.exp(lq)
+    p_rest, q_rest = max(p_rest, 1e-12), max(q_rest, 1e-12)
+    return max(0.0, kl + p_rest * math.log(p_rest / q_rest))
+
+
+@dataclass
+class _Probe:
+    full: Generation
+    runs: dict = field(default_factory=dict)  # (selection, ratio) -> Generation
+
+
+@contextlib.contextmanager
+def _exclusive(store: ChunkStore, name: str) -> Iterator[None]:
+    """One calibration of a model per store directory at a time."""
+    path = Path(store.path) / f".{name}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CalibrationError(
+                f"another process is calibrating this model on the store {store.path} (lock {path}); "
+                "wait for it: its record is used by every engine on the store"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_target(target: Any, name: str = "target") -> float:
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < target <= 1.0:
+        raise CalibrationError(f"{name} must be a number in (0, 1], got {target!r:.40}")
+    return float(target)
+
+
+def calibrate(
+    engine: Engine,
+    documents: Sequence[str] | None = None,
+    *,
+    prompts: Sequence[PromptInput] | None = None,
+    target: float = 0.95,
+    confidence: float = 0.8,
+    tokens: int = 4,
+    num_prompts: int = 48,
+    ratios: Sequence[float] = LADDER,
+    selections: Sequence[str] = ("deviation",),
+    seed: int = 0,
+    progress: bool | None = None,
+    plot: str | os.PathLike | None = None,
+    save: bool = True,
+) -> CalibrationRecord:
+    """Measure the recompute ratio this engine's model needs to agree with
+    full prefill on ``target`` of the prompts, store it, and return the record.
+    See the module docstring for the method; ``prompts`` replaces the probes
+    built from ``documents``. Prints a table; ``plot``: also write a PNG of
+    agreement and TTFT speedup against the ratio."""
+    from tqdm.auto import tqdm
+
+    from . import __version__
+
+    target = check_target(target)
+    confidence = check_target(confidence, "confidence")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise CalibrationError(f"tokens must be a positive integer, got {tokens!r:.40}")
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 2:
+        raise CalibrationError(f"num_prompts must be an integer >= 2, got {num_prompts!r:.40}")
+    ladder = sorted({check_ratio(r) for r in ratios} - {1.0})
+    if not ladder:
+        raise CalibrationError("ratios must hold at least one ratio below 1.0")
+    for s in selections:
+        check_selection(s)
+    if prompts is not None:
+        probes = [engine.tokenize(p) for p in prompts]
+        source = f"{len(probes)} given prompts"
+    else:
+        if documents is None:
+            raise CalibrationError(
+                "calibration needs documents (or prompts) to probe with: pass the documents your RAG "
+                "application retrieves (e.g. the ones you warm the store with)"
+            )
+        if isinstance(documents, str):
+            raise CalibrationError("documents must be a list of texts, not one string")
+        docs = [d for d in documents if isinstance(d, str) and d.strip()]
+        usable = [d for d in docs if len(engine.tokenizer.encode(d, add_special_tokens=False)) >= MIN_PROBE_TOKENS]
+        if len(usable) < 2:
+            raise CalibrationError(
+                f"calibration needs at least 2 documents of {MIN_PROBE_TOKENS} tokens or more to blend; "
+                f"got {len(docs)} text(s), {len(usable)} long enough"
+            )
+        probes = probe_prompts(engine, usable, num_prompts, seed)
+        source = f"{len(probes)} probes from {len(usable)} documents"
+    probes = [p for p in probes if p.chunk_spans]
+    if len(probes) < 2:
+        raise CalibrationError("calibration needs at least 2 prompts with retrieved documents (chunks) in them")
+    config = engine.config
+    name = record_name(engine.fingerprint, engine.dtype_name)
+    show = progress if progress is not None else True
+    started = time.perf_counter()
+    with _exclusive(engine.store, name):
+        chunks = {tuple(p.token_ids[a:b]) for p in probes for a, b in p.chunk_spans}
+        engine.warm([list(c) for c in chunks], progress=show)
+        runs = [(s, r) for s in selections for r in ladder]
+        results: list[_Probe] = []
+        bar = tqdm(total=len(probes) * (1 + len(runs)), desc=f"calibrating ({source})", unit="run", disable=not show)
+        with bar:
+            for tp in probes:
+                probe = _Probe(engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP))
+                bar.update()
+                for s, r in runs:
+                    probe.runs[(s, r)] = engine.generate(
+                        tp, mode="blend", recompute_ratio=r, selection=s, max_tokens=tokens, logprobs=KL_TOP
+                    )
+                    bar.update()
+                results.append(probe)
+        curve = _policies(results, ladder, selections, tokens, confidence)
+        record = _choose(
+            curve,
+            target=target,
+            confidence=confidence,
+            tokens=tokens,
+            n=len(results),
+            config=config,
+            engine=engine,
+            version=__version__,
+            seconds=time.perf_counter() - started,
+        )
+        if save:
+            engine.store.put_record(name, record.to_bytes())
+            engine.calibrations.set(record)
+    print(report(record))
+    if plot is not None:
+        write_plot(record, plot)
+    return record
+
+
+def _policies(results: list[_Probe], ladder: list[float], selections, tokens: int, confidence: float) -> list[dict]:
+    """Every policy's agreement, lower bound, KL, mean ratio and TTFT speedup on the probes."""
+    full_ttft = statistics.fmean(p.full.ttft_s for p in results)
+    n = len(results)
+    curve = []
+
+    def row(policy: str, selection: str, per_probe: list[tuple[float, Generation | None]], **extra) -> dict:
+        agree = sum(g is None or _agree(p.full, g, tokens) for p, (_, g) in zip(results, per_probe))
+        kls = [_first_token_kl(p.full, g) for p, (_, g) in zip(results, per_probe) if g is not None]
+        ttft = [g.ttft_s if g is not None else p.full.ttft_s for p, (_, g) in zip(results, per_probe)]
+        return {
+            "policy": policy,
+            "selection": selection,
+            **extra,
+            "mean_ratio": round(statistics.fmean(r for r, _ in per_probe), 4),
+            "agreement": round(agree / n, 4),
+            "lower_bound": round(wilson_lower(agree, n, confidence), 4),
+            "kl": round(statistics.fmean(k for k in kls if k is not None), 4)
+            if any(k is not None for k in kls)
+            else None,
+            "ttft_speedup": round(full_ttft / statistics.fmean(ttft), 3),
+        }
+
+    for s in selections:
+        for r in ladder:
+            curve.append(row("ratio", s, [(r, p.runs[(s, r)]) for p in results], ratio=r))
+        captured = {r: [p.runs[(s, r)].usage.deviation_captured for p in results] for r in ladder}
+        if any(v is None for values in captured.values() for v in values):
+            continue  # the engine does not report the deviation its ratio captures: no guard
+        for base in ladder:
+            for threshold in sorted({round(v, 3) for v in captured[base]})[1:]:
+                guard = Guard(base, threshold, tuple(ladder))
+                per_probe = []
+                for i, p in enumerate(results):
+                    r = guard.ratio(functools.partial(_at, captured, i))
+                    per_probe.append((r, p.runs[(s, r)] if r < 1.0 else None))
+                curve.append(row("guard", s, per_probe, ratio=base, threshold=threshold))
+    return curve
+
+
+def _at(captured: dict[float, list], i: int, ratio: float) -> float:
+    return captured[ratio][i]
+
+
+def _choose(curve: list[dict], *, target, confidence, tokens, n, config, engine, version, seconds) -> CalibrationRecord:
+    """The cheapest policy meeting the target: the single ratio for every
+    engine, and the guard when it is cheaper still."""
+    meeting = [c for c in curve if c["lower_bound"] >= target]
+    # Cheapest: the least recomputed; query-aware selections run a reuse pass more, so deviation wins a tie.
+    cost = lambda c: (c["mean_ratio"] + (0.0 if c["selection"] == "deviation" else 0.05), c["ratio"])  # noqa: E731
+    uniform = min((c for c in meeting if c["policy"] == "ratio"), key=cost, default=None)
+    guarded = min((c for c in meeting if c["policy"] == "guard"), key=cost, default=None)
+    if guarded is not None and uniform is not None and cost(guarded) >= cost(uniform):
+        guarded = None  # the guard only when it is cheaper than one ratio for every request
+    meets = uniform is not None or guarded is not None
+    selection = (guarded or uniform or {"selection": config.selection})["selection"]
+    return CalibrationRecord(
+        model=engine.model_name,
+        fingerprint=engine.fingerprint,
+        dtype=engine.dtype_name,
+        settings=settings_of(config),
+        selection=selection,
+        ratio=uniform["ratio"] if uniform is not None else 1.0,
+        guard=None if guarded is None else Guard(guarded["ratio"], guarded["threshold"], LADDER),
+        meets_target=meets,
+        target=target,
+        confidence=confidence,
+        tokens=tokens,
+        n=n,
+        curve=curve,
+        date=time.strftime("%Y-%m-%d"),
+        package_version=version,
+        engine=engine.backend,
+        seconds=round(seconds, 1),
+    )
+
+
+def report(record: CalibrationRecord) -> str:
+    """The calibration as a table and the choice, in words."""
+    lines = [
+        f"Calibration of {record.model} ({record.dtype}, {record.engine} engine): {record.n} prompts, "
+        f"agreement = the first {record.tokens} greedy tokens equal full prefill's; target {record.target} "
+        f"(lower bound at {record.confidence:.0%} confidence); {record.seconds:.0f} s",
+        "",
+        "| selection | ratio | agreement | lower bound | first-token KL | TTFT full / blend |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for c in record.curve:
+        if c["policy"] == "ratio":
+            kl = "-" if c["kl"] is None else f"{c['kl']:.4f}"
+            lines.append(
+                f"| {c['selection']} | {c['ratio']:.2f} | {c['agreement']:.3f} | {c['lower_bound']:.3f} | {kl} | "
+                f"{c['ttft_speedup']:.2f}x |"
+            )
+    guards = [c for c in record.curve if c["policy"] == "guard" and c["lower_bound"] >= record.target]
+    if guards:
+        best = min(guards, key=lambda c: c["mean_ratio"])
+        lines.append(
+            f"\nguard: base {best['ratio']:.2f}, threshold {best['threshold']:.3f} -> mean ratio "
+            f"{best['mean_ratio']:.3f}, agreement {best['agreement']:.3f}, {best['ttft_speedup']:.2f}x"
+        )
+    if not record.meets_target:
+        lines.append(
+            f"\nNo ratio below 1.0 meets the target {record.target} on this model: blending cannot hold it here. "
+            '"auto" recomputes every token (as full prefill); lower the target, or pass a ratio explicitly.'
+        )
+    elif record.guard is not None:
+        lines.append(
+            f"\nChosen: the guard (base ratio {record.guard.base}, threshold {record.guard.threshold}); "
+            f"engines that cannot run the guard use the single ratio {record.ratio}"
+            + (" (no single ratio below 1.0 meets the target)." if record.ratio >= 1.0 else ".")
+        )
+    else:
+        lines.append(f"\nChosen: ratio {record.ratio} ({record.selection} selection), the cheapest meeting the target.")
+    return "\n".join(lines)
+
+
+def write_plot(record: CalibrationRecord, path: str | os.PathLike) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    speed = ax.twinx()
+    for s in sorted({c["selection"] for c in record.curve}):
+        rows = [c for c in record.curve if c["policy"] == "ratio" and c["selection"] == s]
+        xs = [c["ratio"] for c in rows]
+        ax.plot(xs, [c["agreement"] for c in rows], "o-", label=f"agreement ({s})")
+        ax.plot(xs, [c["lower_bound"] for c in rows], ":", label=f"lower bound ({s})")
+        speed.plot(xs, [c["ttft_speedup"] for c in rows], "s--", color="grey", label="TTFT full / blend")
+    ax.axhline(record.target, color="red", lw=0.8, label=f"target {record.target}")
+    ax.set_xlabel("recompute ratio")
+    ax.set_ylabel(f"agrees with full prefill (first {record.tokens} tokens)")
+    speed.set_ylabel("TTFT speedup")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{Path(record.model).name}: {record.n} prompts, chosen {record.ratio}", fontsize=9)
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,283 @@
+"""Calibration (blend_integrations/calibration.py): measured, stored, used by every engine on the
+store, reported on every response, and the per-request guard; on the real engines and stores."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+
+from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
+from blend_integrations.calibration import (
+    RELOAD_S,
+    CalibrationError,
+    CalibrationRecord,
+    Guard,
+    _exclusive,
+    record_name,
+    settings_of,
+    wilson_lower,
+)
+from blend_integrations.config import FALLBACK_RATIO
+from tests.fixtures.local_models import sample_text
+
+QUESTION = "Question: which city is named in the documents? Answer:"
+SMALL = {"num_prompts": 6, "ratios": (0.1, 0.5), "progress": False}
+
+
+def documents(seed: int, n: int = 6) -> list[str]:
+    return [" ".join(sample_text(4, seed=seed + i)) for i in range(n)]
+
+
+@pytest.fixture
+def private(model_dirs, tmp_path):
+    """A transformers engine on a store of this test alone (a calibration must not reach other tests)."""
+    engine = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path / "store", remote=""), device="cpu")
+    yield engine
+    engine.store.close()
+
+
+def record_for(engine, **changes) -> CalibrationRecord:
+    """A record as calibrate writes it, for ``engine``'s model."""
+    fields = dict(
+        model=engine.model_name,
+        fingerprint=engine.fingerprint,
+        dtype=engine.dtype_name,
+        settings=settings_of(engine.config),
+        selection="deviation",
+        ratio=0.4,
+        guard=None,
+        meets_target=True,
+        target=0.95,
+        confidence=0.8,
+        tokens=4,
+        n=48,
+        curve=[],
+        date="2026-11-25",
+        package_version="test",
+        engine=engine.backend,
+    )
+    return CalibrationRecord(**(fields | changes))
+
+
+def store_record(engine, record: CalibrationRecord) -> None:
+    engine.store.put_record(record_name(engine.fingerprint, engine.dtype_name), record.to_bytes())
+
+
+def test_calibrate_measures_stores_and_every_engine_on_the_store_uses_it(private, model_dirs, tmp_path, capsys):
+    before = private.generate(BlendPrompt("Docs:", documents(10, 3), QUESTION), max_tokens=2)
+    assert (before.usage.ratio_source, before.usage.recompute_ratio) == ("fallback", FALLBACK_RATIO)
+
+    record = private.calibrate(documents(20), plot=tmp_path / "curve.png", **SMALL)
+    assert record.n == 6 and record.fingerprint == private.fingerprint and record.dtype == "float32"
+    rows = [c for c in record.curve if c["policy"] == "ratio"]
+    assert [c["ratio"] for c in rows] == [0.1, 0.5]
+    assert all(0 <= c["lower_bound"] <= c["agreement"] <= 1 and c["ttft_speedup"] > 0 for c in rows)
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "| deviation | 0.10 |" in out and "target 0.95" in out
+    stored = private.store.get_record(record_name(private.fingerprint, "float32"))
+    assert CalibrationRecord.from_bytes(stored, fingerprint=private.fingerprint, dtype="float32") == record
+
+    # Another process opens an engine on the same store: its usage says the ratio is the calibrated one.
+    script = (
+        "import json, sys; from blend_integrations import BlendPrompt, ChunkStore, load_engine;"
+        "from tests.fixtures.local_models import sample_text;"
+        f"e = load_engine({model_dirs('llama')!r}, store=ChunkStore({str(private.store.path)!r}, remote=''), device='cpu');"
+        "docs = [' '.join(sample_text(4, seed=30 + i)) for i in range(3)];"
+        f"g = e.generate(BlendPrompt('Docs:', docs, {QUESTION!r}), max_tokens=2);"
+        "print(json.dumps([g.usage.ratio_source, g.usage.recompute_ratio]))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    source, ratio = json.loads(done.stdout.strip().splitlines()[-1])
+    choice = record.choice()
+    assert source in ("calibrated", "guard")
+    assert ratio == choice.ratio if source == "calibrated" else ratio > choice.ratio
+
+
+def test_an_explicit_ratio_wins_over_the_calibration(private):
+    store_record(private, record_for(private, ratio=0.4))
+    private.calibrations.use_store(private.store)  # read it now, not within RELOAD_S
+    prompt = BlendPrompt("Docs:", documents(40, 3), QUESTION)
+    private.warm(documents(40, 3))
+    auto = private.generate(prompt, max_tokens=2)
+    asked = private.generate(prompt, max_tokens=2, recompute_ratio=0.2)
+    assert (auto.usage.ratio_source, auto.usage.recompute_ratio) == ("calibrated", 0.4)
+    assert auto.usage.recomputed_tokens == round(0.4 * auto.usage.cached_tokens)
+    assert (asked.usage.ratio_source, asked.usage.recompute_ratio) == ("request", 0.2)
+    assert 0 <= auto.usage.deviation_captured <= 1
+    configured = load_engine(
+        private.model_name, store=private.store, device="cpu", config=BlendConfig(recompute_ratio=0.3)
+    )
+    by_config = configured.generate(prompt, max_tokens=2)
+    forced_auto = configured.generate(prompt, max_tokens=2, recompute_ratio="auto")
+    assert (by_config.usage.ratio_source, by_config.usage.recompute_ratio) == ("config", 0.3)
+    assert (forced_auto.usage.ratio_source, forced_auto.usage.recompute_ratio) == ("calibrated", 0.4)
+    full = private.generate(prompt, max_tokens=2, mode="full")
+    assert full.usage.recompute_ratio is None and full.usage.ratio_source is None
+    assert {"recompute_ratio", "ratio_source", "deviation_captured"} <= set(auto.stats())
+
+
+def test_the_guard_raises_the_ratio_exactly_as_calibration_predicts(private):
+    docs = documents(50, 4)
+    private.warm(docs)
+    prompt = BlendPrompt("Docs:", docs[::-1], QUESTION)
+    ladder = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
+    runs = {r: private.generate(prompt, max_tokens=4, recompute_ratio=r) for r in ladder}
+    captured = {r: g.usage.deviation_captured for r, g in runs.items()}
+    assert all(0 < captured[a] <= captured[b] <= 1 for a, b in itertools.pairwise(ladder))  # grows with r
+    full = private.generate(prompt, max_tokens=4, mode="full")
+
+    def auto_with(guard: Guard):
+        store_record(private, record_for(private, ratio=0.9, guard=guard))
+        private.calibrations.use_store(private.store)
+        return private.generate(prompt, max_tokens=4)
+
+    middle = captured[0.2] + 1e-6  # 0.2's share falls just short: the next ratio's holds it
+    raised = auto_with(Guard(0.05, middle, ladder))
+    assert (raised.usage.ratio_source, raised.usage.recompute_ratio) == ("guard", 0.3)
+    assert raised.usage.recomputed_tokens == runs[0.3].usage.recomputed_tokens
+    assert raised.token_ids == runs[0.3].token_ids and raised.usage.deviation_captured == captured[0.3]
+    kept = auto_with(Guard(0.05, captured[0.05], ladder))  # the base already holds it
+    assert (kept.usage.ratio_source, kept.usage.recompute_ratio) == ("calibrated", 0.05)
+    everything = auto_with(Guard(0.05, 1.0, ladder))  # no share below 1.0 holds all of it: full prefill's equal
+    assert (everything.usage.ratio_source, everything.usage.recompute_ratio) == ("guard", 1.0)
+    assert everything.token_ids == full.token_ids
+    assert everything.usage.recomputed_tokens == everything.usage.cached_tokens
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (lambda e: record_for(e, fingerprint="0" * 64).to_bytes(), "another model or dtype"),
+        (lambda e: record_for(e, dtype="bfloat16").to_bytes(), "another model or dtype"),
+        (lambda e: b"\x00not json", "not JSON"),
+        (lambda e: json.dumps({"kind": "something else"}).encode(), "not a blend calibration record"),
+        (lambda e: record_for(e, ratio=1.7).to_bytes(), "damaged"),
+        (lambda e: record_for(e, settings={**settings_of(e.config), "sink_tokens": 4}).to_bytes(), "does not apply"),
+    ],
+)
+def test_a_foreign_or_damaged_record_is_refused_and_the_fallback_used(private, caplog, damage, why):
+    private.store.put_record(record_name(private.fingerprint, "float32"), damage(private))
+    private.calibrations.use_store(private.store)
+    private.warm(documents(60, 3))
+    with caplog.at_level(logging.WARNING, logger="blend_integrations.calibration"):
+        gen = private.generate(BlendPrompt("Docs:", documents(60, 3), QUESTION), max_tokens=2)
+    assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("fallback", FALLBACK_RATIO)
+    assert why in caplog.text and "fallback ratio" in caplog.text
+
+
+def test_a_record_read_back_on_another_machine_through_redis(private, model_dirs, tmp_path, redis_url):
+    shared = ChunkStore(tmp_path / "a", remote=redis_url)
+    private.store = shared
+    store_record(private, record_for(private, ratio=0.6))
+    elsewhere = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path / "b", remote=redis_url), device="cpu")
+    gen = elsewhere.generate(BlendPrompt("Docs:", documents(70, 2), QUESTION), max_tokens=2)
+    assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 0.6)
+
+
+@pytest.mark.parametrize("target", [0, -0.1, 1.5, float("nan"), "0.9", True])
+def test_a_target_outside_0_1_is_refused(private, target):
+    with pytest.raises(CalibrationError, match=r"target must be a number in \(0, 1\]"):
+        private.calibrate(documents(80), target=target, **SMALL)
+
+
+def test_calibration_needs_documents_long_enough_to_blend(private):
+    with pytest.raises(CalibrationError, match="needs documents"):
+        private.calibrate(**SMALL)
+    with pytest.raises(CalibrationError, match="at least 2 documents of 8 tokens or more"):
+        private.calibrate(["Short.", "Tiny one.", documents(81, 1)[0]], **SMALL)
+    with pytest.raises(CalibrationError, match="a list of texts"):
+        private.calibrate(documents(82, 1)[0], **SMALL)
+    with pytest.raises(CalibrationError, match="at least 2 prompts with retrieved documents"):
+        private.calibrate(prompts=["plain text, no chunks", "another"], **SMALL)
+    assert private.store.get_record(record_name(private.fingerprint, "float32")) is None
+
+
+def test_two_calibrations_of_one_store_at_once_are_refused(private):
+    lock = _exclusive(private.store, record_name(private.fingerprint, "float32"))
+    with lock, pytest.raises(CalibrationError, match="another process is calibrating this model"):
+        private.calibrate(documents(90), **SMALL)
+    assert private.calibrate(documents(90), **SMALL).n == 6  # free again
+
+
+def test_calibration_with_the_users_own_prompts_and_the_no_target_verdict(private, capsys):
+    docs = documents(95, 4)
+    prompts = [BlendPrompt("Docs:", docs[i:] + docs[:i], QUESTION) for i in range(4)]
+    record = private.calibrate(prompts=prompts, target=1.0, confidence=0.99, ratios=(0.05,), progress=False)
+    # four prompts can never show 1.0 agreement at a 99% lower bound: blending cannot hold that target
+    assert record.n == 4 and not record.meets_target and record.ratio == 1.0 and record.guard is None
+    assert "cannot hold it here" in capsys.readouterr().out
+    gen = private.generate(prompts[0], max_tokens=2)
+    assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 1.0)
+    assert gen.usage.recomputed_tokens == gen.usage.cached_tokens
+
+
+def test_wilson_lower_bound():
+    assert wilson_lower(0, 10, 0.8) == pytest.approx(0.0, abs=1e-12) and wilson_lower(0, 0, 0.8) == 0.0
+    assert 0.9 < wilson_lower(48, 48, 0.8) < 1.0
+    assert wilson_lower(45, 48, 0.8) < 45 / 48 < wilson_lower(45, 48, 0.5) + 1e-9
+    assert wilson_lower(45, 48, 0.95) < wilson_lower(45, 48, 0.8)
+
+
+def test_the_cli_calibrates_a_store_from_a_folder_of_documents(model_dirs, tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, text in enumerate(documents(100)):
+        (folder / f"doc{i}.txt").write_text(text)
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "blend_integrations.calibrate", model_dirs("llama"), "--store", str(store)]
+    done = subprocess.run(
+        cmd + ["--documents", str(folder), "--prompts", "4", "--ratios", "0.1", "0.5", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| deviation | 0.50 |" in done.stdout and f"stored in {store}" in done.stdout
+    assert "calibrating" in done.stderr  # the progress bar
+    assert len(list((store / "records").iterdir())) == 1
+    bad = subprocess.run(cmd + ["--documents", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no such file or folder" in bad.stderr
+    target = subprocess.run(
+        cmd + ["--documents", str(folder), "--target", "1.5"], capture_output=True, text=True, timeout=120
+    )
+    assert target.returncode == 2 and "--target must be in (0, 1]" in target.stderr
+
+
+def test_the_warmer_calibrates_at_ingestion_once(private):
+    from langchain_core.documents import Document
+
+    from blend_integrations.langchain import BlendCacheWarmer
+
+    warmer = BlendCacheWarmer(private, calibrate=True, calibrate_options={"num_prompts": 4, "ratios": (0.5,)})
+    warmer.transform_documents([Document(page_content=d) for d in documents(110)])
+    first = private.calibrations.record()
+    assert first is not None and first.n == 4
+    warmer.transform_documents([Document(page_content=d) for d in documents(120)])  # calibrated already: kept
+    assert private.calibrations.record() == first
+
+
+def test_the_vllm_engine_plans_with_the_stored_calibration(vllm_engine, engine, docs):
+    """The vLLM connector's scheduler reads the record from the store (another process) within RELOAD_S."""
+    name = record_name(vllm_engine.fingerprint, vllm_engine.dtype_name)
+    record = dataclasses.replace(record_for(engine, ratio=0.5), guard=Guard(0.05, 0.99))
+    vllm_engine.store.put_record(name, record.to_bytes())
+    try:
+        time.sleep(RELOAD_S + 0.2)
+        vllm_engine.warm(docs)
+        gen = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
+        # no guard on vLLM: the single calibrated ratio
+        assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 0.5)
+        assert gen.usage.recomputed_tokens == round(0.5 * gen.usage.cached_tokens)
+    finally:
+        vllm_engine.store.delete_record(name)
+        time.sleep(RELOAD_S + 0.2)  # the next tests see the fallback again
+    after = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
+    assert (after.usage.ratio_source, after.usage.recompute_ratio) == ("fallback", FALLBACK_RATIO)
