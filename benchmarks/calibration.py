@@ -17,6 +17,7 @@ it, and time to first token against full prefill's, measured side by side.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import subprocess
@@ -109,6 +110,7 @@ def run(args) -> dict:
     return {
         "config": {
             "model": label,
+            "tag": args.tag,
             "backend": args.backend,
             "dtype": engine.dtype_name,
             "cpu": cpu_name(),
@@ -176,6 +178,47 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(out: Path) -> Path:
+    """docs/results/calibration.md: every model and engine calibrated so far, side by side."""
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("calibration-*.json"))]
+    lines = [
+        "# Calibration: the ratio each model needs, and what it buys",
+        "",
+        "Each row: the model calibrated on the documents of one question set (`engine.calibrate`, "
+        "target 0.95 agreement with full prefill's first 4 greedy tokens at an 80% lower bound), then "
+        "held-out questions about documents calibration never saw, asked with the defaults "
+        '(`recompute_ratio="auto"`: the calibration, with the per-request guard on the transformers engine) '
+        "and with full prefill, side by side. Speedup is time to first token, full prefill / blend, same "
+        "engine, same run. One page per row holds the curve.",
+        "",
+        "| model | engine | chosen | calibration | held out: agrees with full | answer right (full) | "
+        "mean ratio | guard raised | TTFT speedup | fallback 0.15: agrees, speedup | CPU | date |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in reports:
+        c, cal, held = r["config"], r["calibration"], r["held_out"]
+        default, full = held["default (calibrated)"], held["full"]
+        fallback = next(v for k, v in held.items() if k.startswith("fallback"))
+        guard = cal["guard"]
+        chosen = (
+            f"guard {guard['base']} / {guard['threshold']}, else {cal['ratio']}" if guard else f"ratio {cal['ratio']}"
+        ) + ("" if cal["meets_target"] else " (target not met below 1.0)")
+        page = f"calibration-{c['tag']}"
+        lines.append(
+            f"| [{Path(c['model']).name}]({page}.md) | {c['backend']} | {chosen} | {c['calibration_seconds']:.0f} s, "
+            f"{c['calibration_prompts']} prompts | {default['agreement']:.3f} | {default['right']:.3f} "
+            f"({full['right']:.3f}) | {default['mean_ratio']:.3f} | {default['guard_fired']:.2f} | "
+            f"{default['ttft_speedup']:.2f}x | {fallback['agreement']:.3f}, {fallback['ttft_speedup']:.2f}x | "
+            f"{c['cpu']} | {c['date']} |"
+        )
+    path = out / "calibration.md"
+    path.write_text(
+        "\n".join(lines) + "\n\nCommand: `python -m benchmarks calibration --model reader|smollm2 "
+        "--backend transformers|vllm` (each run rewrites this page from every result beside it).\n"
+    )
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks calibration", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="reader", help="reader, smollm2 or a checkpoint directory")
@@ -196,3 +239,4 @@ def main(argv: list[str] | None = None) -> None:
         report,
         command=f"`python -m benchmarks calibration --model {args.model} --backend {args.backend}`",
     )
+    print(f"written: {summary(args.out)}")

@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", metavar="PNG", help="write agreement and TTFT speedup against the ratio here")
     args = parser.parse_args(argv)
-    if not 0.0 < args.target <= 1.0:
-        parser.error(f"--target must be in (0, 1], got {args.target}")
+    for name in ("target", "confidence"):
+        if not 0.0 < getattr(args, name) <= 1.0:
+            parser.error(f"--{name} must be in (0, 1], got {getattr(args, name)}")
     try:
         documents = read_documents(args.documents)
     except (OSError, ValueError) as e:

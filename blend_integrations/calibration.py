@@ -1,7 +1,8 @@
 """Calibration: the recompute ratio a model needs, measured on the user's own documents, stored, and used.
 
-The ratio that keeps a model's answers depends on the model: 0.15 is plenty
-for the bundled reader and loses half of SmolLM2-135M's. ``calibrate`` measures it:
+The ratio that keeps a model's answers depends on the model: blend at 0.15
+keeps nearly every answer of the bundled reader and loses a third of
+SmolLM2-135M's (docs/results/calibration.md). ``calibrate`` measures it:
 
 1. Probe prompts from the user's documents (random subsets in random orders,
    with a question about one of them, through the model's chat template),
@@ -68,7 +69,7 @@ RECORD_VERSION = 1
 LADDER: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
 KL_TOP = 20  # the first token's KL is over full prefill's top KL_TOP tokens and the rest as one bucket
 # The blend settings a ratio is measured under: a record measured under others does not apply.
-SETTINGS = ("check_layers", "deviation", "sink_tokens")
+SETTINGS = ("check_layers", "deviation", "sink_tokens", "selection")
 # How often an engine looks for a new calibration record in its store (another process may write one).
 RELOAD_S = 1.0
 
@@ -111,7 +112,6 @@ class RatioChoice:
     ratio: float
     source: str  # config.RATIO_SOURCES
     guard: Guard | None = None
-    selection: str | None = None  # the calibrated selection; None: the config's
 
 
 @dataclass(frozen=True)
@@ -199,12 +199,18 @@ class CalibrationRecord:
 
     def choice(self, *, guard: bool = True) -> RatioChoice:
         if guard and self.guard is not None and self.meets_target:
-            return RatioChoice(self.guard.base, "calibrated", self.guard, self.selection)
-        return RatioChoice(self.ratio, "calibrated", None, self.selection)
+            return RatioChoice(self.guard.base, "calibrated", self.guard)
+        return RatioChoice(self.ratio, "calibrated")
 
 
-def settings_of(config: BlendConfig) -> dict:
-    return {"check_layers": list(config.check_layers), "deviation": config.deviation, "sink_tokens": config.sink_tokens}
+def settings_of(config: BlendConfig, selection: str | None = None) -> dict:
+    """The settings a ratio is measured under (``SETTINGS``); ``selection``: the one the calibration chose."""
+    return {
+        "check_layers": list(config.check_layers),
+        "deviation": config.deviation,
+        "sink_tokens": config.sink_tokens,
+        "selection": selection or config.selection,
+    }
 
 
 class Calibrations:
@@ -306,7 +312,7 @@ MIN_PROBE_TOKENS = 8  # a document shorter than this (alone) tells nothing about
 
 
 def wilson_lower(successes: int, n: int, confidence: float) -> float:
-    """One-sided Wilson score lower bound of a proportion."""
+    """One-sided Wilson score lower bound of a proportion (0 for no trials)."""
     if n == 0:
         return 0.0
     z = NormalDist().inv_cdf(confidence)
@@ -408,6 +414,8 @@ def calibrate(
 ) -> CalibrationRecord:
     """Measure the recompute ratio this engine's model needs to agree with
     full prefill on ``target`` of the prompts, store it, and return the record.
+    ``selections``: the ways of choosing recomputed tokens measured; a record
+    applies to engines configured with the one it chose (``BlendConfig.selection``).
     See the module docstring for the method; ``prompts`` replaces the probes
     built from ``documents``. Prints a table; ``plot``: also write a PNG of
     agreement and TTFT speedup against the ratio."""
@@ -550,7 +558,7 @@ def _choose(curve: list[dict], *, target, confidence, tokens, n, config, engine,
         model=engine.model_name,
         fingerprint=engine.fingerprint,
         dtype=engine.dtype_name,
-        settings=settings_of(config),
+        settings=settings_of(config, selection),
         selection=selection,
         ratio=uniform["ratio"] if uniform is not None else 1.0,
         guard=None if guarded is None else Guard(guarded["ratio"], guarded["threshold"], LADDER),

@@ -172,7 +172,7 @@ def warm(
     texts = [t for t in texts if t]
     engine.warm(texts, progress=show_progress)
     if calibrate and engine.calibrations.record() is None:
-        engine.calibrate(texts, progress=show_progress is not False, **options)
+        engine.calibrate(texts, **{"progress": show_progress is not False, **options})
 
 
 def renamed(old: str, new: str, value: Any, *, stacklevel: int = 3) -> Any:

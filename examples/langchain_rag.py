@@ -15,7 +15,7 @@ from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_text_splitters import RecursiveCharacterTextSplitter
 from local_embeddings import LangChainMiniLM  # siblings: this folder is on sys.path
-from shared import DATA, compare, default_model, parse_args
+from shared import CALIBRATION, DATA, compare, default_model, parse_args
 
 from blend_integrations.langchain import BlendCacheWarmer, ChatBlend, create_blend_rag_chain
 
@@ -36,8 +36,10 @@ def main() -> None:
         max_tokens=args.max_tokens,
         recompute_ratio=args.recompute_ratio,
     )
-    # Ingestion: the chunk KV of every piece is computed once and stored.
-    chunks = BlendCacheWarmer(chat, show_progress=True).transform_documents(chunks)
+    # Ingestion: the chunk KV of every piece is computed once and stored, and the model is
+    # calibrated on these documents if the store has no calibration of it yet.
+    warmer = BlendCacheWarmer(chat, show_progress=True, calibrate=True, calibrate_options=CALIBRATION)
+    chunks = warmer.transform_documents(chunks)
     retriever = InMemoryVectorStore.from_documents(chunks, LangChainMiniLM()).as_retriever(search_kwargs={"k": 4})
 
     compare(
@@ -46,6 +48,7 @@ def main() -> None:
         retrieved=lambda r: [d.metadata["source"] for d in r["documents"]],
         answer=lambda r: r["answer"].content,
         stats=lambda r: r["answer"].response_metadata,
+        calibration=chat.engine.calibrations.record(),
     )
 
 

@@ -13,7 +13,7 @@ from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from local_embeddings import LlamaIndexMiniLM  # siblings: this folder is on sys.path
-from shared import DATA, compare, default_model, parse_args
+from shared import CALIBRATION, DATA, compare, default_model, parse_args
 
 from blend_integrations.llama_index import BlendCacheWarmer, BlendLLM, as_blend_query_engine
 
@@ -29,9 +29,11 @@ def main() -> None:
         recompute_ratio=args.recompute_ratio,
     )
     embed_model = LlamaIndexMiniLM()
-    # Ingestion: split, embed, and compute every node's chunk KV once.
+    # Ingestion: split, embed, compute every node's chunk KV once, and calibrate the model on
+    # these nodes if the store has no calibration of it yet.
+    warmer = BlendCacheWarmer(llm, calibrate=True, calibrate_options=CALIBRATION)
     pipeline = IngestionPipeline(
-        transformations=[SentenceSplitter(chunk_size=1024, chunk_overlap=0), embed_model, BlendCacheWarmer(llm)]
+        transformations=[SentenceSplitter(chunk_size=1024, chunk_overlap=0), embed_model, warmer]
     )
     nodes = pipeline.run(documents=SimpleDirectoryReader(str(DATA)).load_data(), show_progress=True)
     index = VectorStoreIndex(nodes, embed_model=embed_model)
@@ -43,6 +45,7 @@ def main() -> None:
         retrieved=lambda r: [n.node.metadata["file_name"] for n in r.source_nodes],
         answer=lambda r: r.response,
         stats=lambda r: r.metadata["blend"],
+        calibration=llm.engine.calibrations.record(),
     )
 
 

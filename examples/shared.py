@@ -10,6 +10,10 @@ Without --model they run SmolLM2-135M-Instruct (Apache-2.0), taken from the
 package index and converted once (blend_integrations.models.smollm2). The eight
 short documents in examples/data are made up for these examples: companies,
 their founders, and where each was born.
+
+At ingestion the warmer calibrates the model on these documents (once per
+store): blend then runs at the ratio measured to agree with full prefill,
+``recompute_ratio="auto"``, unless --recompute-ratio sets one.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from blend_integrations.config import check_ratio
+from blend_integrations.config import parse_ratio
 from blend_integrations.quality.metrics import contains
 
 DATA = Path(__file__).parent / "data"
@@ -34,10 +38,15 @@ def default_model() -> str:
     return str(smollm2_dir())
 
 
-def ratio(text: str) -> float:
+# Probe prompts the examples calibrate with: enough for a 0.95 agreement target at
+# an 80% lower bound (24 of 24 agreeing), and about two minutes for SmolLM2 on 2 CPUs.
+CALIBRATION = {"num_prompts": 24}
+
+
+def ratio(text: str) -> float | str:
     """--recompute-ratio's value, refused here with the reason rather than after the model loads."""
     try:
-        return check_ratio(float(text))
+        return parse_ratio(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -55,8 +64,8 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument(
         "--recompute-ratio",
         type=ratio,
-        help="share of the reused chunk tokens that blend recomputes (default: BlendConfig's, 0.15); "
-        "on SmolLM2 blend answers the example questions as full prefill does only near 0.9 (docs/tuning.md)",
+        help='share of the reused chunk tokens that blend recomputes, or "auto" (the default: the ratio '
+        "calibrated at ingestion, docs/calibration.md)",
     )
     return parser.parse_args()
 
@@ -68,11 +77,21 @@ def compare(
     retrieved: Callable[[Any], list[str]],
     answer: Callable[[Any], str],
     stats: Callable[[Any], dict],
+    calibration: Any = None,
 ) -> None:
     """Ask QUESTION with full prefill and with blend, four rounds taking turns
     (the first warms up, TTFT is the median of the others), and print the
     last round's answers. ``retrieved``, ``answer`` and ``stats`` read a
-    result: its sources, its text, and its ``Generation.stats()``."""
+    result: its sources, its text, and its ``Generation.stats()``. ``calibration``:
+    the model's ``CalibrationRecord``, printed first."""
+    if calibration is not None:
+        guard = calibration.guard
+        print(
+            f"calibrated on {calibration.n} probe prompts in {calibration.seconds:.0f} s: ratio {calibration.ratio}"
+            + (f", guard from {guard.base} (threshold {guard.threshold})" if guard else "")
+            + f"; target {calibration.target} agreement with full prefill"
+            + ("" if calibration.meets_target else " (not met below 1.0: blending recomputes everything)")
+        )
     rounds = [(full(QUESTION), blend(QUESTION)) for _ in range(4)]
     ttft_full = statistics.median(stats(f)["ttft_s"] for f, _ in rounds[1:])
     ttft = statistics.median(stats(b)["ttft_s"] for _, b in rounds[1:])
@@ -85,7 +104,7 @@ def compare(
     print(
         f"prompt tokens {numbers['prompt_tokens']}, read from the chunk cache {numbers['cached_tokens']} "
         f"({numbers['chunks_hit']}/{numbers['chunks_hit'] + numbers['chunks_missed']} chunks), "
-        f"recomputed {numbers['recomputed_tokens']}"
+        f"recomputed {numbers['recomputed_tokens']} (ratio {numbers['recompute_ratio']}, {numbers['ratio_source']})"
     )
     print(
         f"time to first token: full {1000 * ttft_full:.0f} ms, blend {1000 * ttft:.0f} ms ({ttft_full / ttft:.2f}x sooner)"

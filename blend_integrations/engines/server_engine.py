@@ -36,6 +36,13 @@ class ServerError(RuntimeError):
         self.status = status
 
 
+SERVER_CALIBRATION = (
+    "calibrating through the HTTP server is not supported yet: calibrate the model with an engine on the "
+    "server's store (`python -m blend_integrations.calibrate MODEL --store DIR --documents ...`); the server "
+    "reads the record from its store"
+)
+
+
 class ServerEngine(Engine):
     backend = "server"
 
@@ -76,11 +83,10 @@ class ServerEngine(Engine):
 
     @property
     def calibrations(self):
-        raise NotImplementedError(
-            "calibrating through the HTTP server is not supported yet: calibrate the model with the engine "
-            "that serves it, on the server's store (`python -m blend_integrations.calibrate MODEL --store DIR "
-            "--documents ...`); the server reads the record from its store"
-        )
+        raise NotImplementedError(SERVER_CALIBRATION)
+
+    def calibrate(self, documents=None, **options):
+        raise NotImplementedError(SERVER_CALIBRATION)
 
     def __repr__(self) -> str:
         return f"ServerEngine({self.base_url!r}, model={self.model_name!r})"

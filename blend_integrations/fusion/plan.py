@@ -149,8 +149,7 @@ class Planner:
             else RatioChoice(0.0, "request")  # reuse: nothing recomputed
         )
         floor, source, guard = choice.ratio, choice.source, choice.guard
-        if selection is None:
-            selection = choice.selection or config.selection
+        selection = config.selection if selection is None else selection
         spans = [(int(a), int(b)) for a, b in chunk_spans]
         chunk_keys = [self.keys(token_ids[a:b]) for a, b in spans]
         control = mode == "blend" and config.loading_controller

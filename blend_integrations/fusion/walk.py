@@ -251,8 +251,8 @@ def _captured(deviation: torch.Tensor) -> Callable[[float], float]:
 
 
 def _deviation(fresh, stored, start, act, rows):
-    """Per reused row (``rows``, indices into the active tokens): L2 distance
-    over heads and dims between its fresh and its reused K or V."""
+    """Per reused row (``rows``, indices into the active tokens): squared L2
+    distance over heads and dims between its fresh and its reused K or V."""
     old = stored[:, start + act[rows]]
     return (fresh[:, rows].float() - old.float()).pow(2).sum(dim=(0, 2))
 

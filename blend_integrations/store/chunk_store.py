@@ -381,13 +381,14 @@ class ChunkStore:
     def get_record(self, name: str) -> bytes | None:
         """The record ``name``, or None if there is none (or none readable).
 
-        Looks on disk, then in Redis; a Redis hit is copied to disk. A
-        damaged or foreign copy is deleted from the tier it was read from,
-        logged once and counted in ``stats.corrupt``, and the next tier is
-        tried.
+        Looks in Redis first, the copy every machine shares (a record
+        rewritten on another machine replaces this machine's disk copy when
+        read), then on disk (Redis absent, down, or without it). A damaged
+        or foreign copy is deleted from the tier it was read from, logged
+        once and counted in ``stats.corrupt``, and the next tier is tried.
         """
         check_record_name(name)
-        for tier in self._record_tiers:
+        for tier in self._record_tiers[::-1]:
             raw = tier.read_record(name)
             if raw is None:
                 continue
@@ -396,7 +397,7 @@ class ChunkStore:
             except CorruptEntryError as e:
                 self._drop_corrupt_record(name, str(e), tier, raw)
                 continue
-            if tier is not self._disk:
+            if tier is not self._disk and self._disk.read_record(name) != raw:
                 self._disk.put_record(name, raw)
             return data
         return None

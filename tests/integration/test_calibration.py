@@ -161,6 +161,7 @@ def test_the_guard_raises_the_ratio_exactly_as_calibration_predicts(private):
         (lambda e: json.dumps({"kind": "something else"}).encode(), "not a blend calibration record"),
         (lambda e: record_for(e, ratio=1.7).to_bytes(), "damaged"),
         (lambda e: record_for(e, settings={**settings_of(e.config), "sink_tokens": 4}).to_bytes(), "does not apply"),
+        (lambda e: record_for(e, settings={**settings_of(e.config), "selection": "query"}).to_bytes(), "selection="),
     ],
 )
 def test_a_foreign_or_damaged_record_is_refused_and_the_fallback_used(private, caplog, damage, why):

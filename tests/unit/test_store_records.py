@@ -356,15 +356,30 @@ def test_another_machine_reads_it_from_redis_then_from_its_own_disk(tmp_path, re
         assert third.get_record(NAME) is None
 
 
+def test_a_record_rewritten_on_another_machine_replaces_the_old_disk_copy(tmp_path, redis_url):
+    with ChunkStore(tmp_path / "a", remote=redis_url) as a, ChunkStore(tmp_path / "b", remote=redis_url) as b:
+        a.put_record(NAME, b"first")
+        assert b.get_record(NAME) == b"first" and record_file(b).exists()
+        a.put_record(NAME, b"second")  # a new calibration on machine a
+        assert b.get_record(NAME) == b"second"  # Redis first: not b's old disk copy
+        assert record_file(b).read_bytes() == encode_record(NAME, b"second")
+        mtime = record_file(b).stat().st_mtime_ns
+        assert b.get_record(NAME) == b"second" and record_file(b).stat().st_mtime_ns == mtime  # not rewritten
+
+
 def test_damaged_on_disk_then_a_good_redis_copy_is_used(tmp_path, redis_server, redis_url, caplog):
     with ChunkStore(tmp_path, remote=redis_url) as store, caplog.at_level(logging.WARNING, logger=LOGGER):
         store.put_record(NAME, DATA)
         path = record_file(store)
         path.write_bytes(flip(path.read_bytes(), len(path.read_bytes()) - 3))
-        assert store.get_record(NAME) == DATA  # from Redis
+        assert store.get_record(NAME) == DATA  # from Redis, read first
         assert path.read_bytes() == encode_record(NAME, DATA)  # the damaged disk copy was replaced by Redis's
         assert redis_server.client().get(RECORD_PREFIX + NAME) == encode_record(NAME, DATA)  # Redis's kept
-        assert store.stats.corrupt == 1 and store.stats.errors == 0
+        assert store.stats.errors == 0
+        redis_server.client().delete(RECORD_PREFIX + NAME)  # now only the disk copy, damaged
+        path.write_bytes(flip(path.read_bytes(), len(path.read_bytes()) - 3))
+        assert store.get_record(NAME) is None and not path.exists()
+        assert store.stats.corrupt == 1
         (warning,) = store_warnings(caplog)
         assert f"record {NAME!r}: dropped corrupt record from disk: record checksum mismatch" in warning
 
