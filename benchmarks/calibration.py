@@ -35,6 +35,10 @@ from training.data import make_examples
 from . import write_results
 from .quality import HELD_OUT_SEED, model_and_task
 
+PROBES = {
+    "questions": "the calibration set's own questions",
+    "documents": "built by calibrate() from the documents alone",
+}
 CALIBRATION_SEED = 30_000  # the documents calibration probes; the held-out questions use HELD_OUT_SEED
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -55,22 +59,28 @@ def run(args) -> dict:
     store = ChunkStore(tempfile.mkdtemp(prefix="blend-calibration-store-"), remote="")
     started = time.perf_counter()
     engine = load_engine(str(model_dir), store=store, backend=args.backend)
-    calibration_docs = sorted(
-        {d for e in make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=task.doc_tokens) for d in e.documents}
-    )
+
+    def asked(examples):
+        return [
+            rag_prompt(e.documents, e.question, engine.tokenizer, engine.config.separator, system=task.system)
+            for e in examples
+        ]
+
+    calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=task.doc_tokens)
+    calibration_docs = sorted({d for e in calibration_set for d in e.documents})
     held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
     seen = set(calibration_docs) & {d for e in held_out for d in e.documents}
     assert not seen, f"{len(seen)} held-out documents were calibrated on"
     t0 = time.perf_counter()
+    # "questions": the application's own prompts (the calibration set's questions, asked as the
+    # held-out ones are); "documents": probes calibrate() builds from the documents alone
+    probes = {"prompts": asked(calibration_set)} if args.probes == "questions" else {"documents": calibration_docs}
     record = engine.calibrate(
-        calibration_docs, num_prompts=args.prompts, target=args.target, plot=args.out / f"calibration-{args.tag}.png"
+        **probes, num_prompts=args.prompts, target=args.target, plot=args.out / f"calibration-{args.tag}.png"
     )
     calibrate_s = time.perf_counter() - t0
 
-    prompts = [
-        rag_prompt(e.documents, e.question, engine.tokenizer, engine.config.separator, system=task.system)
-        for e in held_out
-    ]
+    prompts = asked(held_out)
     engine.warm([d for e in held_out for d in e.documents], progress=True)
     modes = {
         "full": {"mode": "full"},
@@ -115,6 +125,7 @@ def run(args) -> dict:
             "dtype": engine.dtype_name,
             "cpu": cpu_name(),
             "calibration_documents": len(calibration_docs),
+            "probes": args.probes,
             "calibration_prompts": record.n,
             "calibration_seconds": round(calibrate_s, 1),
             "held_out_questions": len(held_out),
@@ -141,7 +152,8 @@ def markdown(report: dict) -> str:
     guard = cal["guard"]
     lines = [
         f"Model: {c['model']} ({c['dtype']}, {c['backend']} engine) on {c['cpu']}; {c['date']}.",
-        f"Calibration: {c['calibration_prompts']} probe prompts from {c['calibration_documents']} documents in "
+        f"Calibration: {c['calibration_prompts']} probe prompts ({PROBES[c.get('probes', 'documents')]}) from "
+        f"{c['calibration_documents']} documents in "
         f"{c['calibration_seconds']:.0f} s; target {c['target']} agreement with full prefill's first "
         f"{c['tokens_compared']} tokens, at a {c['confidence']:.0%} lower confidence bound.",
         f"Chosen: single ratio {cal['ratio']}"
@@ -184,16 +196,17 @@ def summary(out: Path) -> Path:
     lines = [
         "# Calibration: the ratio each model needs, and what it buys",
         "",
-        "Each row: the model calibrated on the documents of one question set (`engine.calibrate`, "
-        "target 0.95 agreement with full prefill's first 4 greedy tokens at an 80% lower bound), then "
+        "Each row: the model calibrated on one question set (`engine.calibrate`, target 0.95 agreement with "
+        "full prefill's first 4 greedy tokens at an 80% lower bound), on its questions (the application's own "
+        "prompts) or on probes built from its documents alone, then "
         "held-out questions about documents calibration never saw, asked with the defaults "
         '(`recompute_ratio="auto"`: the calibration, with the per-request guard on the transformers engine) '
         "and with full prefill, side by side. Speedup is time to first token, full prefill / blend, same "
         "engine, same run. One page per row holds the curve.",
         "",
-        "| model | engine | chosen | calibration | held out: agrees with full | answer right (full) | "
+        "| model | engine | probes | chosen | calibration | held out: agrees with full | answer right (full) | "
         "mean ratio | guard raised | TTFT speedup | fallback 0.15: agrees, speedup | CPU | date |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in reports:
         c, cal, held = r["config"], r["calibration"], r["held_out"]
@@ -203,9 +216,12 @@ def summary(out: Path) -> Path:
         chosen = (
             f"guard {guard['base']} / {guard['threshold']}, else {cal['ratio']}" if guard else f"ratio {cal['ratio']}"
         ) + ("" if cal["meets_target"] else " (target not met below 1.0)")
+        if c["target"] != 0.95:
+            chosen = f"target {c['target']}: {chosen}"
         page = f"calibration-{c['tag']}"
         lines.append(
-            f"| [{Path(c['model']).name}]({page}.md) | {c['backend']} | {chosen} | {c['calibration_seconds']:.0f} s, "
+            f"| [{Path(c['model']).name}]({page}.md) | {c['backend']} | {c.get('probes', 'documents')} | {chosen} | "
+            f"{c['calibration_seconds']:.0f} s, "
             f"{c['calibration_prompts']} prompts | {default['agreement']:.3f} | {default['right']:.3f} "
             f"({full['right']:.3f}) | {default['mean_ratio']:.3f} | {default['guard_fired']:.2f} | "
             f"{default['ttft_speedup']:.2f}x | {fallback['agreement']:.3f}, {fallback['ttft_speedup']:.2f}x | "
@@ -226,10 +242,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=48, help="calibration probe prompts")
     parser.add_argument("--questions", type=int, default=60, help="held-out questions")
     parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument(
+        "--probes",
+        choices=("questions", "documents"),
+        default="questions",
+        help="calibrate on the calibration set's own questions (as an application with sample questions does), "
+        "or on probes built from its documents alone",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     name = args.model if args.model in ("reader", "smollm2") else Path(args.model).name
-    args.tag = f"{name}-{args.backend}"
+    args.tag = (
+        f"{name}-{args.backend}"
+        + ("" if args.probes == "questions" else "-document-probes")
+        + ("" if args.target == 0.95 else f"-target-{args.target}")
+    )
     report = run(args)
     write_results(
         args.out,
@@ -237,6 +264,6 @@ def main(argv: list[str] | None = None) -> None:
         f"Calibration: {report['config']['model']}, {args.backend} engine",
         markdown(report),
         report,
-        command=f"`python -m benchmarks calibration --model {args.model} --backend {args.backend}`",
+        command=f"`python -m benchmarks calibration {' '.join(argv or [])}`",
     )
     print(f"written: {summary(args.out)}")

@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=float, default=0.95, help="agreement with full prefill to hold, in (0, 1]")
     parser.add_argument("--confidence", type=float, default=0.8, help="of the lower bound the target is held at")
     parser.add_argument("--prompts", type=int, default=48, help="probe prompts")
+    parser.add_argument(
+        "--min-speedup", type=float, default=1.1, help="choose full prefill unless blend is measured this much sooner"
+    )
     parser.add_argument("--tokens", type=int, default=4, help="greedy tokens that must agree with full prefill's")
     parser.add_argument("--ratios", type=float, nargs="+", default=list(LADDER), help="the ladder measured")
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                 tokens=args.tokens,
                 ratios=args.ratios,
                 seed=args.seed,
+                min_speedup=args.min_speedup,
                 plot=args.plot,
             )
         except CalibrationError as e:

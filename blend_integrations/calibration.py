@@ -142,6 +142,8 @@ class CalibrationRecord:
     package_version: str
     engine: str
     seconds: float = 0.0
+    why: str = ""  # how the choice was made, in words
+    min_speedup: float = 1.0  # a policy measured less sooner than full prefill than this is not chosen
 
     def to_bytes(self) -> bytes:
         data = dataclasses.asdict(self)
@@ -408,6 +410,7 @@ def calibrate(
     ratios: Sequence[float] = LADDER,
     selections: Sequence[str] = ("deviation",),
     seed: int = 0,
+    min_speedup: float = 1.1,
     progress: bool | None = None,
     plot: str | os.PathLike | None = None,
     save: bool = True,
@@ -417,14 +420,19 @@ def calibrate(
     ``selections``: the ways of choosing recomputed tokens measured; a record
     applies to engines configured with the one it chose (``BlendConfig.selection``).
     See the module docstring for the method; ``prompts`` replaces the probes
-    built from ``documents``. Prints a table; ``plot``: also write a PNG of
-    agreement and TTFT speedup against the ratio."""
+    built from ``documents``. ``min_speedup``: a policy measured less than
+    this many times sooner than full prefill is not worth its risk: when none
+    meeting the target is faster, the record chooses full prefill. Prints a
+    table; ``plot``: also write a PNG of agreement and TTFT speedup against
+    the ratio."""
     from tqdm.auto import tqdm
 
     from . import __version__
 
     target = check_target(target)
     confidence = check_target(confidence, "confidence")
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup > 0:
+        raise CalibrationError(f"min_speedup must be a positive number, got {min_speedup!r:.40}")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise CalibrationError(f"tokens must be a positive integer, got {tokens!r:.40}")
     if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 2:
@@ -480,6 +488,7 @@ def calibrate(
         curve = _policies(results, ladder, selections, tokens, confidence)
         record = _choose(
             curve,
+            min_speedup=min_speedup,
             target=target,
             confidence=confidence,
             tokens=tokens,
@@ -542,17 +551,36 @@ def _at(captured: dict[float, list], i: int, ratio: float) -> float:
     return captured[ratio][i]
 
 
-def _choose(curve: list[dict], *, target, confidence, tokens, n, config, engine, version, seconds) -> CalibrationRecord:
+def _choose(
+    curve: list[dict], *, target, confidence, tokens, n, min_speedup, config, engine, version, seconds
+) -> CalibrationRecord:
     """The cheapest policy meeting the target: the single ratio for every
-    engine, and the guard when it is cheaper still."""
+    engine, and the guard when it is cheaper still; each only if measured at
+    least ``min_speedup`` times sooner than full prefill, else full prefill."""
     meeting = [c for c in curve if c["lower_bound"] >= target]
     # Cheapest: the least recomputed; query-aware selections run a reuse pass more, so deviation wins a tie.
     cost = lambda c: (c["mean_ratio"] + (0.0 if c["selection"] == "deviation" else 0.05), c["ratio"])  # noqa: E731
-    uniform = min((c for c in meeting if c["policy"] == "ratio"), key=cost, default=None)
-    guarded = min((c for c in meeting if c["policy"] == "guard"), key=cost, default=None)
+    worth = [c for c in meeting if c["ttft_speedup"] >= min_speedup]  # confirmed by measured TTFT
+    uniform = min((c for c in worth if c["policy"] == "ratio"), key=cost, default=None)
+    guarded = min((c for c in worth if c["policy"] == "guard"), key=cost, default=None)
     if guarded is not None and uniform is not None and cost(guarded) >= cost(uniform):
         guarded = None  # the guard only when it is cheaper than one ratio for every request
-    meets = uniform is not None or guarded is not None
+    meets = bool(meeting)
+    if not meeting:
+        why = f"no ratio below 1.0 meets the target {target}: blending cannot hold it here; full prefill"
+    elif uniform is None and guarded is None:
+        best = min(meeting, key=cost)
+        why = (
+            f"the cheapest policy meeting the target (mean ratio {best['mean_ratio']}) was measured only "
+            f"{best['ttft_speedup']:.2f}x sooner than full prefill, under min_speedup {min_speedup}: full prefill"
+        )
+    else:
+        chosen = guarded if guarded is not None else uniform
+        assert chosen is not None  # one of the two, by the branch above
+        why = (
+            f"the cheapest policy meeting the target: mean ratio {chosen['mean_ratio']}, "
+            f"{chosen['ttft_speedup']:.2f}x sooner than full prefill"
+        )
     selection = (guarded or uniform or {"selection": config.selection})["selection"]
     return CalibrationRecord(
         model=engine.model_name,
@@ -572,6 +600,8 @@ def _choose(curve: list[dict], *, target, confidence, tokens, n, config, engine,
         package_version=version,
         engine=engine.backend,
         seconds=round(seconds, 1),
+        why=why,
+        min_speedup=min_speedup,
     )
 
 
@@ -602,8 +632,10 @@ def report(record: CalibrationRecord) -> str:
     if not record.meets_target:
         lines.append(
             f"\nNo ratio below 1.0 meets the target {record.target} on this model: blending cannot hold it here. "
-            '"auto" recomputes every token (as full prefill); lower the target, or pass a ratio explicitly.'
+            '"auto" runs full prefill; lower the target, or pass a ratio explicitly.'
         )
+    elif record.ratio >= 1.0 and record.guard is None:
+        lines.append(f'\nChosen: full prefill ("auto" runs it): {record.why}.')
     elif record.guard is not None:
         lines.append(
             f"\nChosen: the guard (base ratio {record.guard.base}, threshold {record.guard.threshold}); "

@@ -84,7 +84,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..fusion import Blender, ChunkKeys, KVCache, Planner, PrefillPlan, PrefillStats
-from ..fusion.plan import measured_rates
+from ..fusion.plan import in_full, measured_rates
 from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
 from . import vllm_plugin
@@ -169,6 +169,7 @@ class BlendConnector(KVConnectorBase_V1):
         self._to_load: dict[str, tuple[BlendParams, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
         self._planned: dict[str, PrefillPlan] = {}  # req_id -> its plan, whose usage it reports
         self._fallbacks: dict[str, str] = {}  # req_id -> why it is computed in full, until it finishes
+        self._in_full: set[str] = set()  # requests the calibration computes in full, until they finish
         # worker side
         self.blender: Blender | None = None
         # The worker's measured rates: on the worker as last sent, on the scheduler as last received.
@@ -221,9 +222,23 @@ class BlendConnector(KVConnectorBase_V1):
         params = self.blend_params(request)
         if params is None or num_computed_tokens:
             return 0, False
+        if self._computes_in_full(request.request_id, params):
+            return 0, False  # vLLM's own prefill computes every token
         # load_kv_async=False: the blend pass runs synchronously before the forward. (Checked
         # parameters with spans always have num_tokens; nothing here may raise.)
         return params.num_tokens or 0, False
+
+    def _computes_in_full(self, req_id: str, params: BlendParams) -> bool:
+        """Whether the calibration recomputes every token for this request
+        (``plan.in_full``): then no blend pass runs, and the usage says why."""
+        try:
+            full = params.mode == "blend" and in_full(self.planner.choose(params.ratio))
+        except Exception:  # never raise on the scheduler side: blend as asked
+            logger.exception("reading the calibration failed; blending request %s", req_id)
+            return False
+        if full:
+            self._in_full.add(req_id)
+        return full
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -278,8 +293,12 @@ class BlendConnector(KVConnectorBase_V1):
         self._to_load.pop(rid, None)
         why = self._fallbacks.pop(rid, None)
         plan = self._planned.pop(rid, None)
+        in_full_by_calibration = rid in self._in_full
+        self._in_full.discard(rid)
         if why is not None:
             return False, not_blended(why)
+        if plan is None and in_full_by_calibration:
+            return False, {"blend": PrefillPlan("full", 1.0, (), 0, ratio_source="calibrated").usage()}
         if plan is None:
             return False, None
         loading = {"blend_loading": dataclasses.asdict(plan.loading)} if plan.loading else {}

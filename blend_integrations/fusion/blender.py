@@ -181,7 +181,7 @@ class Blender:
         stats.chunks_hit = len(loaded)
         stats.chunks_missed = len(plan.chunks) - stats.chunks_hit - stats.chunks_computed
         stats.cached_tokens, stats.recomputed_tokens = walk.cached_tokens, walk.recomputed_tokens
-        if plan.mode == "blend":  # the planned ratio, or the guard's (the walk's is None when nothing was reused)
+        if plan.reports_ratio:  # the planned ratio, or the guard's (the walk's is None when nothing was reused)
             stats.recompute_ratio = walk.ratio if walk.ratio is not None else plan.ratio
             stats.ratio_source = "guard" if walk.guarded else plan.ratio_source
             stats.deviation_captured = walk.captured

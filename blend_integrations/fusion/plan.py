@@ -71,6 +71,12 @@ class PrefillPlan:
     ratio_source: str = "request"  # where ``ratio`` came from (``config.RATIO_SOURCES``)
     guard: Guard | None = None  # may raise the ratio in the walk (calibrated "auto" only)
 
+    @property
+    def reports_ratio(self) -> bool:
+        """Its usage names a recompute ratio: a blend plan, or one computed in
+        full because the calibrated ratio is 1.0 (``in_full``)."""
+        return self.mode == "blend" or self.ratio_source == "calibrated"
+
     def usage(self) -> dict[str, Any]:
         """The usage the prefill reports (``Usage`` fields), when every chunk
         planned to load is loaded, no token is forced fresh (the walk's
@@ -78,16 +84,23 @@ class PrefillPlan:
         promised plan (whose planner runs no guard)."""
         loaded = [c for c in self.chunks if c.action == LOAD]
         cached = sum(max(0, c.end - c.start - self.sink_tokens) for c in loaded)
-        blend = self.mode == "blend"
+        blend = self.reports_ratio
         return {
             "cached_tokens": cached,
-            "recomputed_tokens": min(round(self.ratio * cached), cached) if blend else 0,
+            "recomputed_tokens": min(round(self.ratio * cached), cached) if self.mode == "blend" else 0,
             "chunks_hit": len(loaded),
             "chunks_missed": sum(c.action == MISS for c in self.chunks),
             "chunks_computed": sum(c.action == COMPUTE for c in self.chunks),
             "recompute_ratio": self.ratio if blend else None,
             "ratio_source": self.ratio_source if blend else None,
         }
+
+
+def in_full(choice: RatioChoice) -> bool:
+    """A calibration that recomputes every token (no ratio below 1.0 held
+    its target) is run as full prefill: the same KV, without the blend
+    pass's extra work. An explicit ratio of 1.0 still blends."""
+    return choice.source == "calibrated" and choice.ratio >= 1.0 and choice.guard is None
 
 
 def measured_rates(store: ChunkStore, compute: Rate | None) -> dict[str, float | None]:
@@ -118,6 +131,10 @@ class Planner:
     calibrations: Calibrations | None = None
     guard: bool = True  # the walk that runs the plans can report a ratio the guard raised
 
+    def choose(self, ratio: float | str | None) -> RatioChoice:
+        """A blend request's ratio and where it comes from (``choose_ratio``)."""
+        return choose_ratio(ratio, self.config, self.calibrations, guard=self.guard)
+
     def plan(
         self,
         token_ids: Sequence[int],
@@ -143,13 +160,11 @@ class Planner:
         if mode == "full":
             selection = config.selection if selection is None else selection
             return PrefillPlan(mode, 1.0, (), config.sink_tokens, selection, promise, ratio_source="request")
-        choice = (
-            choose_ratio(ratio, config, self.calibrations, guard=self.guard)
-            if mode == "blend"
-            else RatioChoice(0.0, "request")  # reuse: nothing recomputed
-        )
+        choice = self.choose(ratio) if mode == "blend" else RatioChoice(0.0, "request")  # reuse: none recomputed
         floor, source, guard = choice.ratio, choice.source, choice.guard
         selection = config.selection if selection is None else selection
+        if in_full(choice):
+            return PrefillPlan("full", 1.0, (), config.sink_tokens, selection, promise, ratio_source=source)
         spans = [(int(a), int(b)) for a, b in chunk_spans]
         chunk_keys = [self.keys(token_ids[a:b]) for a, b in spans]
         control = mode == "blend" and config.loading_controller

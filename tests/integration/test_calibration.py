@@ -216,8 +216,22 @@ def test_calibration_with_the_users_own_prompts_and_the_no_target_verdict(privat
     assert record.n == 4 and not record.meets_target and record.ratio == 1.0 and record.guard is None
     assert "cannot hold it here" in capsys.readouterr().out
     gen = private.generate(prompts[0], max_tokens=2)
+    full = private.generate(prompts[0], max_tokens=2, mode="full")
     assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 1.0)
-    assert gen.usage.recomputed_tokens == gen.usage.cached_tokens
+    # recomputing every token is full prefill: computed as such, without the blend pass
+    assert gen.usage.cached_tokens == gen.usage.recomputed_tokens == 0 and gen.token_ids == full.token_ids
+
+
+def test_a_policy_not_measured_sooner_than_full_prefill_is_not_chosen(private, capsys):
+    docs = documents(130, 4)
+    # an easy target that low ratios meet; nothing is 1000x sooner than full prefill
+    record = private.calibrate(docs, target=0.05, confidence=0.5, min_speedup=1000.0, **SMALL)
+    assert record.meets_target and record.ratio == 1.0 and record.guard is None
+    assert "under min_speedup 1000.0: full prefill" in record.why and "Chosen: full prefill" in capsys.readouterr().out
+    quick = private.calibrate(docs, target=0.05, confidence=0.5, min_speedup=0.01, **SMALL)
+    assert quick.ratio == 0.1 or quick.guard is not None  # the cheapest now
+    with pytest.raises(CalibrationError, match="min_speedup must be a positive number"):
+        private.calibrate(docs, min_speedup=0, **SMALL)
 
 
 def test_wilson_lower_bound():
@@ -277,8 +291,43 @@ def test_the_vllm_engine_plans_with_the_stored_calibration(vllm_engine, engine, 
         # no guard on vLLM: the single calibrated ratio
         assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 0.5)
         assert gen.usage.recomputed_tokens == round(0.5 * gen.usage.cached_tokens)
+        # a calibration that recomputes everything: vLLM's own prefill, no blend pass
+        vllm_engine.store.put_record(name, dataclasses.replace(record, ratio=1.0, guard=None).to_bytes())
+        time.sleep(RELOAD_S + 0.2)
+        whole = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
+        full = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2, mode="full")
+        assert (whole.usage.ratio_source, whole.usage.recompute_ratio) == ("calibrated", 1.0)
+        assert whole.usage.cached_tokens == 0 and whole.token_ids == full.token_ids and whole.fallback is None
     finally:
         vllm_engine.store.delete_record(name)
         time.sleep(RELOAD_S + 0.2)  # the next tests see the fallback again
     after = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
     assert (after.usage.ratio_source, after.usage.recompute_ratio) == ("fallback", FALLBACK_RATIO)
+
+
+def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_path):
+    """A small run of `python -m benchmarks calibration`: its pages are written from what it measured."""
+    from tests.fixtures.commands import ROOT
+
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "benchmarks", "calibration", "--model", model_dirs("llama"), "--out", str(out)]
+    done = subprocess.run(
+        cmd + ["--prompts", "4", "--questions", "3"], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (report_path,) = out.glob("calibration-*.json")
+    report = json.loads(report_path.read_text())
+    held = report["held_out"]
+    assert set(held) == {
+        "full",
+        "default (calibrated)",
+        f"calibrated single ratio ({report['calibration']['ratio']})",
+        f"fallback ({FALLBACK_RATIO})",
+    }
+    assert held["full"]["agreement"] == 1.0 and report["config"]["held_out_questions"] == 3
+    assert report["config"]["probes"] == "questions" and report["config"]["calibration_prompts"] == 4
+    summary = (out / "calibration.md").read_text()
+    assert (
+        f"[{model_dirs('llama').rsplit('/', 1)[-1]}](calibration-" in summary
+        and "| transformers | questions |" in summary
+    )
