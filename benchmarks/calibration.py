@@ -140,6 +140,7 @@ def run(args) -> dict:
             "ratio": record.ratio,
             "guard": None if record.guard is None else {"base": record.guard.base, "threshold": record.guard.threshold},
             "meets_target": record.meets_target,
+            "why": record.why,
             "selection": record.selection,
             "curve": record.curve,
         },
@@ -159,6 +160,7 @@ def markdown(report: dict) -> str:
         f"Chosen: single ratio {cal['ratio']}"
         + (f"; guard base {guard['base']}, threshold {guard['threshold']}" if guard else "; no guard")
         + ("" if cal["meets_target"] else " (no ratio below 1.0 meets the target: blending cannot hold it here)")
+        + (f": {cal['why']}" if cal.get("why") else "")
         + ".",
         "",
         "Calibration curve (probe prompts):",
@@ -213,14 +215,19 @@ def summary(out: Path) -> Path:
         default, full = held["default (calibrated)"], held["full"]
         fallback = next(v for k, v in held.items() if k.startswith("fallback"))
         guard = cal["guard"]
-        chosen = (
-            f"guard {guard['base']} / {guard['threshold']}, else {cal['ratio']}" if guard else f"ratio {cal['ratio']}"
-        ) + ("" if cal["meets_target"] else " (target not met below 1.0)")
+        if guard:
+            chosen = f"guard {guard['base']} / {guard['threshold']}, else {cal['ratio']}"
+        elif cal["ratio"] < 1.0:
+            chosen = f"ratio {cal['ratio']}"
+        elif not cal["meets_target"]:
+            chosen = "full prefill: no ratio below 1.0 meets the target"
+        else:
+            chosen = "full prefill: what meets the target is not 1.1x sooner"
         if c["target"] != 0.95:
             chosen = f"target {c['target']}: {chosen}"
         page = f"calibration-{c['tag']}"
         lines.append(
-            f"| [{Path(c['model']).name}]({page}.md) | {c['backend']} | {c.get('probes', 'documents')} | {chosen} | "
+            f"| [{Path(c['model']).name.split(' (')[0]}]({page}.md) | {c['backend']} | {c.get('probes', 'documents')} | {chosen} | "
             f"{c['calibration_seconds']:.0f} s, "
             f"{c['calibration_prompts']} prompts | {default['agreement']:.3f} | {default['right']:.3f} "
             f"({full['right']:.3f}) | {default['mean_ratio']:.3f} | {default['guard_fired']:.2f} | "

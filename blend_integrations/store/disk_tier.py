@@ -301,12 +301,7 @@ class DiskTier(Tier):
         except FileNotFoundError:
             return None
         except OSError as e:
-            self.report.count(errors=1)
-            self.report.warn_once(
-                f"record:disk-read:{name}",
-                f"disk read failed ({type(e).__name__}: {e}); treating it as a disk miss",
-                subject=f"record {name!r}",
-            )
+            self._record_failed(name, "read", f"disk read failed ({type(e).__name__}: {e}); treating it as a disk miss")
             return None
 
     def put_record(self, name: str, raw: bytes) -> None:
@@ -348,12 +343,12 @@ class DiskTier(Tier):
         except FileNotFoundError:
             return
         except OSError as e:
-            self.report.count(errors=1)
-            self.report.warn_once(
-                f"record:disk-delete:{name}",
-                f"deleting it from disk failed ({type(e).__name__}: {e})",
-                subject=f"record {name!r}",
-            )
+            self._record_failed(name, "delete", f"deleting it from disk failed ({type(e).__name__}: {e})")
+
+    def _record_failed(self, name: str, action: str, message: str) -> None:
+        """Count a failed record read or delete and say so once per record and action."""
+        self.report.count(errors=1)
+        self.report.warn_once(f"record:disk-{action}:{name}", message, subject=f"record {name!r}")
 
     def close(self) -> None:
         """Close this thread's database connection (it reconnects on use)."""
