@@ -56,6 +56,7 @@ def cpu_name() -> str:
 
 def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
+    doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else task.doc_tokens
     store = ChunkStore(tempfile.mkdtemp(prefix="blend-calibration-store-"), remote="")
     started = time.perf_counter()
     engine = load_engine(str(model_dir), store=store, backend=args.backend)
@@ -66,9 +67,9 @@ def run(args) -> dict:
             for e in examples
         ]
 
-    calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=task.doc_tokens)
+    calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=doc_tokens)
     calibration_docs = sorted({d for e in calibration_set for d in e.documents})
-    held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
+    held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=doc_tokens)
     seen = set(calibration_docs) & {d for e in held_out for d in e.documents}
     assert not seen, f"{len(seen)} held-out documents were calibrated on"
     t0 = time.perf_counter()
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=48, help="calibration probe prompts")
     parser.add_argument("--questions", type=int, default=60, help="held-out questions")
     parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument(
+        "--doc-tokens", type=int, nargs=2, metavar=("MIN", "MAX"), help="document length (default: the model's task's)"
+    )
     parser.add_argument(
         "--probes",
         choices=("questions", "documents"),

@@ -669,5 +669,6 @@ def write_plot(record: CalibrationRecord, path: str | os.PathLike) -> None:
     ax.set_title(f"{Path(record.model).name}: {record.n} prompts, chosen {record.ratio}", fontsize=9)
     ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

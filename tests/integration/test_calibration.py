@@ -312,7 +312,11 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "benchmarks", "calibration", "--model", model_dirs("llama"), "--out", str(out)]
     done = subprocess.run(
-        cmd + ["--prompts", "4", "--questions", "3"], capture_output=True, text=True, timeout=600, cwd=ROOT
+        cmd + ["--prompts", "4", "--questions", "3", "--doc-tokens", "20", "40"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     (report_path,) = out.glob("calibration-*.json")
