@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from blend_integrations.calibration import curve_table, settings_label
 from blend_integrations.chat import rag_prompt
 from blend_integrations.config import FALLBACK_RATIO
 from blend_integrations.engines import load_engine
@@ -86,7 +87,8 @@ def run(args) -> dict:
     modes = {
         "full": {"mode": "full"},
         "default (calibrated)": {},
-        f"calibrated single ratio ({record.ratio})": {"recompute_ratio": record.ratio},
+        # the calibrated single ratio with the settings it was measured under
+        f"calibrated single ratio ({record.ratio})": {"recompute_ratio": record.ratio, **record.settings},
         f"fallback ({FALLBACK_RATIO})": {"recompute_ratio": FALLBACK_RATIO},
     }
     rows: dict[str, list[dict]] = {name: [] for name in modes}
@@ -142,7 +144,7 @@ def run(args) -> dict:
             "guard": None if record.guard is None else {"base": record.guard.base, "threshold": record.guard.threshold},
             "meets_target": record.meets_target,
             "why": record.why,
-            "selection": record.selection,
+            "settings": record.settings,
             "curve": record.curve,
         },
         "held_out": table,
@@ -158,7 +160,7 @@ def markdown(report: dict) -> str:
         f"{c['calibration_documents']} documents in "
         f"{c['calibration_seconds']:.0f} s; target {c['target']} agreement with full prefill's first "
         f"{c['tokens_compared']} tokens, at a {c['confidence']:.0%} lower confidence bound.",
-        f"Chosen: single ratio {cal['ratio']}"
+        f"Chosen: single ratio {cal['ratio']} ({settings_label(cal['settings'])} settings)"
         + (f"; guard base {guard['base']}, threshold {guard['threshold']}" if guard else "; no guard")
         + ("" if cal["meets_target"] else " (no ratio below 1.0 meets the target: blending cannot hold it here)")
         + (f": {cal['why']}" if cal.get("why") else "")
@@ -166,15 +168,8 @@ def markdown(report: dict) -> str:
         "",
         "Calibration curve (probe prompts):",
         "",
-        "| ratio | agreement | lower bound | first-token KL | TTFT full / blend |",
-        "|---:|---:|---:|---:|---:|",
+        *curve_table(cal["curve"], c["calibration_prompts"]),
     ]
-    for p in cal["curve"]:
-        if p["policy"] == "ratio":
-            kl = "-" if p["kl"] is None else f"{p['kl']:.4f}"
-            lines.append(
-                f"| {p['ratio']:.2f} | {p['agreement']:.3f} | {p['lower_bound']:.3f} | {kl} | {p['ttft_speedup']:.2f}x |"
-            )
     lines += [
         "",
         f"Held out: {c['held_out_questions']} questions about documents calibration never saw "
@@ -219,7 +214,9 @@ def summary(out: Path) -> Path:
         if guard:
             chosen = f"guard {guard['base']} / {guard['threshold']}, else {cal['ratio']}"
         elif cal["ratio"] < 1.0:
-            chosen = f"ratio {cal['ratio']}"
+            chosen = f"ratio {cal['ratio']}" + (
+                f" ({settings_label(cal['settings'])})" if settings_label(cal["settings"]) != "default" else ""
+            )
         elif not cal["meets_target"]:
             chosen = "full prefill: no ratio below 1.0 meets the target"
         else:

@@ -71,7 +71,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", metavar="PNG", help="write agreement and TTFT speedup against the ratio here")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        metavar="JSON",
+        help="blend settings tried besides the engine's own, each a JSON object such as '{\"check_layers\": [1, 2]}' "
+        "(default: gradual check layers, the other selection, the other deviation, sink tokens; "
+        "none given: only the engine's own)",
+    )
     args = parser.parse_args(argv)
+    variants = None
+    if args.variants is not None:
+        try:
+            variants = [json.loads(v) for v in args.variants]
+        except json.JSONDecodeError as e:
+            parser.error(f"--variants: not JSON ({e.msg})")
+        if not all(isinstance(v, dict) for v in variants):
+            parser.error("--variants: each must be a JSON object of blend settings")
     for name in ("target", "confidence"):
         if not 0.0 < getattr(args, name) <= 1.0:
             parser.error(f"--{name} must be in (0, 1], got {getattr(args, name)}")
@@ -92,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                 num_prompts=args.prompts,
                 tokens=args.tokens,
                 ratios=args.ratios,
+                variants=variants,
                 seed=args.seed,
                 min_speedup=args.min_speedup,
                 plot=args.plot,

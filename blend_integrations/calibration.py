@@ -7,8 +7,12 @@ SmolLM2-135M's (docs/results/calibration.md). ``calibrate`` measures it:
 1. Probe prompts from the user's documents (random subsets in random orders,
    with a question about one of them, through the model's chat template),
    or the user's own prompts; a fixed seed.
-2. Each prompt's full prefill, then blend at every ratio of a ladder (and
-   each selection asked for), on the engine being calibrated. A blended reply
+2. Each prompt's full prefill, then blend at every ratio of a ladder with the
+   engine's own blend settings, on the engine being calibrated; then other
+   settings (``variants``: gradual check layers, query-aware selection, key
+   deviation, sink tokens), each at the ratios that would be cheaper than
+   the best found so far, each dropped as soon as its disagreements rule out
+   the target (so a bad variant costs a few prompts). A blended reply
    *agrees* when its first ``tokens`` greedy tokens are full prefill's. The
    first token's KL divergence from full prefill's (over full prefill's top
    ``KL_TOP`` tokens and the rest as one bucket) and the time to first token
@@ -20,17 +24,19 @@ SmolLM2-135M's (docs/results/calibration.md). ``calibrate`` measures it:
    1.0, full prefill). Every blended reply reports the share its ratio holds
    (``Usage.deviation_captured``), so a guard policy's outcome on the probes
    is known exactly from the ladder runs, without running it.
-4. The cheapest policy (mean recompute ratio) whose agreement meets
-   ``target`` with a one-sided Wilson lower bound at ``confidence`` wins.
+4. The cheapest policy whose agreement meets ``target`` with a one-sided
+   Wilson lower bound at ``confidence``, and which is measured at least
+   ``min_speedup`` times sooner than full prefill, wins. Cheapest: the least
+   computed share of the reused token-layers (``config.computed_share``).
    If none below 1.0 does, the record says so: blending cannot hold that
    target on this model, and ``"auto"`` recomputes everything.
 
 The record (``CalibrationRecord``) goes into the chunk store (disk and
 Redis, ``ChunkStore.put_record``) under the model's fingerprint and dtype,
-so every engine opened on that store, in any process, uses it. A record of
-another model or dtype, a damaged one, or one measured under other blend
-settings (check layers, deviation, sink tokens) is refused with a warning,
-and the fallback ratio is used.
+so every engine opened on that store, in any process, uses it: the ratio
+with the blend settings it was measured under. A record of another model or
+dtype, or a damaged one, is refused with a warning, and the fallback ratio
+is used.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
-from .config import FALLBACK_RATIO, BlendConfig, check_ratio, check_selection
+from .config import FALLBACK_RATIO, SETTINGS, BlendConfig, check_ratio, computed_share
 from .store import ChunkStore
 from .store.format import dtype_name
 
@@ -64,12 +70,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 # Ratios measured; 1.0 is full prefill's equal and is not run.
 LADDER: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
 KL_TOP = 20  # the first token's KL is over full prefill's top KL_TOP tokens and the rest as one bucket
-# The blend settings a ratio is measured under: a record measured under others does not apply.
-SETTINGS = ("check_layers", "deviation", "sink_tokens", "selection")
+# What a query-aware selection's reuse pass adds to a policy's cost (it computes the prompt's new tokens once more).
+QUERY_PASS_COST = 0.05
 # How often an engine looks for a new calibration record in its store (another process may write one).
 RELOAD_S = 1.0
 
@@ -112,6 +118,7 @@ class RatioChoice:
     ratio: float
     source: str  # config.RATIO_SOURCES
     guard: Guard | None = None
+    settings: dict | None = None  # the blend settings it was calibrated under (``config.SETTINGS``); None: the config's
 
 
 @dataclass(frozen=True)
@@ -119,17 +126,18 @@ class CalibrationRecord:
     """What calibration measured and chose for one model and dtype.
 
     ratio: the cheapest single ratio meeting the target (1.0 if none below
-    does); guard: the guard policy, when cheaper than ``ratio`` at the target
-    (engines that run the walk in-process use it; the vLLM engine, whose
-    worker cannot report a per-request ratio for every request yet, uses
-    ``ratio``). curve: every policy measured, with its agreement, lower
-    bound, KL, mean ratio and TTFT speedup."""
+    does), with ``settings``, the blend settings (``config.SETTINGS``) it was
+    measured under; guard: the guard policy, when cheaper than ``ratio`` at
+    the target, under ``guard_settings`` (engines that run the walk
+    in-process use it; the vLLM engine, whose worker cannot report a
+    per-request ratio for every request yet, uses ``ratio``). curve: every
+    policy measured, with its cost, agreement, lower bound, KL, mean ratio
+    and TTFT speedup."""
 
     model: str
     fingerprint: str
     dtype: str
-    settings: dict  # SETTINGS as measured under
-    selection: str
+    settings: dict
     ratio: float
     guard: Guard | None
     meets_target: bool
@@ -144,6 +152,7 @@ class CalibrationRecord:
     seconds: float = 0.0
     why: str = ""  # how the choice was made, in words
     min_speedup: float = 1.0  # a policy measured less sooner than full prefill than this is not chosen
+    guard_settings: dict | None = None
 
     def to_bytes(self) -> bytes:
         data = dataclasses.asdict(self)
@@ -151,8 +160,11 @@ class CalibrationRecord:
         return json.dumps({"kind": "blend-calibration", "version": RECORD_VERSION, **data}, sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes, *, fingerprint: str, dtype: str) -> CalibrationRecord:
-        """Parse and check a stored record; raises CalibrationError naming what is wrong."""
+    def from_bytes(
+        cls, raw: bytes, *, fingerprint: str, dtype: str, num_layers: int | None = None
+    ) -> CalibrationRecord:
+        """Parse and check a stored record (its check layers against the
+        model's ``num_layers``); raises CalibrationError naming what is wrong."""
         try:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -184,35 +196,20 @@ class CalibrationRecord:
                     raise ValueError("the guard's ladder must be increasing")
                 for r in record.guard.ladder:
                     check_ratio(r, name="guard ladder ratio")
-            check_selection(record.selection)
-            if not isinstance(record.settings, dict) or set(record.settings) != set(SETTINGS):
-                raise ValueError(f"settings must name {', '.join(SETTINGS)}")
+            for settings in (record.settings, record.guard_settings):
+                if settings is None and settings is record.guard_settings and record.guard is None:
+                    continue
+                if not isinstance(settings, dict) or set(settings) != set(SETTINGS):
+                    raise ValueError(f"settings must name {', '.join(SETTINGS)}")
+                BlendConfig().with_settings(settings, num_layers=num_layers)
         except (KeyError, TypeError, ValueError) as e:
             raise CalibrationError(f"the calibration record is damaged: {type(e).__name__}: {e}") from None
         return record
 
-    def settings_mismatch(self, config: BlendConfig) -> str | None:
-        """Why this record does not apply under ``config``, or None if it does."""
-        mine = settings_of(config)
-        diff = [
-            f"{k}={self.settings[k]!r} (the engine has {mine[k]!r})" for k in SETTINGS if self.settings[k] != mine[k]
-        ]
-        return None if not diff else "it was measured with " + ", ".join(diff)
-
     def choice(self, *, guard: bool = True) -> RatioChoice:
         if guard and self.guard is not None and self.meets_target:
-            return RatioChoice(self.guard.base, "calibrated", self.guard)
-        return RatioChoice(self.ratio, "calibrated")
-
-
-def settings_of(config: BlendConfig, selection: str | None = None) -> dict:
-    """The settings a ratio is measured under (``SETTINGS``); ``selection``: the one the calibration chose."""
-    return {
-        "check_layers": list(config.check_layers),
-        "deviation": config.deviation,
-        "sink_tokens": config.sink_tokens,
-        "selection": selection or config.selection,
-    }
+            return RatioChoice(self.guard.base, "calibrated", self.guard, self.guard_settings)
+        return RatioChoice(self.ratio, "calibrated", settings=self.settings)
 
 
 class Calibrations:
@@ -221,12 +218,12 @@ class Calibrations:
     calibrated), and checked. Says once per problem why it is not used."""
 
     def __init__(
-        self, store: ChunkStore, fingerprint: str, dtype: Any, config: BlendConfig, *, label: str = ""
+        self, store: ChunkStore, fingerprint: str, dtype: Any, *, num_layers: int | None = None, label: str = ""
     ) -> None:
         self.store = store
         self.fingerprint = fingerprint
         self.dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
-        self.config = config
+        self.num_layers = num_layers
         self.label = label or fingerprint[:12]
         self.name = record_name(fingerprint, self.dtype)
         self._record: CalibrationRecord | None = None
@@ -259,15 +256,12 @@ class Calibrations:
         if raw is None:
             return None
         try:
-            record = CalibrationRecord.from_bytes(raw, fingerprint=self.fingerprint, dtype=self.dtype)
+            return CalibrationRecord.from_bytes(
+                raw, fingerprint=self.fingerprint, dtype=self.dtype, num_layers=self.num_layers
+            )
         except CalibrationError as e:
             self._say(f"the store's calibration record is refused: {e}")
             return None
-        why = record.settings_mismatch(self.config)
-        if why is not None:
-            self._say(f"the store's calibration record does not apply: {why}; calibrate again with these settings")
-            return None
-        return record
 
     def _say(self, why: str) -> None:
         if why not in self._said:
@@ -371,7 +365,39 @@ def _first_token_kl(full: Generation, blend: Generation) -> float | None:
 @dataclass
 class _Probe:
     full: Generation
-    runs: dict = field(default_factory=dict)  # (selection, ratio) -> Generation
+    runs: dict = field(default_factory=dict)  # ratio -> Generation, with the engine's own settings
+
+
+def default_variants(config: BlendConfig, num_layers: int | None) -> list[dict]:
+    """The blend settings calibration tries besides the engine's own: gradual
+    filtering over two check layers, the other selection, the other
+    deviation, and sink tokens (each one change from ``config``)."""
+    first = config.check_layers[0]
+    variants: list[dict] = []
+    if len(config.check_layers) == 1 and (num_layers is None or first + 1 < num_layers):
+        variants.append({"check_layers": [first, first + 1]})
+    variants.append({"selection": "query" if config.selection == "deviation" else "deviation"})
+    variants.append({"deviation": "k" if config.deviation == "v" else "v"})
+    if config.sink_tokens == 0:
+        variants.append({"sink_tokens": 2})
+    return variants
+
+
+def _label(settings: dict, base: dict) -> str:
+    changed = {k: v for k, v in settings.items() if base.get(k) != v}
+    return ", ".join(f"{k}={v}" for k, v in changed.items()) or "default"
+
+
+def policy_cost(settings: dict, ratio: float, num_layers: int) -> float:
+    """What a policy computes: the share of the reused token-layers
+    (``config.computed_share``), plus a query-aware selection's reuse pass."""
+    share = computed_share(tuple(settings["check_layers"]), ratio, num_layers)
+    return share + (QUERY_PASS_COST if settings["selection"] != "deviation" else 0.0)
+
+
+def _max_misses(n: int, target: float, confidence: float) -> int:
+    """The most disagreements out of ``n`` that still meet ``target`` (-1: none does)."""
+    return max((f for f in range(n + 1) if wilson_lower(n - f, n, confidence) >= target), default=-1)
 
 
 @contextlib.contextmanager
@@ -408,23 +434,23 @@ def calibrate(
     tokens: int = 4,
     num_prompts: int = 48,
     ratios: Sequence[float] = LADDER,
-    selections: Sequence[str] = ("deviation",),
+    variants: Sequence[dict] | None = None,
     seed: int = 0,
     min_speedup: float = 1.1,
     progress: bool | None = None,
     plot: str | os.PathLike | None = None,
     save: bool = True,
 ) -> CalibrationRecord:
-    """Measure the recompute ratio this engine's model needs to agree with
+    """Measure the recompute policy this engine's model needs to agree with
     full prefill on ``target`` of the prompts, store it, and return the record.
-    ``selections``: the ways of choosing recomputed tokens measured; a record
-    applies to engines configured with the one it chose (``BlendConfig.selection``).
-    See the module docstring for the method; ``prompts`` replaces the probes
-    built from ``documents``. ``min_speedup``: a policy measured less than
-    this many times sooner than full prefill is not worth its risk: when none
-    meeting the target is faster, the record chooses full prefill. Prints a
-    table; ``plot``: also write a PNG of agreement and TTFT speedup against
-    the ratio."""
+    ``variants``: blend settings tried besides the engine's own, each a dict
+    of ``config.SETTINGS`` changes (None: ``default_variants``; ``[]``: only
+    the engine's own). See the module docstring for the method; ``prompts``
+    replaces the probes built from ``documents``. ``min_speedup``: a policy
+    measured less than this many times sooner than full prefill is not worth
+    its risk: when none meeting the target is faster, the record chooses full
+    prefill. Prints a table; ``plot``: also write a PNG of agreement and TTFT
+    speedup against the ratio."""
     from tqdm.auto import tqdm
 
     from . import __version__
@@ -440,8 +466,20 @@ def calibrate(
     ladder = sorted({check_ratio(r) for r in ratios} - {1.0})
     if not ladder:
         raise CalibrationError("ratios must hold at least one ratio below 1.0")
-    for s in selections:
-        check_selection(s)
+    config, num_layers = engine.config, engine.num_layers
+    if num_layers is None:
+        raise CalibrationError(
+            f"the {engine.backend} engine does not know its model's layers here: calibrate where it runs"
+        )
+    base = config.settings()
+    tried = [base]
+    for v in default_variants(config, num_layers) if variants is None else variants:
+        try:
+            settings = config.with_settings(v, num_layers=num_layers).settings()
+        except (TypeError, ValueError) as e:
+            raise CalibrationError(f"variant {v!r:.80}: {e}") from None
+        if settings not in tried:
+            tried.append(settings)
     if prompts is not None:
         probes = [engine.tokenize(p) for p in prompts]
         source = f"{len(probes)} given prompts"
@@ -465,35 +503,52 @@ def calibrate(
     probes = [p for p in probes if p.chunk_spans]
     if len(probes) < 2:
         raise CalibrationError("calibration needs at least 2 prompts with retrieved documents (chunks) in them")
-    config = engine.config
     name = record_name(engine.fingerprint, engine.dtype_name)
     show = progress if progress is not None else True
     started = time.perf_counter()
+    n = len(probes)
+
+    def blend(tp, ratio: float, settings: dict) -> Generation:
+        return engine.generate(tp, mode="blend", recompute_ratio=ratio, **settings, max_tokens=tokens, logprobs=KL_TOP)
+
     with _exclusive(engine.store, name):
         chunks = {tuple(p.token_ids[a:b]) for p in probes for a, b in p.chunk_spans}
         engine.warm([list(c) for c in chunks], progress=show)
-        runs = [(s, r) for s in selections for r in ladder]
         results: list[_Probe] = []
-        bar = tqdm(total=len(probes) * (1 + len(runs)), desc=f"calibrating ({source})", unit="run", disable=not show)
+        bar = tqdm(total=n * (1 + len(ladder)), desc=f"calibrating ({source})", unit="run", disable=not show)
         with bar:
+            # The engine's own settings over the whole ladder: every probe at every ratio (the guard needs them all).
             for tp in probes:
                 probe = _Probe(engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP))
                 bar.update()
-                for s, r in runs:
-                    probe.runs[(s, r)] = engine.generate(
-                        tp, mode="blend", recompute_ratio=r, selection=s, max_tokens=tokens, logprobs=KL_TOP
-                    )
+                for r in ladder:
+                    probe.runs[r] = blend(tp, r, base)
                     bar.update()
                 results.append(probe)
-        curve = _policies(results, ladder, selections, tokens, confidence)
+            curve = _policies(results, ladder, base, num_layers, tokens, confidence)
+            curve += _variants(
+                results,
+                probes,
+                ladder,
+                tried[1:],
+                curve,
+                blend,
+                bar,
+                num_layers,
+                tokens,
+                target=target,
+                confidence=confidence,
+                min_speedup=min_speedup,
+                base=base,
+            )
         record = _choose(
             curve,
+            base=base,
             min_speedup=min_speedup,
             target=target,
             confidence=confidence,
             tokens=tokens,
-            n=len(results),
-            config=config,
+            n=n,
             engine=engine,
             version=__version__,
             seconds=time.perf_counter() - started,
@@ -507,43 +562,80 @@ def calibrate(
     return record
 
 
-def _policies(results: list[_Probe], ladder: list[float], selections, tokens: int, confidence: float) -> list[dict]:
-    """Every policy's agreement, lower bound, KL, mean ratio and TTFT speedup on the probes."""
-    full_ttft = statistics.fmean(p.full.ttft_s for p in results)
-    n = len(results)
-    curve = []
+def _row(
+    results: list[_Probe],
+    per_probe: list[tuple[float, Generation | None]],
+    tokens: int,
+    confidence: float,
+    n: int,
+    **fields,
+) -> dict:
+    """One policy's measures over the probes it ran on (the first ``len(per_probe)``);
+    a None generation is full prefill (the guard's 1.0)."""
+    measured = results[: len(per_probe)]
+    agree = sum(g is None or _agree(p.full, g, tokens) for p, (_, g) in zip(measured, per_probe))
+    kls = [
+        k for p, (_, g) in zip(measured, per_probe) if g is not None and (k := _first_token_kl(p.full, g)) is not None
+    ]
+    ttft = [g.ttft_s if g is not None else p.full.ttft_s for p, (_, g) in zip(measured, per_probe)]
+    return {
+        **fields,
+        "mean_ratio": round(statistics.fmean(r for r, _ in per_probe), 4),
+        "n": len(per_probe),
+        "agreement": round(agree / len(per_probe), 4),
+        # a policy stopped early is short of n probes: it cannot meet the target
+        "lower_bound": round(wilson_lower(agree, n, confidence), 4) if len(per_probe) == n else 0.0,
+        "kl": round(statistics.fmean(kls), 4) if kls else None,
+        "ttft_speedup": round(statistics.fmean(p.full.ttft_s for p in measured) / statistics.fmean(ttft), 3),
+    }
 
-    def row(policy: str, selection: str, per_probe: list[tuple[float, Generation | None]], **extra) -> dict:
-        agree = sum(g is None or _agree(p.full, g, tokens) for p, (_, g) in zip(results, per_probe))
-        kls = [_first_token_kl(p.full, g) for p, (_, g) in zip(results, per_probe) if g is not None]
-        ttft = [g.ttft_s if g is not None else p.full.ttft_s for p, (_, g) in zip(results, per_probe)]
-        return {
-            "policy": policy,
-            "selection": selection,
-            **extra,
-            "mean_ratio": round(statistics.fmean(r for r, _ in per_probe), 4),
-            "agreement": round(agree / n, 4),
-            "lower_bound": round(wilson_lower(agree, n, confidence), 4),
-            "kl": round(statistics.fmean(k for k in kls if k is not None), 4)
-            if any(k is not None for k in kls)
-            else None,
-            "ttft_speedup": round(full_ttft / statistics.fmean(ttft), 3),
-        }
 
-    for s in selections:
-        for r in ladder:
-            curve.append(row("ratio", s, [(r, p.runs[(s, r)]) for p in results], ratio=r))
-        captured = {r: [p.runs[(s, r)].usage.deviation_captured for p in results] for r in ladder}
-        if any(v is None for values in captured.values() for v in values):
-            continue  # the engine does not report the deviation its ratio captures: no guard
-        for base in ladder:
-            for threshold in sorted({round(v, 3) for v in captured[base]})[1:]:
-                guard = Guard(base, threshold, tuple(ladder))
-                per_probe = []
-                for i, p in enumerate(results):
-                    r = guard.ratio(functools.partial(_at, captured, i))
-                    per_probe.append((r, p.runs[(s, r)] if r < 1.0 else None))
-                curve.append(row("guard", s, per_probe, ratio=base, threshold=threshold))
+def _policies(
+    results: list[_Probe], ladder: list[float], base: dict, num_layers: int, tokens: int, confidence: float
+) -> list[dict]:
+    """Every ratio of the ladder and every guard policy, with the engine's own settings, on the probes."""
+    n, label = len(results), _label(base, base)
+    curve = [
+        _row(
+            results,
+            [(r, p.runs[r]) for p in results],
+            tokens,
+            confidence,
+            n,
+            policy="ratio",
+            variant=label,
+            settings=base,
+            ratio=r,
+            cost=round(policy_cost(base, r, num_layers), 4),
+        )
+        for r in ladder
+    ]
+    captured = {r: [p.runs[r].usage.deviation_captured for p in results] for r in ladder}
+    if any(v is None for values in captured.values() for v in values):
+        return curve  # the engine does not report the deviation its ratio captures: no guard
+    for r0 in ladder:
+        for threshold in sorted({round(v, 3) for v in captured[r0]})[1:]:
+            guard = Guard(r0, threshold, tuple(ladder))
+            per_probe = []
+            for i, p in enumerate(results):
+                r = guard.ratio(functools.partial(_at, captured, i))
+                per_probe.append((r, p.runs[r] if r < 1.0 else None))
+            cost = statistics.fmean(policy_cost(base, r, num_layers) for r, _ in per_probe)
+            curve.append(
+                _row(
+                    results,
+                    per_probe,
+                    tokens,
+                    confidence,
+                    n,
+                    policy="guard",
+                    variant=label,
+                    settings=base,
+                    ratio=r0,
+                    threshold=threshold,
+                    cost=round(cost, 4),
+                )
+            )
     return curve
 
 
@@ -551,46 +643,99 @@ def _at(captured: dict[float, list], i: int, ratio: float) -> float:
     return captured[ratio][i]
 
 
+def _variants(
+    results, probes, ladder, variants, curve, blend, bar, num_layers, tokens, *, target, confidence, min_speedup, base
+) -> list[dict]:
+    """The other settings, each at the ratios cheaper than the best policy
+    found so far, cheapest first; a candidate stops at the disagreement that
+    rules the target out, and one as costly as a ratio measured too slow to be
+    worth it is not run."""
+    n = len(results)
+    misses_allowed = _max_misses(n, target, confidence)
+    best = min((c["cost"] for c in curve if _meets(c, target, n, min_speedup)), default=math.inf)
+    too_slow = min(
+        (c["cost"] for c in curve if c["policy"] == "ratio" and c["ttft_speedup"] < min_speedup), default=math.inf
+    )
+    candidates = sorted(
+        ((policy_cost(v, r, num_layers), i, r) for i, v in enumerate(variants) for r in ladder),
+        key=lambda c: (c[0], c[1], c[2]),
+    )
+    bar.total += n * len(candidates)
+    rows = []
+    for cost, i, r in candidates:
+        settings = variants[i]
+        if misses_allowed < 0 or cost >= min(best, too_slow):
+            bar.update(n)
+            continue
+        per_probe, misses = [], 0
+        for p, tp in zip(results, probes):
+            g = blend(tp, r, settings)
+            per_probe.append((r, g))
+            bar.update()
+            misses += not _agree(p.full, g, tokens)
+            if misses > misses_allowed:
+                break
+        bar.update(n - len(per_probe))
+        row = _row(
+            results,
+            per_probe,
+            tokens,
+            confidence,
+            n,
+            policy="ratio",
+            variant=_label(settings, base),
+            settings=settings,
+            ratio=r,
+            cost=round(cost, 4),
+        )
+        rows.append(row)
+        if _meets(row, target, n, min_speedup):
+            best = min(best, row["cost"])
+    return rows
+
+
+def _meets(row: dict, target: float, n: int, min_speedup: float) -> bool:
+    return row["n"] == n and row["lower_bound"] >= target and row["ttft_speedup"] >= min_speedup
+
+
 def _choose(
-    curve: list[dict], *, target, confidence, tokens, n, min_speedup, config, engine, version, seconds
+    curve: list[dict], *, base, target, confidence, tokens, n, min_speedup, engine, version, seconds
 ) -> CalibrationRecord:
-    """The cheapest policy meeting the target: the single ratio for every
-    engine, and the guard when it is cheaper still; each only if measured at
-    least ``min_speedup`` times sooner than full prefill, else full prefill."""
-    meeting = [c for c in curve if c["lower_bound"] >= target]
-    # Cheapest: the least recomputed; query-aware selections run a reuse pass more, so deviation wins a tie.
-    cost = lambda c: (c["mean_ratio"] + (0.0 if c["selection"] == "deviation" else 0.05), c["ratio"])  # noqa: E731
+    """The cheapest policy meeting the target: the single ratio (with its
+    settings) for every engine, and the guard when it is cheaper still; each
+    only if measured at least ``min_speedup`` times sooner than full prefill,
+    else full prefill."""
+    meeting = [c for c in curve if c["n"] == n and c["lower_bound"] >= target]
+    cost = lambda c: (c["cost"], c["ratio"])  # noqa: E731
     worth = [c for c in meeting if c["ttft_speedup"] >= min_speedup]  # confirmed by measured TTFT
     uniform = min((c for c in worth if c["policy"] == "ratio"), key=cost, default=None)
     guarded = min((c for c in worth if c["policy"] == "guard"), key=cost, default=None)
     if guarded is not None and uniform is not None and cost(guarded) >= cost(uniform):
         guarded = None  # the guard only when it is cheaper than one ratio for every request
-    meets = bool(meeting)
     if not meeting:
-        why = f"no ratio below 1.0 meets the target {target}: blending cannot hold it here; full prefill"
+        why = f"no policy below ratio 1.0 meets the target {target}: blending cannot hold it here; full prefill"
     elif uniform is None and guarded is None:
         best = min(meeting, key=cost)
         why = (
-            f"the cheapest policy meeting the target (mean ratio {best['mean_ratio']}) was measured only "
+            f"the cheapest policy meeting the target (computed share {best['cost']}) was measured only "
             f"{best['ttft_speedup']:.2f}x sooner than full prefill, under min_speedup {min_speedup}: full prefill"
         )
     else:
         chosen = guarded if guarded is not None else uniform
         assert chosen is not None  # one of the two, by the branch above
         why = (
-            f"the cheapest policy meeting the target: mean ratio {chosen['mean_ratio']}, "
-            f"{chosen['ttft_speedup']:.2f}x sooner than full prefill"
+            f"the cheapest policy meeting the target: computed share {chosen['cost']}, mean ratio "
+            f"{chosen['mean_ratio']}, {chosen['ttft_speedup']:.2f}x sooner than full prefill"
         )
-    selection = (guarded or uniform or {"selection": config.selection})["selection"]
     return CalibrationRecord(
         model=engine.model_name,
         fingerprint=engine.fingerprint,
         dtype=engine.dtype_name,
-        settings=settings_of(config, selection),
-        selection=selection,
+        settings=uniform["settings"] if uniform is not None else base,
         ratio=uniform["ratio"] if uniform is not None else 1.0,
         guard=None if guarded is None else Guard(guarded["ratio"], guarded["threshold"], LADDER),
-        meets_target=meets,
+        guard_settings=None if guarded is None else guarded["settings"],
+        meets_target=bool(meeting),
         target=target,
         confidence=confidence,
         tokens=tokens,
@@ -605,6 +750,28 @@ def _choose(
     )
 
 
+def curve_table(curve: list[dict], n: int) -> list[str]:
+    """The single-ratio policies measured, as a Markdown table."""
+    lines = [
+        "| settings | ratio | computed share | agreement | lower bound | first-token KL | TTFT full / blend |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in curve:
+        if c["policy"] == "ratio":
+            kl = "-" if c["kl"] is None else f"{c['kl']:.4f}"
+            agreement = f"{c['agreement']:.3f}" + ("" if c["n"] == n else f" (stopped after {c['n']})")
+            lines.append(
+                f"| {c['variant']} | {c['ratio']:.2f} | {c['cost']:.3f} | {agreement} | {c['lower_bound']:.3f} | "
+                f"{kl} | {c['ttft_speedup']:.2f}x |"
+            )
+    return lines
+
+
+def settings_label(settings: dict, base: dict | None = None) -> str:
+    """``settings`` in words: those that differ from ``base`` (None: from ``BlendConfig()``'s)."""
+    return _label(settings, BlendConfig().settings() if base is None else base)
+
+
 def report(record: CalibrationRecord) -> str:
     """The calibration as a table and the choice, in words."""
     lines = [
@@ -612,26 +779,19 @@ def report(record: CalibrationRecord) -> str:
         f"agreement = the first {record.tokens} greedy tokens equal full prefill's; target {record.target} "
         f"(lower bound at {record.confidence:.0%} confidence); {record.seconds:.0f} s",
         "",
-        "| selection | ratio | agreement | lower bound | first-token KL | TTFT full / blend |",
-        "|---|---:|---:|---:|---:|---:|",
+        *curve_table(record.curve, record.n),
     ]
-    for c in record.curve:
-        if c["policy"] == "ratio":
-            kl = "-" if c["kl"] is None else f"{c['kl']:.4f}"
-            lines.append(
-                f"| {c['selection']} | {c['ratio']:.2f} | {c['agreement']:.3f} | {c['lower_bound']:.3f} | {kl} | "
-                f"{c['ttft_speedup']:.2f}x |"
-            )
     guards = [c for c in record.curve if c["policy"] == "guard" and c["lower_bound"] >= record.target]
     if guards:
-        best = min(guards, key=lambda c: c["mean_ratio"])
+        best = min(guards, key=lambda c: c["cost"])
         lines.append(
             f"\nguard: base {best['ratio']:.2f}, threshold {best['threshold']:.3f} -> mean ratio "
             f"{best['mean_ratio']:.3f}, agreement {best['agreement']:.3f}, {best['ttft_speedup']:.2f}x"
         )
     if not record.meets_target:
         lines.append(
-            f"\nNo ratio below 1.0 meets the target {record.target} on this model: blending cannot hold it here. "
+            f"\nNo policy below ratio 1.0 meets the target {record.target} on this model: blending cannot hold it "
+            "here. "
             '"auto" runs full prefill; lower the target, or pass a ratio explicitly.'
         )
     elif record.ratio >= 1.0 and record.guard is None:
@@ -643,7 +803,10 @@ def report(record: CalibrationRecord) -> str:
             + (" (no single ratio below 1.0 meets the target)." if record.ratio >= 1.0 else ".")
         )
     else:
-        lines.append(f"\nChosen: ratio {record.ratio} ({record.selection} selection), the cheapest meeting the target.")
+        lines.append(
+            f"\nChosen: ratio {record.ratio} ({settings_label(record.settings)} settings), the cheapest meeting "
+            "the target."
+        )
     return "\n".join(lines)
 
 
@@ -655,12 +818,15 @@ def write_plot(record: CalibrationRecord, path: str | os.PathLike) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     speed = ax.twinx()
-    for s in sorted({c["selection"] for c in record.curve}):
-        rows = [c for c in record.curve if c["policy"] == "ratio" and c["selection"] == s]
+    variants = list(dict.fromkeys(c["variant"] for c in record.curve if c["policy"] == "ratio"))
+    for i, v in enumerate(variants):
+        rows = [c for c in record.curve if c["policy"] == "ratio" and c["variant"] == v]
         xs = [c["ratio"] for c in rows]
-        ax.plot(xs, [c["agreement"] for c in rows], "o-", label=f"agreement ({s})")
-        ax.plot(xs, [c["lower_bound"] for c in rows], ":", label=f"lower bound ({s})")
-        speed.plot(xs, [c["ttft_speedup"] for c in rows], "s--", color="grey", label="TTFT full / blend")
+        color = f"C{i}"
+        ax.plot(xs, [c["agreement"] for c in rows], "o-" if i == 0 else "x", color=color, label=f"agreement ({v})")
+        if i == 0:
+            ax.plot(xs, [c["lower_bound"] for c in rows], ":", color=color, label="lower bound")
+            speed.plot(xs, [c["ttft_speedup"] for c in rows], "s--", color="grey", label="TTFT full / blend")
     ax.axhline(record.target, color="red", lw=0.8, label=f"target {record.target}")
     ax.set_xlabel("recompute ratio")
     ax.set_ylabel(f"agrees with full prefill (first {record.tokens} tokens)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Deviation = Literal["k", "v"]
 # Where a request's recompute ratio came from (``Usage.ratio_source``): the
@@ -22,6 +22,9 @@ Mode = Literal["blend", "full", "reuse"]
 MODES: tuple[str, ...] = ("blend", "full", "reuse")
 Selection = Literal["deviation", "query", "mixed"]
 SELECTIONS: tuple[str, ...] = ("deviation", "query", "mixed")
+# The settings of one blend pass that a request may override and a
+# calibration measures a ratio under (with it, they make a blend policy).
+SETTINGS: tuple[str, ...] = ("check_layers", "deviation", "sink_tokens", "selection")
 
 
 @dataclass(frozen=True)
@@ -103,14 +106,54 @@ class BlendConfig:
     def replace(self, **changes) -> BlendConfig:
         return dataclasses.replace(self, **changes)
 
+    def settings(self) -> dict[str, Any]:
+        """The blend-pass settings (``SETTINGS``) as plain values (JSON-ready)."""
+        return {k: list(v) if k == "check_layers" else v for k, v in ((k, getattr(self, k)) for k in SETTINGS)}
+
+    def with_settings(self, settings: dict[str, Any] | None, *, num_layers: int | None = None) -> BlendConfig:
+        """This config with some ``SETTINGS`` replaced (a request's, or a
+        calibration's); raises ValueError naming a bad or unknown one, or check
+        layers beyond ``num_layers``."""
+        if not settings:
+            config = self
+        else:
+            unknown = sorted(str(k)[:40] for k in settings if k not in SETTINGS)
+            if unknown:
+                raise ValueError(f"unknown blend setting(s) {', '.join(unknown)}; they are {', '.join(SETTINGS)}")
+            changes = dict(settings)
+            if isinstance(changes.get("check_layers"), list):
+                changes["check_layers"] = tuple(changes["check_layers"])
+            config = self.replace(**changes)
+        if num_layers is not None and config.check_layers[-1] >= num_layers:
+            raise ValueError(f"check_layers {list(config.check_layers)} must be below the model's {num_layers} layers")
+        return config
+
     def check_schedule(self, recompute_ratio: float | None = None) -> list[tuple[int, float]]:
         """(layer, ratio) per check layer; the last ratio is the recompute ratio
         (None: the config's, which must then be a number, not "auto")."""
         r = self.recompute_ratio if recompute_ratio is None else recompute_ratio
         if isinstance(r, str):
             raise ValueError('check_schedule needs a ratio: the config\'s is "auto", resolved per request')
-        n = len(self.check_layers)
-        return [(layer, r + (1.0 - r) * (n - 1 - i) / n) for i, layer in enumerate(self.check_layers)]
+        return check_schedule(self.check_layers, r)
+
+
+def check_schedule(check_layers: tuple[int, ...], ratio: float) -> list[tuple[int, float]]:
+    """(layer, ratio) per check layer: gradual filtering shrinks the share kept
+    linearly from near 1 at the first to ``ratio`` at the last."""
+    n = len(check_layers)
+    return [(layer, ratio + (1.0 - ratio) * (n - 1 - i) / n) for i, layer in enumerate(check_layers)]
+
+
+def computed_share(check_layers: tuple[int, ...], ratio: float, num_layers: int) -> float:
+    """The share of a blended prompt's reused token-layers that are computed
+    (what a blend policy costs): every layer before the first check layer,
+    then the share each check layer keeps, down to ``ratio``."""
+    kept, total = 1.0, 0.0
+    schedule = dict(check_schedule(check_layers, ratio))
+    for layer in range(num_layers):
+        kept = schedule.get(layer, kept)
+        total += kept
+    return total / num_layers
 
 
 def check_mode(mode: str, *, name: str = "mode") -> str:

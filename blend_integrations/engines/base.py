@@ -10,12 +10,12 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from typing_extensions import Unpack
 
 from ..calibration import CalibrationRecord, Calibrations
-from ..config import BlendConfig, check_mode, check_ratio, check_selection
+from ..config import BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import ChunkKeys
 from ..prompt import PromptError, PromptInput, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
@@ -93,6 +93,9 @@ class GenerateOptions(TypedDict, total=False):
     mode: str  # "blend" (default), "reuse" or "full"
     recompute_ratio: float | str | None  # None: the engine config's; "auto": the calibrated one
     selection: str | None  # how recomputed tokens are chosen; None: the engine config's
+    check_layers: Sequence[int] | None  # the blend settings (``BlendConfig``); None: the engine's,
+    deviation: str | None  # or under "auto" the calibrated policy's
+    sink_tokens: int | None
     logprobs: int | None  # return the top-k log-probabilities of every token
 
 
@@ -108,7 +111,8 @@ class Request:
     seed: int | None
     mode: str
     recompute_ratio: float | str | None  # None: the engine's configured ratio; "auto": the calibrated one
-    selection: str | None  # None: the engine's configured selection
+    # The request's own blend settings (``config.SETTINGS``): only those it set.
+    settings: dict[str, Any]
     logprobs: int | None
     started: float  # perf_counter() when the call came in: time to first token counts from here
 
@@ -192,6 +196,7 @@ class Engine(ABC):
     context_length: int
     fingerprint: str
     dtype_name: str
+    num_layers: int | None = None  # the model's decoder layers (None: not known here, e.g. over HTTP)
 
     @property
     @abstractmethod
@@ -221,8 +226,9 @@ class Engine(ABC):
 
         mode: "full" (ordinary prefill, the reference), "reuse" (cached chunks
         loaded at their new positions, only fresh tokens computed) or "blend"
-        (CacheBlend). recompute_ratio and selection override the engine
-        config's (``BlendConfig``).
+        (CacheBlend). recompute_ratio, selection, check_layers, deviation
+        and sink_tokens override the engine config's (``BlendConfig``) and,
+        under ``recompute_ratio="auto"``, the calibrated policy's.
         logprobs: also return the top-k log-probabilities of every token.
         The other options and their defaults: ``GenerateOptions``.
         """
@@ -243,6 +249,9 @@ class Engine(ABC):
         mode: str = "blend",
         recompute_ratio: float | str | None = None,
         selection: str | None = None,
+        check_layers: Sequence[int] | None = None,
+        deviation: str | None = None,
+        sink_tokens: int | None = None,
         logprobs: int | None = None,
     ) -> Request:
         """Check the options, apply their defaults and tokenize: what every engine does first."""
@@ -252,7 +261,10 @@ class Engine(ABC):
         ratio = recompute_ratio
         if ratio is not None and ratio != "auto":
             ratio = check_ratio(ratio, auto=True)  # type: ignore[arg-type]  # any other str fails here
-        selection = None if selection is None else check_selection(selection)
+        given = {"check_layers": check_layers, "deviation": deviation, "sink_tokens": sink_tokens}
+        settings = {k: v for k, v in (given | {"selection": selection}).items() if v is not None}
+        checked = self.config.with_settings(settings, num_layers=self.num_layers).settings()  # ValueError if bad
+        settings = {k: checked[k] for k in settings}  # as plain values: check_layers a list
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return Request(
             self.tokenize(prompt),
@@ -263,7 +275,7 @@ class Engine(ABC):
             seed,
             mode,
             ratio,
-            selection,
+            settings,
             logprobs,
             started,
         )

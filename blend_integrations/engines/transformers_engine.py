@@ -52,6 +52,7 @@ class TransformersEngine(Engine):
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
         self.hf_model = hf_model
         self.layers = HFDecoder(hf_model)
+        self.num_layers = self.layers.num_layers
         self.context_length = int(hf_model.config.max_position_embeddings)
         self.fingerprint = model_fingerprint_override or model_fingerprint(model_dir)
         self.blender = Blender(
@@ -117,7 +118,7 @@ class TransformersEngine(Engine):
                 tp.chunk_spans,
                 mode=req.mode,
                 recompute_ratio=req.recompute_ratio,
-                selection=req.selection,
+                settings=req.settings,
             )
             logits, stats = self.blender.prefill(cache, tp.token_ids, plan)
             text = TextAssembler(self._tokenizer, req.stop)

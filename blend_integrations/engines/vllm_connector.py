@@ -10,7 +10,7 @@ writes it into vLLM's paged cache through the attention backend's own
 vLLM then computes the last token itself and samples from it.
 
 Per request the caller sends ``SamplingParams(extra_args={"kv_transfer_params":
-{"blend": {"mode", "ratio", "selection", "chunk_spans", "num_tokens"}}})`` (``vllm serve``
+{"blend": {"mode", "ratio", "selection", "chunk_spans", "num_tokens", ...}}})`` (``vllm serve``
 takes ``kv_transfer_params`` in the request body). Callers that only have text
 send ``{"mode", "separator"}`` instead: the chunks are the pieces between
 separators in the prompt's tokens. The scheduler side decides
@@ -162,7 +162,9 @@ class BlendConnector(KVConnectorBase_V1):
         # recompute_ratio="auto" reads the model's calibration from the store. No guard: the
         # worker's report of a raised ratio reaches this side after the usage of a request that
         # ends in its prefill step is out, so plans keep the calibrated single ratio.
-        calibrations = Calibrations(self.store, fingerprint, model_config.dtype, self.config, label=model_config.model)
+        calibrations = Calibrations(
+            self.store, fingerprint, model_config.dtype, num_layers=num_layers, label=model_config.model
+        )
         keys = ChunkKeys(fingerprint, model_config.dtype, bos)
         self.planner = Planner(self.config, keys, num_layers, calibrations, guard=False)
         # scheduler side
@@ -270,7 +272,7 @@ class BlendConnector(KVConnectorBase_V1):
                 ratio=params.ratio,
                 store=self.store,
                 rates=self._rates,
-                selection=params.selection,
+                settings=params.settings,
                 promise=True,
             )
         except Exception as exc:

@@ -24,7 +24,9 @@ blend_integrations.serve``) carries ``kv_transfer_params = {"blend": {...}}``:
 - ``ratio``: the recompute ratio, or null for the engine's, or ``"auto"``
   for the store's calibration of the model (the fallback ratio without one);
 - ``selection``: how recomputed tokens are chosen ("deviation", "query" or
-  "mixed"), or null for the engine's.
+  "mixed"), or null for the engine's; ``check_layers``, ``deviation`` and
+  ``sink_tokens`` likewise (``BlendConfig``): a request's own override the
+  engine's, and under ``"auto"`` the calibrated policy's.
 
 ``parse_blend_params`` holds the rules, and every reader calls it: the
 server's HTTP edge (a broken rule is an HTTP 400), the connector's scheduler
@@ -47,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..config import MODES, RATIO_SOURCES, BlendConfig, check_mode, check_ratio, check_selection
+from ..config import MODES, RATIO_SOURCES, SETTINGS, BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import PrefillPlan
 from ..models.loading import dtype_name, resolve_dtype
@@ -221,7 +223,7 @@ def connector_store_args(extra: dict) -> dict:
 
 # -- per request -----------------------------------------------------
 
-FIELDS = ("mode", "ratio", "selection", "chunk_spans", "num_tokens", "separator")
+FIELDS = ("mode", "ratio", "chunk_spans", "num_tokens", "separator", *SETTINGS)
 MAX_CHUNKS = 1024  # chunk spans per request: each is a store lookup on the scheduler
 MAX_SEPARATOR_CHARS = 256  # the scheduler tokenizes the separator
 
@@ -241,7 +243,7 @@ class BlendParams:
 
     mode: str
     ratio: float | str | None = None  # None: the engine's; "auto": the calibrated one
-    selection: str | None = None
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # the request's own (``config.SETTINGS``)
     chunk_spans: tuple[tuple[int, int], ...] | None = None
     num_tokens: int | None = None
     separator: str | None = None
@@ -249,7 +251,7 @@ class BlendParams:
     def with_spans(self, spans: list[tuple[int, int]], prompt_len: int) -> BlendParams:
         """The separator's chunks, found in the prompt's tokens, checked as if sent."""
         return parse_blend_params(
-            {"mode": self.mode, "ratio": self.ratio, "selection": self.selection, "chunk_spans": spans}, prompt_len
+            {"mode": self.mode, "ratio": self.ratio, **self.settings, "chunk_spans": spans}, prompt_len
         )
 
 
@@ -291,12 +293,12 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
             ratio = check_ratio(ratio, name=_field("ratio"), auto=True)
     except ValueError as exc:
         raise BlendParamsError(str(exc), _field("ratio")) from None
-    try:
-        selection = (
-            None if raw.get("selection") is None else check_selection(raw["selection"], name=_field("selection"))
-        )
-    except ValueError as exc:
-        raise BlendParamsError(str(exc), _field("selection")) from None
+    settings = {k: raw[k] for k in SETTINGS if raw.get(k) is not None}
+    for name in settings:
+        try:
+            BlendConfig().with_settings({name: settings[name]})
+        except (TypeError, ValueError) as exc:  # the message starts with the setting's name
+            raise BlendParamsError(f"kv_transfer_params.blend.{exc}", _field(name)) from None
     spans, separator, num_tokens = raw.get("chunk_spans"), raw.get("separator"), raw.get("num_tokens")
     if separator is not None:
         if spans is not None or num_tokens is not None:
@@ -311,7 +313,7 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
                 f"got {separator!r:.60}",
                 _field("separator"),
             )
-        return BlendParams(mode, ratio, selection, separator=separator)
+        return BlendParams(mode, ratio, settings, separator=separator)
     if spans is None:
         raise BlendParamsError(
             "kv_transfer_params.blend needs chunk_spans (where each chunk lies in the prompt's tokens) or "
@@ -353,7 +355,7 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
         raise BlendParamsError(str(exc), _field("chunk_spans")) from None
     if num_tokens is None:
         num_tokens = prompt_len - 1 if prompt_len is not None else checked[-1][1]
-    return BlendParams(mode, ratio, selection, tuple(checked), num_tokens)
+    return BlendParams(mode, ratio, settings, tuple(checked), num_tokens)
 
 
 def blend_params_of(kv_transfer_params: Any, prompt_len: int | None = None) -> BlendParams | None:
@@ -381,7 +383,7 @@ def kv_transfer_params(req: Request) -> dict | None:
     blend = {
         "mode": req.mode,
         "ratio": req.recompute_ratio,
-        "selection": req.selection,
+        **req.settings,
         "chunk_spans": [list(s) for s in tp.chunk_spans],
         "num_tokens": len(tp) - 1,
     }

@@ -74,6 +74,7 @@ class VLLMEngine(Engine):
         model_dir = resolve_model_dir(model)
         hf_config = AutoConfig.from_pretrained(model_dir)
         check_supported(hf_config)
+        self.num_layers = int(hf_config.get_text_config().num_hidden_layers)
         check_tensor_parallel(hf_config, tensor_parallel_size)
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' for the vLLM backend, got {device!r}")
@@ -98,7 +99,7 @@ class VLLMEngine(Engine):
         # What "auto" resolves to is decided by the connector's scheduler side, which reads the same
         # record from the store (within calibration.RELOAD_S of a write); this copy is for callers.
         self._calibrations = Calibrations(
-            self.store, self.fingerprint, self.dtype_name, self.config, label=self.model_name
+            self.store, self.fingerprint, self.dtype_name, num_layers=self.num_layers, label=self.model_name
         )
         kwargs = dict(
             args,

@@ -49,7 +49,7 @@ class Blender:
             raise ValueError(f"check_layers {config.check_layers} must be below the model's {model.num_layers} layers")
         self.model = model
         self.config = config
-        self.calibrations = Calibrations(store, fingerprint, model.dtype, config)
+        self.calibrations = Calibrations(store, fingerprint, model.dtype, num_layers=model.num_layers)
         self.planner = Planner(
             config, ChunkKeys(fingerprint, model.dtype, bos_token_id), model.num_layers, self.calibrations
         )
@@ -77,7 +77,7 @@ class Blender:
         *,
         mode: str,
         recompute_ratio: float | str | None = None,
-        selection: str | None = None,
+        settings: dict | None = None,
     ) -> PrefillPlan:
         """The plan (``Planner.plan``) from this Blender's store, at its measured rates."""
         rates = measured_rates(self.store, self.compute_rate)
@@ -88,7 +88,7 @@ class Blender:
             ratio=recompute_ratio,
             store=self.store,
             rates=rates,
-            selection=selection,
+            settings=settings,
         )
 
     def _expect(self, n: int):
@@ -154,22 +154,9 @@ class Blender:
                 stats.missed[chunk.key] = ids
             else:
                 loaded.append((chunk.start, chunk.end, chunk.key, ids, source))
-        schedule = self.config.check_schedule(plan.ratio) if plan.mode == "blend" else None
-        # the query: what follows the last chunk (the question, the template's tail)
-        query_start = plan.chunks[-1].end if plan.chunks else None
         first = cache.length
         while True:
-            out, walk = self._walk(
-                cache,
-                token_ids,
-                loaded,
-                schedule=schedule,
-                selection=plan.selection,
-                query_start=query_start,
-                logits=logits,
-                promised=plan.promised,
-                guard=plan.guard,
-            )
+            out, walk = self._walk(cache, token_ids, loaded, plan, logits=logits)
             if walk is not None:
                 break
             # A chunk failed to read or verify after its bytes may have been
@@ -187,24 +174,13 @@ class Blender:
             stats.deviation_captured = walk.captured
         return out, stats
 
-    def _walk(
-        self,
-        cache: KVCache,
-        token_ids,
-        loaded: list,
-        *,
-        schedule,
-        selection: str,
-        query_start: int | None,
-        logits: bool,
-        promised: bool,
-        guard=None,
-    ):
-        """One walk with the ``loaded`` chunks, reading the layers of those
-        still in the store meanwhile (pipelined loading). Every reader is then
-        settled: ``loaded`` holds its entry, or None if it failed, and the
-        walk's stats are None if any did (its result must not be used)."""
-        sink = self.config.sink_tokens
+    def _walk(self, cache: KVCache, token_ids, loaded: list, plan: PrefillPlan, *, logits: bool):
+        """One walk with the ``loaded`` chunks, as ``plan`` says, reading the
+        layers of those still in the store meanwhile (pipelined loading).
+        Every reader is then settled: ``loaded`` holds its entry, or None if it
+        failed, and the walk's stats are None if any did (its result must not
+        be used)."""
+        sink = plan.sink_tokens
         heads = self.model.tp.kv_heads if self.model.tp is not None else slice(None)  # this rank's
         loader = LayerLoader([source for *_, source in loaded if isinstance(source, LayerReader)])
         reused = [
@@ -223,14 +199,15 @@ class Blender:
                     cache,
                     token_ids,
                     reused=reused,
-                    schedule=schedule,
-                    deviation=self.config.deviation,
-                    selection=selection,
-                    query_start=query_start,
+                    schedule=plan.schedule(plan.ratio) if plan.mode == "blend" else None,
+                    deviation=plan.deviation,
+                    selection=plan.selection,
+                    # the query: what follows the last chunk (the question, the template's tail)
+                    query_start=plan.chunks[-1].end if plan.chunks else None,
                     logits=logits,
                     loader=loader,
-                    guard=guard,
-                    schedule_for=self.config.check_schedule,
+                    guard=plan.guard,
+                    schedule_for=plan.schedule,
                 )
         except LoadFailed:
             pass  # settled below
@@ -243,7 +220,7 @@ class Blender:
                 entry = self.store.finish_layers(source, loader.errors.get(source))
                 if entry is None:
                     walk = None
-                    entry = self._unreadable(key, ids, promised)
+                    entry = self._unreadable(key, ids, plan.promised)
                 loaded[i] = (start, end, key, ids, entry)
         return out, walk
 

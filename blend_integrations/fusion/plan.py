@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..calibration import Calibrations, Guard, RatioChoice, choose_ratio
-from ..config import BlendConfig
+from ..config import BlendConfig, check_schedule
 from ..store import ChunkStore, chunk_key
 from ..store.rate import Rate
 from .controller import LoadingStats, decide
@@ -70,6 +70,12 @@ class PrefillPlan:
     loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
     ratio_source: str = "request"  # where ``ratio`` came from (``config.RATIO_SOURCES``)
     guard: Guard | None = None  # may raise the ratio in the walk (calibrated "auto" only)
+    check_layers: tuple[int, ...] = (1,)  # where the walk measures deviation (``BlendConfig.check_layers``)
+    deviation: str = "v"  # what it compares there (``BlendConfig.deviation``)
+
+    def schedule(self, ratio: float) -> list[tuple[int, float]]:
+        """(layer, ratio) per check layer, for ``ratio`` (``config.check_schedule``)."""
+        return check_schedule(self.check_layers, ratio)
 
     @property
     def reports_ratio(self) -> bool:
@@ -144,7 +150,7 @@ class Planner:
         ratio: float | str | None,
         store: ChunkStore,
         rates: dict[str, float | None],
-        selection: str | None = None,
+        settings: dict[str, Any] | None = None,
         promise: bool = False,
     ) -> PrefillPlan:
         """The plan for prefilling ``token_ids`` with chunks at ``chunk_spans``
@@ -152,26 +158,42 @@ class Planner:
 
         ratio: the request's recompute ratio (None: the config's; "auto":
         the calibrated one, ``choose_ratio``), the floor the loading
-        controller may raise. selection: the request's (None:
-        the config's). rates: ``measured_rates`` where the
-        walk runs. promise: the caller reports the plan's usage before it
-        runs (see the module's docstring)."""
-        config = self.config
+        controller may raise. settings: the request's own blend settings
+        (``config.SETTINGS``), over the calibrated policy's under "auto", over
+        the config's. rates: ``measured_rates`` where the walk runs. promise:
+        the caller reports the plan's usage before it runs (see the module's
+        docstring). Raises ValueError for settings that do not apply."""
         if mode == "full":
-            selection = config.selection if selection is None else selection
-            return PrefillPlan(mode, 1.0, (), config.sink_tokens, selection, promise, ratio_source="request")
+            s = self.config.with_settings(settings)
+            return PrefillPlan(mode, 1.0, (), s.sink_tokens, s.selection, promise, ratio_source="request")
         choice = self.choose(ratio) if mode == "blend" else RatioChoice(0.0, "request")  # reuse: none recomputed
         floor, source, guard = choice.ratio, choice.source, choice.guard
-        selection = config.selection if selection is None else selection
+        s = self.config.with_settings(choice.settings).with_settings(settings, num_layers=self.num_layers)
+
+        def planned(mode: str, ratio: float, chunks: tuple[ChunkPlan, ...], loading=None) -> PrefillPlan:
+            return PrefillPlan(
+                mode,
+                ratio,
+                chunks,
+                s.sink_tokens,
+                s.selection,
+                promise,
+                loading,
+                source,
+                guard,
+                s.check_layers,
+                s.deviation,
+            )
+
         if in_full(choice):
-            return PrefillPlan("full", 1.0, (), config.sink_tokens, selection, promise, ratio_source=source)
+            return planned("full", 1.0, ())
         spans = [(int(a), int(b)) for a, b in chunk_spans]
         chunk_keys = [self.keys(token_ids[a:b]) for a, b in spans]
-        control = mode == "blend" and config.loading_controller
+        control = mode == "blend" and s.loading_controller
         if not (promise or control):
             # Nothing to decide before reading: a chunk not found when read is a miss.
             chunks = tuple(ChunkPlan(a, b, key, LOAD) for (a, b), key in zip(spans, chunk_keys))
-            return PrefillPlan(mode, floor, chunks, config.sink_tokens, selection, ratio_source=source, guard=guard)
+            return planned(mode, floor, chunks)
         found: list[tuple[int, str, int]] = []  # (chunk, tier, bytes) of the chunks in the store
         for i, key in enumerate(chunk_keys):
             where = store.locate(key)
@@ -184,18 +206,18 @@ class Planner:
         if control:
             decided, loading = decide(
                 [tier for _, tier, _ in found],
-                [max(0, spans[i][1] - spans[i][0] - config.sink_tokens) for i, _, _ in found],
+                [max(0, spans[i][1] - spans[i][0] - s.sink_tokens) for i, _, _ in found],
                 [nbytes / _bandwidth(rates, tier) for _, tier, nbytes in found],
                 num_tokens=len(token_ids),
                 num_layers=self.num_layers,
-                schedule=config.check_schedule,
+                schedule=s.check_schedule,
                 floor=floor,
                 throughput=rates["compute"],
-                overlapped=config.pipelined_loading,
-                query_pass=selection != "deviation",
+                overlapped=s.pipelined_loading,
+                query_pass=s.selection != "deviation",
             )
             floor = decided.ratio
             for (i, _, _), load in zip(found, decided.load):
                 actions[i] = LOAD if load else COMPUTE
         chunks = tuple(ChunkPlan(a, b, key, action) for (a, b), key, action in zip(spans, chunk_keys, actions))
-        return PrefillPlan(mode, floor, chunks, config.sink_tokens, selection, promise, loading, source, guard)
+        return planned(mode, floor, chunks, loading)

@@ -20,11 +20,12 @@ from blend_integrations.calibration import (
     CalibrationRecord,
     Guard,
     _exclusive,
+    default_variants,
+    policy_cost,
     record_name,
-    settings_of,
     wilson_lower,
 )
-from blend_integrations.config import FALLBACK_RATIO
+from blend_integrations.config import FALLBACK_RATIO, computed_share
 from tests.fixtures.local_models import sample_text
 
 QUESTION = "Question: which city is named in the documents? Answer:"
@@ -49,8 +50,7 @@ def record_for(engine, **changes) -> CalibrationRecord:
         model=engine.model_name,
         fingerprint=engine.fingerprint,
         dtype=engine.dtype_name,
-        settings=settings_of(engine.config),
-        selection="deviation",
+        settings=engine.config.settings(),
         ratio=0.4,
         guard=None,
         meets_target=True,
@@ -63,6 +63,8 @@ def record_for(engine, **changes) -> CalibrationRecord:
         package_version="test",
         engine=engine.backend,
     )
+    if changes.get("guard") is not None:
+        changes.setdefault("guard_settings", changes.get("settings", fields["settings"]))
     return CalibrationRecord(**(fields | changes))
 
 
@@ -81,7 +83,7 @@ def test_calibrate_measures_stores_and_every_engine_on_the_store_uses_it(private
     assert all(0 <= c["lower_bound"] <= c["agreement"] <= 1 and c["ttft_speedup"] > 0 for c in rows)
     assert (tmp_path / "curve.png").stat().st_size > 1000
     out = capsys.readouterr().out
-    assert "| deviation | 0.10 |" in out and "target 0.95" in out
+    assert "| default | 0.10 |" in out and "target 0.95" in out
     stored = private.store.get_record(record_name(private.fingerprint, "float32"))
     assert CalibrationRecord.from_bytes(stored, fingerprint=private.fingerprint, dtype="float32") == record
 
@@ -152,6 +154,81 @@ def test_the_guard_raises_the_ratio_exactly_as_calibration_predicts(private):
     assert everything.usage.recomputed_tokens == everything.usage.cached_tokens
 
 
+def test_a_calibrated_policy_brings_its_settings_and_a_request_s_own_win(private):
+    docs = documents(45, 3)
+    private.warm(docs)
+    prompt = BlendPrompt("Docs:", docs, QUESTION)
+    settings = {**private.config.settings(), "check_layers": [1, 2], "sink_tokens": 2}
+    store_record(private, record_for(private, ratio=0.4, settings=settings))
+    private.calibrations.use_store(private.store)
+    auto = private.generate(prompt, max_tokens=4)
+    asked = private.generate(prompt, max_tokens=4, recompute_ratio=0.4, check_layers=(1, 2), sink_tokens=2)
+    plain = private.generate(prompt, max_tokens=4, recompute_ratio=0.4)
+    assert (auto.usage.ratio_source, auto.usage.recompute_ratio) == ("calibrated", 0.4)
+    assert auto.token_ids == asked.token_ids and auto.usage == dataclasses.replace(
+        asked.usage, ratio_source="calibrated"
+    )
+    # two sink tokens of each of the 3 chunks are computed fresh, not counted as cached
+    assert auto.usage.cached_tokens == plain.usage.cached_tokens - 2 * 3
+    own = private.generate(prompt, max_tokens=4, sink_tokens=0)  # the request's own setting wins over the record's
+    assert own.usage.cached_tokens == plain.usage.cached_tokens and own.usage.ratio_source == "calibrated"
+    with pytest.raises(ValueError, match=r"check_layers \[1, 99\] must be below the model's \d+ layers"):
+        private.generate(prompt, check_layers=[1, 99])
+    with pytest.raises(ValueError, match="sink_tokens must be a non-negative integer, got -1"):
+        private.generate(prompt, sink_tokens=-1)
+    with pytest.raises(ValueError, match='deviation must be "k" or "v"'):
+        private.generate(prompt, deviation="x")
+
+
+def test_what_a_policy_costs():
+    assert computed_share((1,), 0.15, 4) == pytest.approx((1 + 3 * 0.15) / 4)
+    # gradual: the second check layer still computes the first one's share
+    assert computed_share((1, 2), 0.15, 4) == pytest.approx((1 + 0.575 + 0.15 + 0.15) / 4)
+    assert computed_share((0,), 1.0, 30) == 1.0 and computed_share((3,), 0.0, 4) == 0.75
+    base = BlendConfig().settings()
+    assert policy_cost({**base, "selection": "query"}, 0.1, 4) == pytest.approx(policy_cost(base, 0.1, 4) + 0.05)
+    assert default_variants(BlendConfig(), 4) == [
+        {"check_layers": [1, 2]},
+        {"selection": "query"},
+        {"deviation": "k"},
+        {"sink_tokens": 2},
+    ]
+    # no room for a second check layer; the other selection and deviation
+    assert default_variants(BlendConfig(check_layers=(3,), selection="query", deviation="k", sink_tokens=1), 4) == [
+        {"selection": "deviation"},
+        {"deviation": "v"},
+    ]
+
+
+def test_calibration_tries_other_settings_cheapest_first_and_stops_the_hopeless(private, capsys):
+    n = 6
+    record = private.calibrate(
+        documents(140),
+        num_prompts=n,
+        ratios=(0.1, 0.5),
+        target=0.5,
+        confidence=0.5,
+        min_speedup=0.01,
+        variants=[{"check_layers": [0]}, {"sink_tokens": 2}, {"check_layers": [1, 2]}],
+        progress=False,
+    )
+    base = [c for c in record.curve if c["policy"] == "ratio" and c["variant"] == "default"]
+    others = [c for c in record.curve if c["policy"] == "ratio" and c["variant"] != "default"]
+    assert [c["ratio"] for c in base] == [0.1, 0.5] and all(c["n"] == n for c in base)
+    best_default = min(c["cost"] for c in record.curve if c["n"] == n and c["lower_bound"] >= 0.5)
+    # only what would be cheaper than the best policy of the engine's own settings is run, cheapest first
+    assert others and all(c["cost"] < best_default for c in others)
+    assert [c["cost"] for c in others] == sorted(c["cost"] for c in others)
+    assert {c["variant"] for c in others} <= {"check_layers=[0]"}  # the others cost at least as much
+    for c in others:  # measured on every prompt, or stopped at the miss that ruled the target out
+        misses = round((1 - c["agreement"]) * c["n"])
+        assert c["n"] == n or (misses > 0 and wilson_lower(n - misses, n, 0.5) < 0.5)
+    meeting = [c for c in record.curve if c["n"] == n and c["lower_bound"] >= 0.5 and c["policy"] == "ratio"]
+    chosen = min(meeting, key=lambda c: (c["cost"], c["ratio"]))
+    assert (record.ratio, record.settings) == (chosen["ratio"], chosen["settings"])
+    assert "computed share" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "damage, why",
     [
@@ -160,8 +237,10 @@ def test_the_guard_raises_the_ratio_exactly_as_calibration_predicts(private):
         (lambda e: b"\x00not json", "not JSON"),
         (lambda e: json.dumps({"kind": "something else"}).encode(), "not a blend calibration record"),
         (lambda e: record_for(e, ratio=1.7).to_bytes(), "damaged"),
-        (lambda e: record_for(e, settings={**settings_of(e.config), "sink_tokens": 4}).to_bytes(), "does not apply"),
-        (lambda e: record_for(e, settings={**settings_of(e.config), "selection": "query"}).to_bytes(), "selection="),
+        (lambda e: record_for(e, settings={**e.config.settings(), "check_layers": [99]}).to_bytes(), "below the model"),
+        (lambda e: record_for(e, settings={"selection": "query"}).to_bytes(), "settings must name check_layers"),
+        (lambda e: record_for(e, settings={**e.config.settings(), "sink_tokens": -2}).to_bytes(), "sink_tokens must"),
+        (lambda e: record_for(e, guard=Guard(0.1, 0.5), guard_settings=None).to_bytes(), "settings must name"),
     ],
 )
 def test_a_foreign_or_damaged_record_is_refused_and_the_fallback_used(private, caplog, damage, why):
@@ -255,7 +334,7 @@ def test_the_cli_calibrates_a_store_from_a_folder_of_documents(model_dirs, tmp_p
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "| deviation | 0.50 |" in done.stdout and f"stored in {store}" in done.stdout
+    assert "| default | 0.50 |" in done.stdout and f"stored in {store}" in done.stdout
     assert "calibrating" in done.stderr  # the progress bar
     assert len(list((store / "records").iterdir())) == 1
     bad = subprocess.run(cmd + ["--documents", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
@@ -282,15 +361,26 @@ def test_the_warmer_calibrates_at_ingestion_once(private):
 def test_the_vllm_engine_plans_with_the_stored_calibration(vllm_engine, engine, docs):
     """The vLLM connector's scheduler reads the record from the store (another process) within RELOAD_S."""
     name = record_name(vllm_engine.fingerprint, vllm_engine.dtype_name)
-    record = dataclasses.replace(record_for(engine, ratio=0.5), guard=Guard(0.05, 0.99))
+    settings = {**engine.config.settings(), "check_layers": [1, 2], "sink_tokens": 2}
+    record = record_for(engine, ratio=0.5, settings=settings, guard=Guard(0.05, 0.99), guard_settings=settings)
     vllm_engine.store.put_record(name, record.to_bytes())
     try:
         time.sleep(RELOAD_S + 0.2)
         vllm_engine.warm(docs)
         gen = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
-        # no guard on vLLM: the single calibrated ratio
+        # no guard on vLLM: the single calibrated ratio, with the settings it was calibrated under
         assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 0.5)
         assert gen.usage.recomputed_tokens == round(0.5 * gen.usage.cached_tokens)
+        same = engine.generate(
+            BlendPrompt("Docs:", docs, QUESTION), max_tokens=2, recompute_ratio=0.5, check_layers=[1, 2], sink_tokens=2
+        )
+        assert (gen.usage.cached_tokens, gen.usage.recomputed_tokens) == (
+            same.usage.cached_tokens,
+            same.usage.recomputed_tokens,
+        )
+        # the settings travel in kv_transfer_params, checked: a request's own win
+        own = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2, sink_tokens=0)
+        assert own.usage.cached_tokens == gen.usage.cached_tokens + 2 * len(docs)
         # a calibration that recomputes everything: vLLM's own prefill, no blend pass
         vllm_engine.store.put_record(name, dataclasses.replace(record, ratio=1.0, guard=None).to_bytes())
         time.sleep(RELOAD_S + 0.2)

@@ -38,6 +38,12 @@ BROKEN = [
     ({"ratio": True}, "ratio", "must be a number"),
     ({"selection": "HKVD"}, "selection", "must be one of deviation, query, mixed; got 'HKVD'"),
     ({"selection": 1}, "selection", "must be one of deviation, query, mixed; got 1"),
+    ({"check_layers": [2, 1]}, "check_layers", "check_layers must be strictly increasing"),
+    ({"check_layers": []}, "check_layers", "check_layers must name at least one layer"),
+    ({"check_layers": ["1"]}, "check_layers", "must be non-negative layer indices"),
+    ({"deviation": "q"}, "deviation", 'deviation must be "k" or "v"'),
+    ({"sink_tokens": -1}, "sink_tokens", "sink_tokens must be a non-negative integer"),
+    ({"sink_tokens": 1.5}, "sink_tokens", "sink_tokens must be a non-negative integer"),
     ({"chunk_spans": "2-10"}, "chunk_spans", "must be a list of [start, end] pairs, got str"),
     ({"chunk_spans": [["2", "10"]]}, "chunk_spans", "chunk_spans[0] must hold integers"),
     ({"chunk_spans": [[2.0, 10]]}, "chunk_spans", "chunk_spans[0] must hold integers (not floats"),
@@ -102,14 +108,23 @@ def test_separator_rules():
 
 
 def test_good_params_and_defaults():
-    assert parse_blend_params(GOOD, PROMPT_LEN) == BlendParams("blend", 0.5, None, ((2, 10), (12, 20)), 20)
+    assert parse_blend_params(GOOD, PROMPT_LEN) == BlendParams("blend", 0.5, {}, ((2, 10), (12, 20)), 20)
     # num_tokens defaults to every token but the prompt's last (the last end while the prompt length is
     # unknown), ratio and selection to the engine's (None)
     assert parse_blend_params({"mode": "reuse", "chunk_spans": [[0, 3]]}) == BlendParams(
-        "reuse", None, None, ((0, 3),), 3
+        "reuse", None, {}, ((0, 3),), 3
     )
     assert parse_blend_params({"mode": "reuse", "chunk_spans": [[0, 3]]}, 9).num_tokens == 8
-    assert parse_blend_params({"mode": "blend", "chunk_spans": [[0, 3]], "selection": "query"}).selection == "query"
+    assert parse_blend_params({"mode": "blend", "chunk_spans": [[0, 3]], "selection": "query"}).settings == {
+        "selection": "query"
+    }
+    # a request's own blend settings (null: the engine's) travel as given, checked
+    settings = {"check_layers": [1, 2], "deviation": "k", "sink_tokens": 2, "selection": None}
+    assert parse_blend_params({"mode": "blend", "chunk_spans": [[0, 3]], **settings}).settings == {
+        "check_layers": [1, 2],
+        "deviation": "k",
+        "sink_tokens": 2,
+    }
     assert (
         parse_blend_params({"mode": "blend", "chunk_spans": [[0, 3]], "ratio": None, "num_tokens": 5}, 6).num_tokens
         == 5
