@@ -1,13 +1,19 @@
 """Calibrate a model's recompute ratio on your documents and store it for every engine on the store.
 
-    python -m blend_integrations.calibrate MODEL --store DIR --documents PATH [PATH ...] [--target 0.95]
+    python -m blend_integrations.calibrate MODEL --store DIR [--documents PATH [PATH ...]] [--target 0.95]
+    python -m blend_integrations.calibrate http://HOST:PORT --documents PATH [PATH ...]
+
 
 Documents: a folder (each .txt or .md file in it is one document), a text
 file (one document), or a .jsonl file (one document per line: a string, or an
-object with a "text" field). Use the documents your application retrieves.
+object with a "text" field). Use the documents your application retrieves;
+without --documents, the model's chunks already in the store are used.
 The record goes into the store (disk, and Redis with --store-remote), keyed by
 the model's fingerprint and dtype; engines with ``recompute_ratio="auto"``
-(the default) use it from then on, in any process. See docs/calibration.md.
+(the default) use it from then on, in any process. Given the URL of a blend
+server (``python -m blend_integrations.serve``), it calibrates the served
+model over HTTP and stores the record in the server's store (the server's
+API key, if any, from ``$BLEND_API_KEY``). See docs/calibration.md.
 """
 
 from __future__ import annotations
@@ -54,10 +60,17 @@ def read_documents(paths: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m blend_integrations.calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="local checkpoint directory, .gguf file, or hub id")
+    parser.add_argument(
+        "model", help="local checkpoint directory, .gguf file, hub id, or a blend server's http(s):// URL"
+    )
     parser.add_argument("--store", help="chunk store directory (default: $BLEND_STORE_PATH or the user cache)")
     parser.add_argument("--store-remote", metavar="URL", help="Redis URL of the store's shared tier ('' for none)")
-    parser.add_argument("--documents", nargs="+", required=True, metavar="PATH", help="folders or files of documents")
+    parser.add_argument(
+        "--documents",
+        nargs="+",
+        metavar="PATH",
+        help="folders or files of documents (default: the model's chunks already in the store)",
+    )
     parser.add_argument("--target", type=float, default=0.95, help="agreement with full prefill to hold, in (0, 1]")
     parser.add_argument("--confidence", type=float, default=0.8, help="of the lower bound the target is held at")
     parser.add_argument("--prompts", type=int, default=48, help="probe prompts")
@@ -92,27 +105,37 @@ def main(argv: list[str] | None = None) -> None:
         if not 0.0 < getattr(args, name) <= 1.0:
             parser.error(f"--{name} must be in (0, 1], got {getattr(args, name)}")
     try:
-        documents = read_documents(args.documents)
+        documents = None if args.documents is None else read_documents(args.documents)
     except (OSError, ValueError) as e:
         parser.error(f"--documents: {e}")
 
     from .engines import load_engine
+    from .engines.server_engine import ServerError
 
+    options = dict(
+        target=args.target,
+        confidence=args.confidence,
+        num_prompts=args.prompts,
+        tokens=args.tokens,
+        ratios=args.ratios,
+        variants=variants,
+        seed=args.seed,
+        min_speedup=args.min_speedup,
+        plot=args.plot,
+    )
+    if args.model.startswith(("http://", "https://")):
+        if args.store is not None or args.store_remote is not None:
+            parser.error("--store and --store-remote are the server's own: it stores the record in its store")
+        try:
+            load_engine(args.model, backend="server").calibrate(documents, **options)
+        except (CalibrationError, ServerError) as e:
+            sys.exit(f"calibration failed: {e}")
+        print(f"stored in the store of the server at {args.model}")
+        return
     with ChunkStore(args.store, remote=args.store_remote) as store:
         engine = load_engine(args.model, backend=args.backend, store=store, dtype=args.dtype, device=args.device)
         try:
-            engine.calibrate(
-                documents,
-                target=args.target,
-                confidence=args.confidence,
-                num_prompts=args.prompts,
-                tokens=args.tokens,
-                ratios=args.ratios,
-                variants=variants,
-                seed=args.seed,
-                min_speedup=args.min_speedup,
-                plot=args.plot,
-            )
+            engine.calibrate(documents, **options)
         except CalibrationError as e:
             sys.exit(f"calibration failed: {e}")
         finally:

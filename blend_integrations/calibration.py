@@ -401,7 +401,7 @@ def _max_misses(n: int, target: float, confidence: float) -> int:
 
 
 @contextlib.contextmanager
-def _exclusive(store: ChunkStore, name: str) -> Iterator[None]:
+def exclusive(store: ChunkStore, name: str) -> Iterator[None]:
     """One calibration of a model per store directory at a time."""
     path = Path(store.path) / f".{name}.lock"
     with open(path, "a+") as f:
@@ -485,10 +485,13 @@ def calibrate(
         source = f"{len(probes)} given prompts"
     else:
         if documents is None:
-            raise CalibrationError(
-                "calibration needs documents (or prompts) to probe with: pass the documents your RAG "
-                "application retrieves (e.g. the ones you warm the store with)"
-            )
+            documents = engine.stored_documents()
+            if not documents:
+                raise CalibrationError(
+                    "calibration needs documents (or prompts) to probe with, and none were given: pass the "
+                    "documents your RAG application retrieves, or warm the store with them first (calibration "
+                    f"then reads this model's chunks from {engine.store.path})"
+                )
         if isinstance(documents, str):
             raise CalibrationError("documents must be a list of texts, not one string")
         docs = [d for d in documents if isinstance(d, str) and d.strip()]
@@ -511,7 +514,7 @@ def calibrate(
     def blend(tp, ratio: float, settings: dict) -> Generation:
         return engine.generate(tp, mode="blend", recompute_ratio=ratio, **settings, max_tokens=tokens, logprobs=KL_TOP)
 
-    with _exclusive(engine.store, name):
+    with engine.calibration_lock(name):
         chunks = {tuple(p.token_ids[a:b]) for p in probes for a, b in p.chunk_spans}
         engine.warm([list(c) for c in chunks], progress=show)
         results: list[_Probe] = []
@@ -554,8 +557,7 @@ def calibrate(
             seconds=time.perf_counter() - started,
         )
         if save:
-            engine.store.put_record(name, record.to_bytes())
-            engine.calibrations.set(record)
+            engine.keep_calibration(record)
     print(report(record))
     if plot is not None:
         write_plot(record, plot)
@@ -649,8 +651,15 @@ def _variants(
     """The other settings, each at the ratios cheaper than the best policy
     found so far, cheapest first; a candidate stops at the disagreement that
     rules the target out, and one as costly as a ratio measured too slow to be
-    worth it is not run."""
+    worth it is not run. A candidate's row covers the probes it ran on,
+    hardest first."""
     n = len(results)
+    # Hardest probes first (those the engine's own settings disagreed on at the most ratios): a
+    # variant that cannot meet the target shows it within a few probes. Verdicts do not depend on order.
+    order = sorted(
+        range(n), key=lambda j: -sum(not _agree(results[j].full, g, tokens) for g in results[j].runs.values())
+    )
+    results, probes = [results[j] for j in order], [probes[j] for j in order]
     misses_allowed = _max_misses(n, target, confidence)
     best = min((c["cost"] for c in curve if _meets(c, target, n, min_speedup)), default=math.inf)
     too_slow = min(

@@ -171,7 +171,7 @@ def warm(
     ``options``), so that ``recompute_ratio="auto"`` uses a measured ratio."""
     texts = [t for t in texts if t]
     engine.warm(texts, progress=show_progress)
-    if calibrate and engine.calibrations.record() is None:
+    if calibrate and engine.calibration() is None:
         engine.calibrate(texts, **{"progress": show_progress is not False, **options})
 
 

@@ -13,7 +13,10 @@ It runs vLLM's OpenAI-compatible server (what ``vllm serve MODEL`` runs) with th
 - on machines without CUDA: ``--enforce-eager --block-size 32`` (the CPU backend);
 - ``--middleware blend_integrations.serve.CheckBlendParams``: a request whose
   ``kv_transfer_params.blend`` breaks a rule (see ``engines/vllm_contract.py``)
-  gets HTTP 400 naming the field, and never reaches the engine.
+  gets HTTP 400 naming the field, and never reaches the engine;
+- ``--middleware blend_integrations.serve.CalibrationRoute``: ``/v1/blend/calibration``,
+  where ``load_engine(URL, backend="server").calibrate(documents)`` reads the
+  served model's identity and stores the calibration it measured over HTTP.
 
 ``--api-key KEY`` (or ``$VLLM_API_KEY``) makes every ``/v1`` request need
 ``Authorization: Bearer KEY``; the key reaches vLLM in ``$VLLM_API_KEY``, not
@@ -47,7 +50,7 @@ from .models.gguf import gguf_file
 from .models.loading import resolve_model_dir
 from .store import ChunkStore
 
-MIDDLEWARE = "blend_integrations.serve.CheckBlendParams"
+MIDDLEWARES = ("blend_integrations.serve.CheckBlendParams", "blend_integrations.serve.CalibrationRoute")
 MAX_PARAMS_DEPTH = 16  # how deeply kv_transfer_params may nest: it is serialized into the engine core
 
 
@@ -85,7 +88,9 @@ def serve_command(
             cmd.append(flag if value else "--no-" + flag[2:])
         else:
             cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    return cmd + ["--middleware", MIDDLEWARE] + list(extra)
+    for middleware in MIDDLEWARES:
+        cmd += ["--middleware", middleware]
+    return cmd + list(extra)
 
 
 def _depth(value: Any) -> int:
@@ -145,12 +150,10 @@ def blend_params_problem(body: bytes) -> tuple[str, str | None] | None:
     return None
 
 
-class CheckBlendParams:
-    """ASGI middleware for vLLM's API server (``--middleware``): a POST whose
-    ``kv_transfer_params.blend`` breaks a rule gets HTTP 400 with vLLM's error
-    body (``{"error": {"message", "type", "param", "code"}}``) and never
-    reaches the engine. Requests that fail the server's ``--api-key`` check
-    pass through untouched, so vLLM answers them 401 first."""
+class _ApiKeyAware:
+    """An ASGI middleware for vLLM's API server that lets the requests failing
+    the server's ``--api-key`` check through untouched, so vLLM answers them
+    401 (its own key check runs inside the middlewares given with ``--middleware``)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -166,28 +169,53 @@ class CheckBlendParams:
             return False
         from starlette.datastructures import Headers
 
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
-        return path.startswith(self._guarded) and not self._auth.verify_token(Headers(scope=scope))
+        return _path(scope).startswith(self._guarded) and not self._auth.verify_token(Headers(scope=scope))
+
+
+def _path(scope) -> str:
+    return scope["path"].removeprefix(scope.get("root_path", ""))
+
+
+async def _read_body(receive, limit: int | None = None) -> bytes | None:
+    """The request's body; None if the client went away or it is over ``limit`` bytes."""
+    parts, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away
+            return None
+        parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        if limit is not None and size > limit:
+            return None
+        more = message.get("more_body", False)
+    return b"".join(parts)
+
+
+async def _error(scope, receive, send, message: str, status: int, param: str | None = None) -> None:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    from starlette.responses import JSONResponse
+
+    kind = "BadRequestError" if status == 400 else "NotFoundError" if status == 404 else "Error"
+    error = {"message": message, "type": kind, "param": param, "code": status}
+    await JSONResponse({"error": error}, status_code=status)(scope, receive, send)
+
+
+class CheckBlendParams(_ApiKeyAware):
+    """ASGI middleware for vLLM's API server (``--middleware``): a POST whose
+    ``kv_transfer_params.blend`` breaks a rule gets HTTP 400 with vLLM's error
+    body and never reaches the engine."""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or self._unauthorized(scope):
             await self.app(scope, receive, send)
             return
-        parts, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            parts.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(parts)
+        body = await _read_body(receive)
+        if body is None:
+            return
         problem = blend_params_problem(body)
         if problem is not None:
-            from starlette.responses import JSONResponse
-
             message, param = problem
-            error = {"message": message, "type": "BadRequestError", "param": param, "code": 400}
-            await JSONResponse({"error": error}, status_code=400)(scope, receive, send)
+            await _error(scope, receive, send, message, 400, param)
             return
         replayed = False
 
@@ -199,6 +227,86 @@ class CheckBlendParams:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+CALIBRATION_PATH = "/v1/blend/calibration"
+MAX_RECORD_BYTES = 8 << 20  # a record with its curve is tens of KB
+
+
+class CalibrationRoute(_ApiKeyAware):
+    """ASGI middleware for vLLM's API server (``--middleware``) serving
+    ``/v1/blend/calibration``, how ``ServerEngine.calibrate`` calibrates a
+    served model over HTTP:
+
+    - ``GET``: the served model (name, fingerprint, KV dtype, layers), the
+      server's blend settings, and the calibration record its store holds
+      for it (null if none, or if the stored one is refused);
+    - ``PUT`` with a record (``CalibrationRecord.to_bytes``): checked as every
+      engine checks a record it reads (this model and dtype, sound values),
+      then stored in the server's store, where its connector reads it within
+      a second. A record that fails a check is HTTP 400 naming the problem.
+
+    The model and the store come from vLLM's own config (``ServedModel``), as
+    the connector's do."""
+
+    def __init__(self, app) -> None:
+        super().__init__(app)
+        self._served = None
+        self._store: ChunkStore | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or _path(scope) != CALIBRATION_PATH or self._unauthorized(scope):
+            await self.app(scope, receive, send)
+            return
+        import asyncio
+
+        from starlette.responses import JSONResponse
+
+        method = scope.get("method")
+        if method not in ("GET", "PUT"):
+            await _error(scope, receive, send, f"{CALIBRATION_PATH} takes GET or PUT, not {method}", 405)
+            return
+        try:
+            served, store = await asyncio.to_thread(self._open, scope)
+        except Exception as exc:  # not a blend server: no connector config, or the model cannot be read
+            await _error(scope, receive, send, f"this server cannot calibrate its model: {exc}", 404)
+            return
+        calibrations = served.calibrations(store)
+        if method == "GET":
+            record = await asyncio.to_thread(calibrations.record)
+            body = {
+                "model": served.name,
+                "fingerprint": served.fingerprint,
+                "dtype": calibrations.dtype,
+                "num_layers": served.num_layers,
+                "settings": served.config.settings(),
+                "record": None if record is None else json.loads(record.to_bytes()),
+            }
+            await JSONResponse(body)(scope, receive, send)
+            return
+        raw = await _read_body(receive, MAX_RECORD_BYTES)
+        if raw is None:
+            await _error(scope, receive, send, f"a calibration record must be at most {MAX_RECORD_BYTES} bytes", 413)
+            return
+        from .calibration import CalibrationError, CalibrationRecord
+
+        try:
+            CalibrationRecord.from_bytes(
+                raw, fingerprint=served.fingerprint, dtype=calibrations.dtype, num_layers=served.num_layers
+            )
+        except CalibrationError as exc:
+            await _error(scope, receive, send, f"calibration record refused: {exc}", 400, "record")
+            return
+        await asyncio.to_thread(store.put_record, calibrations.name, raw)
+        await JSONResponse({"stored": calibrations.name, "store": str(store.path)})(scope, receive, send)
+
+    def _open(self, scope):
+        if self._store is None:
+            from .engines.vllm_connector import ServedModel
+
+            served = ServedModel.of(scope["app"].state.vllm_config)
+            self._served, self._store = served, ChunkStore(**{**served.store_args, "memory_limit_bytes": 0})
+        return self._served, self._store
 
 
 def main(argv: list[str] | None = None) -> None:

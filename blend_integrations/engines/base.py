@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -305,6 +306,30 @@ class Engine(ABC):
     @abstractmethod
     def calibrations(self) -> Calibrations:
         """This model's calibration in the store (what ``recompute_ratio="auto"`` uses)."""
+
+    def stored_documents(self, limit: int = 256) -> list[str]:
+        """The texts of up to ``limit`` of this model's chunks in the store,
+        most recently used first (``ChunkStore.chunk_token_ids``): what
+        ``calibrate`` probes with when given no documents."""
+        return [self.tokenizer.decode(ids) for ids in self.store.chunk_token_ids(self.chunk_key, limit=limit)]
+
+    def calibration(self) -> CalibrationRecord | None:
+        """The calibration record ``recompute_ratio="auto"`` uses now; None: none
+        (or a refused one), so the fallback ratio."""
+        return self.calibrations.record()
+
+    def calibration_lock(self, name: str) -> contextlib.AbstractContextManager:
+        """Held while ``calibrate`` measures: one calibration of a model per store at a time."""
+        from ..calibration import exclusive
+
+        return exclusive(self.store, name)
+
+    def keep_calibration(self, record: CalibrationRecord) -> None:
+        """Store what ``calibrate`` measured, for every engine on the store, and use it now."""
+        from ..calibration import record_name
+
+        self.store.put_record(record_name(record.fingerprint, record.dtype), record.to_bytes())
+        self.calibrations.set(record)
 
     def calibrate(
         self,

@@ -10,6 +10,7 @@ stream, so its usage has token counts without the blend counts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from typing_extensions import Unpack
 
+from ..calibration import CalibrationError, CalibrationRecord
 from ..config import BlendConfig
 from ..prompt import BlendPrompt, PromptInput, TextOrIds
 from .base import Engine, GenerateOptions, Generation, GenerationStream, Request, Usage
@@ -36,11 +38,7 @@ class ServerError(RuntimeError):
         self.status = status
 
 
-SERVER_CALIBRATION = (
-    "calibrating through the HTTP server is not supported yet: calibrate the model with an engine on the "
-    "server's store (`python -m blend_integrations.calibrate MODEL --store DIR --documents ...`); the server "
-    "reads the record from its store"
-)
+CALIBRATION_PATH = "/v1/blend/calibration"  # served by ``serve.CalibrationRoute``
 
 
 class ServerEngine(Engine):
@@ -83,10 +81,64 @@ class ServerEngine(Engine):
 
     @property
     def calibrations(self):
-        raise NotImplementedError(SERVER_CALIBRATION)
+        raise NotImplementedError(
+            "a server engine's calibration is in the server's store: engine.calibration() reads it, "
+            "engine.calibrate(documents) measures and stores it"
+        )
 
-    def calibrate(self, documents=None, **options):
-        raise NotImplementedError(SERVER_CALIBRATION)
+    def served_model(self) -> dict:
+        """The server's ``GET /v1/blend/calibration``: the served model's name,
+        fingerprint, KV dtype and layers, the server's blend settings, and its
+        calibration record (None if none)."""
+        info = self._request_http("GET", CALIBRATION_PATH)
+        expected = {"model": str, "fingerprint": str, "dtype": str, "num_layers": int, "settings": dict}
+        wrong = [k for k, kind in expected.items() if not isinstance(info.get(k), kind)]
+        if wrong or not (info.get("record") is None or isinstance(info["record"], dict)):
+            raise ServerError(f"GET {CALIBRATION_PATH}: the answer lacks or mistypes {', '.join(wrong) or 'record'}")
+        return info
+
+    def calibration(self) -> CalibrationRecord | None:
+        """The calibration record the server's ``recompute_ratio="auto"`` uses (None: its fallback)."""
+        info = self.served_model()
+        if info["record"] is None:
+            return None
+        return CalibrationRecord.from_bytes(
+            json.dumps(info["record"]).encode(),
+            fingerprint=info["fingerprint"],
+            dtype=info["dtype"],
+            num_layers=info["num_layers"],
+        )
+
+    def calibrate(
+        self,
+        documents: Sequence[str] | None = None,
+        *,
+        prompts: Sequence[PromptInput] | None = None,
+        target: float = 0.95,
+        **options,
+    ) -> CalibrationRecord:
+        """Calibrate the served model over HTTP (``Engine.calibrate``) from the
+        server's own blend settings, and store the record in the server's
+        store, where its connector uses it. Times to first token are measured
+        here, to the whole (``tokens``-long) answer, network included: a
+        speedup measured so is lower than the server's own. Calibrations of
+        one server from two clients at once are not refused here: both
+        records are complete, and the one stored last is used."""
+        info = self.served_model()
+        self.fingerprint, self.dtype_name, self.num_layers = info["fingerprint"], info["dtype"], info["num_layers"]
+        self.config = self.config.with_settings(info["settings"], num_layers=self.num_layers)
+        return super().calibrate(documents, prompts=prompts, target=target, **options)
+
+    def stored_documents(self, limit: int = 256) -> list[str]:
+        raise CalibrationError(
+            "calibrating a server needs documents (or prompts) to probe with: its store's chunks are on the server"
+        )
+
+    def calibration_lock(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def keep_calibration(self, record: CalibrationRecord) -> None:
+        self._request_http("PUT", CALIBRATION_PATH, json.loads(record.to_bytes()))
 
     def __repr__(self) -> str:
         return f"ServerEngine({self.base_url!r}, model={self.model_name!r})"
@@ -204,8 +256,12 @@ class ServerEngine(Engine):
     def warm(self, chunks: Iterable[TextOrIds], *, progress: bool | None = None) -> int:
         """Computes chunks on the server by sending each one as a one-chunk
         prompt (a miss is computed and saved there). Returns how many missed."""
+        from tqdm.auto import tqdm
+
+        chunks = list(chunks)
+        show = progress if progress is not None else len(chunks) > 8
         computed = 0
-        for chunk in chunks:
+        for chunk in tqdm(chunks, desc="warming chunk KV on the server", unit="chunk", disable=not show):
             g = self.generate(BlendPrompt([], [chunk], []), max_tokens=1)
             computed += g.usage.chunks_missed
         return computed

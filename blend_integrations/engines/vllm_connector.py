@@ -145,28 +145,55 @@ def _model_identity(model: str, tokenizer: str) -> tuple[str, int | None]:
     return model_fingerprint(resolve_model_dir(model)), bos_id_added(_tokenizer(tokenizer))
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the connector's two sides, and the server's calibration route
+    (``serve.CalibrationRoute``), know of the model vLLM serves: one source,
+    so a record the route stores is the one the scheduler reads."""
+
+    name: str
+    fingerprint: str
+    bos: int | None  # the BOS id the tokenizer adds
+    dtype: torch.dtype
+    num_layers: int
+    config: BlendConfig
+    store_args: dict  # ``ChunkStore`` arguments
+
+    @classmethod
+    def of(cls, vllm_config) -> ServedModel:
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        model_config = vllm_config.model_config
+        fingerprint, bos = _model_identity(model_config.model, model_config.tokenizer)
+        return cls(
+            model_config.model,
+            fingerprint,
+            bos,
+            model_config.dtype,
+            int(model_config.hf_text_config.num_hidden_layers),
+            BlendConfig(**extra.get("blend_config", {})),
+            connector_store_args(extra),
+        )
+
+    def calibrations(self, store: ChunkStore) -> Calibrations:
+        return Calibrations(store, self.fingerprint, self.dtype, num_layers=self.num_layers, label=self.name)
+
+
 class BlendConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.config = BlendConfig(**extra.get("blend_config", {}))
-        model_config = vllm_config.model_config
-        fingerprint, bos = _model_identity(model_config.model, model_config.tokenizer)
-        num_layers = model_config.hf_text_config.num_hidden_layers
+        served = ServedModel.of(vllm_config)
+        self.config = served.config
         self.block_size = vllm_config.cache_config.block_size
-        self.tokenizer_name = model_config.tokenizer
-        store_args = connector_store_args(extra)
+        self.tokenizer_name = vllm_config.model_config.tokenizer
+        store_args = dict(served.store_args)
         if role == KVConnectorRole.SCHEDULER:
             store_args["memory_limit_bytes"] = 0  # the scheduler only asks which keys exist
         self.store = ChunkStore(**store_args)
         # recompute_ratio="auto" reads the model's calibration from the store. No guard: the
         # worker's report of a raised ratio reaches this side after the usage of a request that
         # ends in its prefill step is out, so plans keep the calibrated single ratio.
-        calibrations = Calibrations(
-            self.store, fingerprint, model_config.dtype, num_layers=num_layers, label=model_config.model
-        )
-        keys = ChunkKeys(fingerprint, model_config.dtype, bos)
-        self.planner = Planner(self.config, keys, num_layers, calibrations, guard=False)
+        keys = ChunkKeys(served.fingerprint, served.dtype, served.bos)
+        self.planner = Planner(self.config, keys, served.num_layers, served.calibrations(self.store), guard=False)
         # scheduler side
         self._to_load: dict[str, tuple[BlendParams, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
         self._planned: dict[str, PrefillPlan] = {}  # req_id -> its plan, whose usage it reports

@@ -119,7 +119,9 @@ class Blender:
         if m.tp is not None:  # a stored chunk holds every head, so any group size can read it
             record = m.tp.gather_kv_heads(record)
         skip = 1 if bos is not None else 0
-        return ChunkKV(key or self.keys(token_ids), record[:, :, :, skip:].to("cpu").contiguous())
+        return ChunkKV(
+            key or self.keys(token_ids), record[:, :, :, skip:].to("cpu").contiguous(), token_ids=tuple(token_ids)
+        )
 
     def ensure(self, token_ids: Sequence[int]) -> bool:
         """Compute and store a chunk unless the store has it; True if computed."""

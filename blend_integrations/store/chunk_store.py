@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple, Self
 
@@ -292,7 +293,7 @@ class ChunkStore:
         if error is not None:
             self._report.count(misses=1)
             return None
-        entry = ChunkKV(reader.key, reader.kv)
+        entry = ChunkKV(reader.key, reader.kv, reader.token_ids)
         # Only a copy from Redis into the disk tier needs the entry's bytes.
         data = reader.encoded() if tier is self._remote else None
         self._hit(tier, entry, reader.nbytes, reader.seconds, data)
@@ -326,6 +327,24 @@ class ChunkStore:
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self.locate(key).tier is not None
+
+    def chunk_token_ids(
+        self, key_of: Callable[[Sequence[int]], str], *, limit: int = 256, scan: int = 4096
+    ) -> list[list[int]]:
+        """The token ids of up to ``limit`` chunks on disk whose key is
+        ``key_of(token ids)``: one model's chunks (``ChunkKeys`` of its
+        fingerprint and dtype), verified, as the key hashes the tokens. Most
+        recently used first, among the ``scan`` most recent entries; chunks
+        stored without their tokens (by earlier releases, or too long for the
+        header) are not listed.
+        Calibration builds probes from them when given no documents."""
+        found = []
+        for key, tokens in self._disk.token_ids(scan):
+            if key_of(tokens) == key:
+                found.append(list(tokens))
+                if len(found) == limit:
+                    break
+        return found
 
     def __len__(self) -> int:
         """Number of entries in the shared disk tier."""

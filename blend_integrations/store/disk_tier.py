@@ -23,12 +23,13 @@ import os
 import secrets
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_PICKLE, MODE_RAW, MODE_TEXT, UNKNOWN
 
-from .format import MAX_RECORD_ENCODED, ChunkKV, CorruptEntryError, encode
+from .format import MAX_RECORD_ENCODED, PREFIX_BYTES, ChunkKV, CorruptEntryError, encode, header_end, read_layout
 from .layered import LayerReader, file_reader
 from .rate import Rate
 from .stats import Report, logger
@@ -195,6 +196,37 @@ class DiskTier(Tier):
 
     def hit_counts(self, nbytes: int) -> dict[str, int]:
         return {"disk_hits": 1, "bytes_read": nbytes}
+
+    def token_ids(self, max_entries: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """(key, token ids) of up to ``max_entries`` entries that keep their
+        tokens, most recently used first, from their headers alone. Reads
+        the database directly (as ``locate`` does), so listing touches no
+        entry's recency; an entry that cannot be read or parsed is skipped,
+        left for a ``read`` to find and drop."""
+        try:
+            rows = self.cache._sql(
+                "SELECT key, filename, value FROM Cache WHERE raw = 1 ORDER BY access_time DESC LIMIT ?",
+                (max_entries,),
+            ).fetchall()
+        except DISK_ERRORS:
+            return
+        for key, filename, value in rows:
+            try:
+                if filename:
+                    with open(self.path / filename, "rb") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        head = f.read(PREFIX_BYTES)
+                        head += f.read(header_end(head) - len(head))
+                else:
+                    head = bytes(value)
+                    size = len(head)
+                layout = read_layout(memoryview(head), size)
+                _, _, shape = layout.check(key)
+                tokens = layout.token_ids(shape)
+            except (CorruptEntryError, OSError, TypeError):
+                continue
+            if tokens is not None:
+                yield key, tokens
 
     def __len__(self) -> int:
         return len(self.cache)

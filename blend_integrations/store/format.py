@@ -6,7 +6,8 @@ Layout (all integers little-endian)::
     b"BLKV"            4 bytes   magic
     version            uint32    FORMAT_VERSION
     header_len         uint32    length of the JSON header, padding included
-    header             UTF-8 JSON {"key", "dtype", "shape", "payload_bytes"},
+    header             UTF-8 JSON {"key", "dtype", "shape", "payload_bytes"} and, when
+                       known and short enough, "tokens" (the chunk's token ids),
                        padded with spaces so the payload starts 64-byte aligned
     payload            raw tensor bytes, C order, little-endian
     crc32              uint32    zlib.crc32 of every byte before it
@@ -77,6 +78,9 @@ class ChunkKV:
 
     key: str
     kv: torch.Tensor
+    # The chunk's token ids (what ``key`` hashes), when known: kept in the
+    # entry's header so calibration can build probes from a store's chunks.
+    token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, str) or not self.key:
@@ -91,6 +95,11 @@ class ChunkKV:
         dtype_name(kv.dtype)  # raises for unsupported dtypes
         if kv.device.type != "cpu" or not kv.is_contiguous() or kv.requires_grad:
             object.__setattr__(self, "kv", kv.detach().to("cpu").contiguous())
+        if self.token_ids is not None:
+            ids = tuple(int(t) for t in self.token_ids)
+            if len(ids) != kv.shape[3]:
+                raise ValueError(f"ChunkKV.token_ids holds {len(ids)} tokens, its kv {kv.shape[3]}")
+            object.__setattr__(self, "token_ids", ids)
 
     @property
     def num_layers(self) -> int:
@@ -132,10 +141,12 @@ def encode(entry: ChunkKV) -> bytes:
     _require_little_endian()
     kv = entry.kv
     payload_bytes = entry.nbytes
-    header = json.dumps(
-        {"key": entry.key, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape), "payload_bytes": payload_bytes},
-        separators=(",", ":"),
-    ).encode("utf-8")
+    fields = {"key": entry.key, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape), "payload_bytes": payload_bytes}
+    header = json.dumps(fields, separators=(",", ":")).encode("utf-8")
+    if entry.token_ids is not None:
+        with_tokens = json.dumps(fields | {"tokens": list(entry.token_ids)}, separators=(",", ":")).encode("utf-8")
+        if _PREFIX.size + len(with_tokens) + _ALIGN <= _MAX_HEADER_BYTES:  # else kept without (a very long chunk)
+            header = with_tokens
     # Pad with spaces (valid JSON whitespace) so the payload is aligned and a
     # reader can map a tensor straight onto it.
     header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
@@ -203,7 +214,22 @@ class Layout:
             )
         if key != expected_key:
             raise CorruptEntryError(f"foreign entry: holds key {key[:16]}..., expected {expected_key[:16]}...")
+        self.token_ids(shape)
         return key, dtype, shape
+
+    def token_ids(self, shape: list[int]) -> tuple[int, ...] | None:
+        """The header's token ids (None: not kept), checked against ``shape``
+        (raise CorruptEntryError)."""
+        tokens = self.header.get("tokens")
+        if tokens is None:
+            return None
+        if (
+            not isinstance(tokens, list)
+            or len(tokens) != shape[3]
+            or any(type(t) is not int or not 0 <= t < 1 << 31 for t in tokens)
+        ):
+            raise CorruptEntryError(f"bad header: tokens must be {shape[3]} token ids")
+        return tuple(tokens)
 
 
 def read_layout(head: memoryview, n: int) -> Layout:
@@ -296,7 +322,7 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
     else:
         own = bytearray(mv[payload_start : payload_start + payload_bytes])
         kv = torch.frombuffer(own, dtype=dtype).view(shape)
-    return ChunkKV(key=key, kv=kv)
+    return ChunkKV(key=key, kv=kv, token_ids=layout.token_ids(shape))
 
 
 # -- records ---------------------------------------------------------------

@@ -75,6 +75,7 @@ class LayerReader:
             self.close()
             raise
         self.head = bytes(head)
+        self.token_ids = layout.token_ids(shape)
         self._payload_start = layout.payload_start
         self._buffer = bytearray(layout.payload_bytes)
         self.kv = (

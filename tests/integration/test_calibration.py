@@ -19,8 +19,8 @@ from blend_integrations.calibration import (
     CalibrationError,
     CalibrationRecord,
     Guard,
-    _exclusive,
     default_variants,
+    exclusive,
     policy_cost,
     record_name,
     wilson_lower,
@@ -268,9 +268,23 @@ def test_a_target_outside_0_1_is_refused(private, target):
         private.calibrate(documents(80), target=target, **SMALL)
 
 
-def test_calibration_needs_documents_long_enough_to_blend(private):
-    with pytest.raises(CalibrationError, match="needs documents"):
+def test_without_documents_calibration_probes_with_the_model_s_chunks_in_the_store(private, model_dirs, tmp_path):
+    docs = documents(60)
+    with pytest.raises(CalibrationError, match="none were given: pass the documents .* or warm the store"):
+        private.calibrate(**SMALL)  # an empty store
+    other = load_engine(model_dirs("llama_seed1"), store=private.store, device="cpu")
+    other.warm(docs)  # another model's chunks in the same store are not this one's
+    with pytest.raises(CalibrationError, match="none were given"):
         private.calibrate(**SMALL)
+    private.warm(docs)
+    assert sorted(private.stored_documents()) == sorted(docs)  # decoded from the stored token ids
+    from_store = private.calibrate(save=False, **SMALL)
+    given = private.calibrate(private.stored_documents(), save=False, **SMALL)
+    assert from_store.n == 6 and [c["agreement"] for c in from_store.curve] == [c["agreement"] for c in given.curve]
+    assert private.store.get_record(record_name(private.fingerprint, "float32")) is None  # save=False
+
+
+def test_calibration_needs_documents_long_enough_to_blend(private):
     with pytest.raises(CalibrationError, match="at least 2 documents of 8 tokens or more"):
         private.calibrate(["Short.", "Tiny one.", documents(81, 1)[0]], **SMALL)
     with pytest.raises(CalibrationError, match="a list of texts"):
@@ -281,7 +295,7 @@ def test_calibration_needs_documents_long_enough_to_blend(private):
 
 
 def test_two_calibrations_of_one_store_at_once_are_refused(private):
-    lock = _exclusive(private.store, record_name(private.fingerprint, "float32"))
+    lock = exclusive(private.store, record_name(private.fingerprint, "float32"))
     with lock, pytest.raises(CalibrationError, match="another process is calibrating this model"):
         private.calibrate(documents(90), **SMALL)
     assert private.calibrate(documents(90), **SMALL).n == 6  # free again

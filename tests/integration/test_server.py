@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from blend_integrations import BlendPrompt, PromptError, load_engine
-from blend_integrations.engines.server_engine import ServerError
+from blend_integrations.calibration import RELOAD_S, CalibrationRecord, record_name
+from blend_integrations.engines.server_engine import CALIBRATION_PATH, ServerError
 from blend_integrations.prompt import TokenizedPrompt
+from tests.fixtures.local_models import sample_text
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -125,6 +129,56 @@ def test_the_server_runs_behind_its_api_key(blend_server, docs):
         load_engine(blend_server.url, backend="server")
     with pytest.raises(ServerError, match="the api_key given is not one of the server's keys"):
         load_engine(blend_server.url, backend="server", api_key="wrong-key")
+
+
+def test_the_server_calibrates_over_http_and_its_auto_uses_it(client, blend_server, store, engine, docs):
+    """ServerEngine.calibrate measures over HTTP and stores the record through
+    /v1/blend/calibration in the server's store; the server's "auto" uses it;
+    a foreign or broken record is refused with 400 and nothing is stored."""
+    info = client.served_model()
+    assert (info["fingerprint"], info["dtype"], info["num_layers"]) == (
+        engine.fingerprint,
+        "float32",
+        engine.num_layers,
+    )
+    assert info["record"] is None and info["settings"] == engine.config.settings()
+    name = record_name(info["fingerprint"], info["dtype"])
+    texts = [" ".join(sample_text(4, seed=700 + i)) for i in range(6)]
+    options = dict(num_prompts=4, ratios=(0.5, 0.9), variants=[], target=0.05, confidence=0.5, min_speedup=0.01)
+    try:
+        record = client.calibrate(texts, progress=False, **options)
+        assert record.meets_target and record.ratio in (0.5, 0.9) and record.engine == "server" and record.n == 4
+        assert client.calibration() == record
+        assert CalibrationRecord.from_bytes(store.get_record(name), fingerprint=engine.fingerprint, dtype="float32")
+        time.sleep(RELOAD_S + 0.2)  # the connector reads its store's record at most once a second
+        client.warm(docs)
+        gen = client.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
+        assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", record.ratio)
+        assert gen.usage.recomputed_tokens == round(record.ratio * gen.usage.cached_tokens)
+
+        def put(body: bytes, key: str | None = blend_server.api_key) -> tuple[int, str]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            req = urllib.request.Request(blend_server.url + CALIBRATION_PATH, data=body, method="PUT", headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        foreign = dataclasses.replace(record, fingerprint="0" * 64, ratio=0.05)
+        for body, why in (
+            (foreign.to_bytes(), "another model"),
+            (dataclasses.replace(record, ratio=1.7).to_bytes(), "damaged"),
+            (b"not json", "not JSON"),
+        ):
+            status, text = put(body)
+            assert status == 400 and why in json.loads(text)["error"]["message"], text
+        assert put(foreign.to_bytes(), key=None)[0] == 401
+        assert client.calibration() == record  # nothing refused was stored
+    finally:
+        store.delete_record(name)
+        time.sleep(RELOAD_S + 0.2)  # no other test sees it
+    assert client.calibration() is None
 
 
 def test_the_client_checks_spans_before_sending(client):

@@ -279,7 +279,8 @@ def test_serve_checks_requests_and_keeps_its_key_off_the_command_line(tmp_path, 
     words = shlex.split(capsys.readouterr().out)
     cmd = words[words.index("-m") - 1 :]
     assert "VLLM_API_KEY=s3cret" in words[: words.index("-m") - 1] and "s3cret" not in " ".join(cmd)
-    assert cmd[cmd.index("--middleware") + 1] == "blend_integrations.serve.CheckBlendParams"
+    middlewares = [cmd[i + 1] for i, word in enumerate(cmd) if word == "--middleware"]
+    assert middlewares == ["blend_integrations.serve.CheckBlendParams", "blend_integrations.serve.CalibrationRoute"]
     transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert transfer["kv_load_failure_policy"] == "recompute"  # a failed blend pass is recomputed, not fatal
     with pytest.raises(SystemExit):

@@ -128,6 +128,43 @@ def test_decode_errors_name_the_problem():
     assert same(decode(rewrite_header(data), expected_key=KEY), ChunkKV(KEY, make_kv()))
 
 
+def test_an_entry_keeps_its_token_ids_and_they_are_checked():
+    tokens = (5, 17, 0, 49151, 3)
+    data = encode(ChunkKV(KEY, make_kv(), token_ids=tokens))
+    assert decode(data, expected_key=KEY).token_ids == tokens
+    assert decode(encode(ChunkKV(KEY, make_kv())), expected_key=KEY).token_ids is None  # not known: not kept
+    for bad in ([1, 2, 3], [1, 2, 3, 4, "5"], [1, 2, 3, 4, -5], [1, 2, 3, 4, 5.0], "12345"):
+        with pytest.raises(CorruptEntryError, match="tokens must be 5 token ids"):
+            decode(rewrite_header(data, tokens=bad), expected_key=KEY)
+    with pytest.raises(ValueError, match="token_ids holds 4 tokens, its kv 5"):
+        ChunkKV(KEY, make_kv(), token_ids=(1, 2, 3, 4))
+    # a chunk whose tokens would not fit the header is stored without them
+    long = ChunkKV(KEY, make_kv(tokens=12000, layers=1, heads=1, head_dim=1), token_ids=range(100000, 112000))
+    assert decode(encode(long), expected_key=KEY).token_ids is None
+
+
+def test_the_store_lists_one_model_s_chunks_by_their_tokens(tmp_path):
+    """chunk_token_ids reads the headers on disk (files and small inline
+    entries), keeps those whose key the tokens give, most recently used first."""
+    def keys_of(model: str):
+        return lambda ids: chunk_key(fingerprint=model, dtype="float32", token_ids=ids, bos_token_id=None)
+
+    keys_a, keys_b = keys_of("model-a"), keys_of("model-b")
+    with ChunkStore(tmp_path / "s", memory_limit_bytes=0, remote="") as store:
+        for i, (keys, n) in enumerate([(keys_a, 5), (keys_b, 5), (keys_a, 400), (keys_a, 5)]):
+            ids = list(range(10 * i, 10 * i + n))
+            store.put(ChunkKV(keys(ids), make_kv(i, tokens=n), token_ids=ids))
+        store.put(ChunkKV(keys_a([7, 7]), make_kv(9, tokens=2)))  # stored without tokens: not listed
+        store.put(ChunkKV(keys_a([1, 2, 3, 4, 5]), make_kv(8), token_ids=(9, 9, 9, 9, 9)))  # tokens of another key
+        assert store.chunk_token_ids(keys_a) == [list(range(30, 35)), list(range(20, 420)), list(range(5))]
+        assert store.chunk_token_ids(keys_b) == [list(range(10, 15))]
+        assert store.chunk_token_ids(keys_a, limit=1) == [list(range(30, 35))]
+        store.get(keys_a(list(range(5))))  # read: now the most recently used
+        assert store.chunk_token_ids(keys_a)[0] == list(range(5))
+    with ChunkStore(tmp_path / "s", remote="") as store:  # a new process's view: the disk tier
+        assert len(store.chunk_token_ids(keys_a)) == 3
+
+
 def test_decode_flipped_payload_byte():
     data = bytearray(encode(ChunkKV(KEY, make_kv())))
     data[len(data) // 2] ^= 0x40
