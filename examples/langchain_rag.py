@@ -48,7 +48,7 @@ def main() -> None:
         retrieved=lambda r: [d.metadata["source"] for d in r["documents"]],
         answer=lambda r: r["answer"].content,
         stats=lambda r: r["answer"].response_metadata,
-        calibration=chat.engine.calibrations.record(),
+        calibration=chat.engine.calibration(),
     )
 
 

@@ -45,7 +45,7 @@ def main() -> None:
         retrieved=lambda r: [n.node.metadata["file_name"] for n in r.source_nodes],
         answer=lambda r: r.response,
         stats=lambda r: r.metadata["blend"],
-        calibration=llm.engine.calibrations.record(),
+        calibration=llm.engine.calibration(),
     )
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from blend_integrations.calibration import settings_label
 from blend_integrations.config import parse_ratio
 from blend_integrations.quality.metrics import contains
 
@@ -39,7 +40,7 @@ def default_model() -> str:
 
 
 # Probe prompts the examples calibrate with: enough for a 0.95 agreement target at
-# an 80% lower bound (24 of 24 agreeing), and about two minutes for SmolLM2 on 2 CPUs.
+# an 80% lower bound (24 of 24 agreeing), and a few minutes for SmolLM2 on 2 CPUs.
 CALIBRATION = {"num_prompts": 24}
 
 
@@ -88,6 +89,7 @@ def compare(
         guard = calibration.guard
         print(
             f"calibrated on {calibration.n} probe prompts in {calibration.seconds:.0f} s: ratio {calibration.ratio}"
+            + (f" ({settings_label(calibration.settings)} settings)" if calibration.ratio < 1.0 else "")
             + (f", guard from {guard.base} (threshold {guard.threshold})" if guard else "")
             + f"; target {calibration.target} agreement with full prefill"
             + ("" if calibration.meets_target else " (not met below 1.0: blending recomputes everything)")
