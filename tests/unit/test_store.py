@@ -146,6 +146,7 @@ def test_an_entry_keeps_its_token_ids_and_they_are_checked():
 def test_the_store_lists_one_model_s_chunks_by_their_tokens(tmp_path):
     """chunk_token_ids reads the headers on disk (files and small inline
     entries), keeps those whose key the tokens give, most recently used first."""
+
     def keys_of(model: str):
         return lambda ids: chunk_key(fingerprint=model, dtype="float32", token_ids=ids, bos_token_id=None)
 
