@@ -109,14 +109,7 @@ class ServerEngine(Engine):
             num_layers=info["num_layers"],
         )
 
-    def calibrate(
-        self,
-        documents: Sequence[str] | None = None,
-        *,
-        prompts: Sequence[PromptInput] | None = None,
-        target: float = 0.95,
-        **options,
-    ) -> CalibrationRecord:
+    def calibrate(self, documents: Sequence[str] | None = None, **options) -> CalibrationRecord:
         """Calibrate the served model over HTTP (``Engine.calibrate``) from the
         server's own blend settings, and store the record in the server's
         store, where its connector uses it. Times to first token are measured
@@ -127,7 +120,7 @@ class ServerEngine(Engine):
         info = self.served_model()
         self.fingerprint, self.dtype_name, self.num_layers = info["fingerprint"], info["dtype"], info["num_layers"]
         self.config = self.config.with_settings(info["settings"], num_layers=self.num_layers)
-        return super().calibrate(documents, prompts=prompts, target=target, **options)
+        return super().calibrate(documents, **options)
 
     def stored_documents(self, limit: int = 256) -> list[str]:
         raise CalibrationError(
