@@ -142,11 +142,12 @@ def encode(entry: ChunkKV) -> bytes:
     kv = entry.kv
     payload_bytes = entry.nbytes
     fields = {"key": entry.key, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape), "payload_bytes": payload_bytes}
-    header = json.dumps(fields, separators=(",", ":")).encode("utf-8")
     if entry.token_ids is not None:
-        with_tokens = json.dumps(fields | {"tokens": list(entry.token_ids)}, separators=(",", ":")).encode("utf-8")
-        if _PREFIX.size + len(with_tokens) + _ALIGN <= _MAX_HEADER_BYTES:  # else kept without (a very long chunk)
-            header = with_tokens
+        fields["tokens"] = list(entry.token_ids)
+    header = json.dumps(fields, separators=(",", ":")).encode("utf-8")
+    if "tokens" in fields and _PREFIX.size + len(header) + _ALIGN > _MAX_HEADER_BYTES:  # a very long chunk: no tokens
+        del fields["tokens"]
+        header = json.dumps(fields, separators=(",", ":")).encode("utf-8")
     # Pad with spaces (valid JSON whitespace) so the payload is aligned and a
     # reader can map a tensor straight onto it.
     header += b" " * (-(_PREFIX.size + len(header)) % _ALIGN)
