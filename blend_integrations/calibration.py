@@ -7,27 +7,28 @@ SmolLM2-135M's (docs/results/calibration.md). ``calibrate`` measures it:
 1. Probe prompts from the user's documents (random subsets in random orders,
    with a question about one of them, through the model's chat template),
    or the user's own prompts; a fixed seed.
-2. Each prompt's full prefill, then blend at every ratio of a ladder with the
-   engine's own blend settings, on the engine being calibrated; then other
-   settings (``variants``: gradual check layers, query-aware selection, key
-   deviation, sink tokens), each at the ratios that would be cheaper than
-   the best found so far, each dropped as soon as its disagreements rule out
-   the target (so a bad variant costs a few prompts). A blended reply
-   *agrees* when its first ``tokens`` greedy tokens are full prefill's. The
-   first token's KL divergence from full prefill's (over full prefill's top
+2. Policies: one ratio for every request, with the engine's own blend
+   settings or another (``variants``: gradual check layers, query-aware
+   selection, key deviation, sink tokens); and the per-request *guard*: at
+   the check layer the walk knows how much of the reused tokens' deviation
+   the top ``base`` share of them holds; when that is below ``threshold``,
+   the request gets the next ratio of the ladder whose top share holds it
+   (up to 1.0, full prefill). A blended reply reports that share for every
+   ratio (``Generation.deviation_share``), so which ratio the guard gives
+   each probe is known from one reply, without running the guard.
+3. Each prompt's full prefill, then the policies on the engine being
+   calibrated, cheapest first (by the computed share of the reused
+   token-layers, ``config.computed_share``), each on the hardest probes
+   first. A blended reply *agrees* when its first ``tokens`` greedy tokens
+   are full prefill's. A policy stops at the disagreement that rules the
+   target out, and policies costlier than one that met it are not run
+   (``exhaustive=True`` runs everything, for the whole curve). The first
+   token's KL divergence from full prefill's (over full prefill's top
    ``KL_TOP`` tokens and the rest as one bucket) and the time to first token
    are recorded too.
-3. Policies: one ratio for every request, and the per-request *guard*: at
-   the check layer the walk knows how much of the reused tokens' deviation the
-   top ``base`` share of them holds; when that is below ``threshold``, the
-   request gets the next ratio of the ladder whose top share holds it (up to
-   1.0, full prefill). Every blended reply reports the share its ratio holds
-   (``Usage.deviation_captured``), so a guard policy's outcome on the probes
-   is known exactly from the ladder runs, without running it.
 4. The cheapest policy whose agreement meets ``target`` with a one-sided
    Wilson lower bound at ``confidence``, and which is measured at least
-   ``min_speedup`` times sooner than full prefill, wins. Cheapest: the least
-   computed share of the reused token-layers (``config.computed_share``).
+   ``min_speedup`` times sooner than full prefill, wins.
    If none below 1.0 does, the record says so: blending cannot hold that
    target on this model, and ``"auto"`` recomputes everything.
 
@@ -44,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import functools
+import itertools
 import json
 import logging
 import math
@@ -55,7 +56,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
@@ -362,10 +363,47 @@ def _first_token_kl(full: Generation, blend: Generation) -> float | None:
     return max(0.0, kl + p_rest * math.log(p_rest / q_rest))
 
 
-@dataclass
-class _Probe:
-    full: Generation
-    runs: dict = field(default_factory=dict)  # ratio -> Generation, with the engine's own settings
+@dataclass(frozen=True)
+class _Policy:
+    """A candidate: one ratio for every request (``kind="ratio"``), or the
+    guard from base ``ratio`` at ``threshold``; ``rungs``: the ratio each
+    probe runs at under it (1.0: full prefill, nothing to run)."""
+
+    kind: str
+    settings: int  # index into the settings tried
+    ratio: float
+    threshold: float | None
+    rungs: tuple[float, ...]
+    cost: float
+
+
+class _Replies:
+    """Each probe's full prefill, and its blended replies under each setting
+    and ratio, each run once, when a policy first needs it."""
+
+    def __init__(self, probes: list, fulls: list, blend: Callable, settings: list[dict], bar) -> None:
+        self.probes, self.fulls, self.blend, self.settings, self.bar = probes, fulls, blend, settings, bar
+        self.runs: dict[tuple[int, float, int], Generation] = {}
+
+    def has(self, settings: int, ratio: float, j: int) -> bool:
+        return ratio >= 1.0 or (settings, ratio, j) in self.runs
+
+    def get(self, settings: int, ratio: float, j: int) -> Generation | None:
+        return None if ratio >= 1.0 else self.blended(settings, ratio, j)  # None: full prefill itself
+
+    def blended(self, settings: int, ratio: float, j: int) -> Generation:
+        key = (settings, ratio, j)
+        if key not in self.runs:
+            self.runs[key] = self.blend(self.probes[j], ratio, self.settings[settings])
+            self.bar.update()
+        return self.runs[key]
+
+    def reorder(self, order: list[int]) -> None:
+        """Index the probes in ``order`` from now on."""
+        at = {j: i for i, j in enumerate(order)}
+        self.probes = [self.probes[j] for j in order]
+        self.fulls = [self.fulls[j] for j in order]
+        self.runs = {(s, r, at[j]): g for (s, r, j), g in self.runs.items()}
 
 
 def default_variants(config: BlendConfig, num_layers: int | None) -> list[dict]:
@@ -440,6 +478,7 @@ def calibrate(
     progress: bool | None = None,
     plot: str | os.PathLike | None = None,
     save: bool = True,
+    exhaustive: bool = False,
 ) -> CalibrationRecord:
     """Measure the recompute policy this engine's model needs to agree with
     full prefill on ``target`` of the prompts, store it, and return the record.
@@ -449,8 +488,10 @@ def calibrate(
     replaces the probes built from ``documents``. ``min_speedup``: a policy
     measured less than this many times sooner than full prefill is not worth
     its risk: when none meeting the target is faster, the record chooses full
-    prefill. Prints a table; ``plot``: also write a PNG of agreement and TTFT
-    speedup against the ratio."""
+    prefill. Policies are measured cheapest first and stop early (see
+    ``_measure``); ``exhaustive`` measures every one on every probe, for the
+    whole curve (slower; the same choice). Prints a table; ``plot``: also
+    write a PNG of agreement and TTFT speedup against the ratio."""
     from tqdm.auto import tqdm
 
     from . import __version__
@@ -461,6 +502,8 @@ def calibrate(
         raise CalibrationError(f"min_speedup must be a positive number, got {min_speedup!r:.40}")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise CalibrationError(f"tokens must be a positive integer, got {tokens!r:.40}")
+    if not isinstance(exhaustive, bool):
+        raise CalibrationError(f"exhaustive must be True or False, got {exhaustive!r:.40}")
     if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 2:
         raise CalibrationError(f"num_prompts must be an integer >= 2, got {num_prompts!r:.40}")
     ladder = sorted({check_ratio(r) for r in ratios} - {1.0})
@@ -517,36 +560,32 @@ def calibrate(
     with engine.calibration_lock(name):
         chunks = {tuple(p.token_ids[a:b]) for p in probes for a, b in p.chunk_spans}
         engine.warm([list(c) for c in chunks], progress=show)
-        results: list[_Probe] = []
-        bar = tqdm(total=n * (1 + len(ladder)), desc=f"calibrating ({source})", unit="run", disable=not show)
+        # the bar's total is every run the exhaustive way; stopping early finishes it sooner
+        bar = tqdm(
+            total=n * (1 + len(ladder) * len(tried)), desc=f"calibrating ({source})", unit="run", disable=not show
+        )
         with bar:
-            # The engine's own settings over the whole ladder: every probe at every ratio (the guard needs them all).
+            fulls = []
             for tp in probes:
-                probe = _Probe(engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP))
+                fulls.append(engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP))
                 bar.update()
-                for r in ladder:
-                    probe.runs[r] = blend(tp, r, base)
-                    bar.update()
-                results.append(probe)
-            curve = _policies(results, ladder, base, num_layers, tokens, confidence)
-            curve += _variants(
-                results,
-                probes,
+            replies = _Replies(probes, fulls, blend, tried, bar)
+            curve = _measure(
+                replies,
                 ladder,
-                tried[1:],
-                curve,
-                blend,
-                bar,
+                tried,
                 num_layers,
                 tokens,
                 target=target,
                 confidence=confidence,
                 min_speedup=min_speedup,
-                base=base,
+                exhaustive=exhaustive,
             )
+            bar.total = bar.n
         record = _choose(
             curve,
             base=base,
+            ladder=ladder,
             min_speedup=min_speedup,
             target=target,
             confidence=confidence,
@@ -565,7 +604,7 @@ def calibrate(
 
 
 def _row(
-    results: list[_Probe],
+    fulls: list[Generation],
     per_probe: list[tuple[float, Generation | None]],
     tokens: int,
     confidence: float,
@@ -574,12 +613,10 @@ def _row(
 ) -> dict:
     """One policy's measures over the probes it ran on (the first ``len(per_probe)``);
     a None generation is full prefill (the guard's 1.0)."""
-    measured = results[: len(per_probe)]
-    agree = sum(g is None or _agree(p.full, g, tokens) for p, (_, g) in zip(measured, per_probe))
-    kls = [
-        k for p, (_, g) in zip(measured, per_probe) if g is not None and (k := _first_token_kl(p.full, g)) is not None
-    ]
-    ttft = [g.ttft_s if g is not None else p.full.ttft_s for p, (_, g) in zip(measured, per_probe)]
+    measured = fulls[: len(per_probe)]
+    agree = sum(g is None or _agree(f, g, tokens) for f, (_, g) in zip(measured, per_probe))
+    kls = [k for f, (_, g) in zip(measured, per_probe) if g is not None and (k := _first_token_kl(f, g)) is not None]
+    ttft = [g.ttft_s if g is not None else f.ttft_s for f, (_, g) in zip(measured, per_probe)]
     return {
         **fields,
         "mean_ratio": round(statistics.fmean(r for r, _ in per_probe), 4),
@@ -588,118 +625,95 @@ def _row(
         # a policy stopped early is short of n probes: it cannot meet the target
         "lower_bound": round(wilson_lower(agree, n, confidence), 4) if len(per_probe) == n else 0.0,
         "kl": round(statistics.fmean(kls), 4) if kls else None,
-        "ttft_speedup": round(statistics.fmean(p.full.ttft_s for p in measured) / statistics.fmean(ttft), 3),
+        "ttft_speedup": round(statistics.fmean(f.ttft_s for f in measured) / statistics.fmean(ttft), 3),
     }
 
 
-def _policies(
-    results: list[_Probe], ladder: list[float], base: dict, num_layers: int, tokens: int, confidence: float
-) -> list[dict]:
-    """Every ratio of the ladder and every guard policy, with the engine's own settings, on the probes."""
-    n, label = len(results), _label(base, base)
-    curve = [
-        _row(
-            results,
-            [(r, p.runs[r]) for p in results],
-            tokens,
-            confidence,
-            n,
-            policy="ratio",
-            variant=label,
-            settings=base,
-            ratio=r,
-            cost=round(policy_cost(base, r, num_layers), 4),
-        )
+def _candidates(replies: _Replies, ladder: list[float], tried: list[dict], num_layers: int, n: int) -> list[_Policy]:
+    """Every policy, cheapest first: each setting at each ratio, and (where
+    the engine reports ``Generation.deviation_share``) the guard from each
+    base ratio at each threshold the probes' shares at that base suggest.
+    A guard's rungs come from the probes' cheapest runs with the engine's own
+    settings: the share does not depend on the ratio a walk ran at."""
+    policies = [
+        _Policy("ratio", i, r, None, (r,) * n, policy_cost(settings, r, num_layers))
+        for i, settings in enumerate(tried)
         for r in ladder
     ]
-    captured = {r: [p.runs[r].usage.deviation_captured for p in results] for r in ladder}
-    if any(v is None for values in captured.values() for v in values):
-        return curve  # the engine does not report the deviation its ratio captures: no guard
-    for r0 in ladder:
-        for threshold in sorted({round(v, 3) for v in captured[r0]})[1:]:
-            guard = Guard(r0, threshold, tuple(ladder))
-            per_probe = []
-            for i, p in enumerate(results):
-                r = guard.ratio(functools.partial(_at, captured, i))
-                per_probe.append((r, p.runs[r] if r < 1.0 else None))
-            cost = statistics.fmean(policy_cost(base, r, num_layers) for r, _ in per_probe)
-            curve.append(
-                _row(
-                    results,
-                    per_probe,
-                    tokens,
-                    confidence,
-                    n,
-                    policy="guard",
-                    variant=label,
-                    settings=base,
-                    ratio=r0,
-                    threshold=threshold,
-                    cost=round(cost, 4),
-                )
-            )
-    return curve
+    shares = [share for j in range(n) if (share := replies.blended(0, ladder[0], j).deviation_share) is not None]
+    if len(shares) == n:
+        for r0 in ladder:
+            for threshold in sorted({round(share(r0), 3) for share in shares})[1:]:
+                guard = Guard(r0, threshold, tuple(ladder))
+                rungs = tuple(guard.ratio(share) for share in shares)
+                cost = statistics.fmean(policy_cost(tried[0], r, num_layers) for r in rungs)
+                policies.append(_Policy("guard", 0, r0, threshold, rungs, cost))
+    return sorted(policies, key=lambda p: (p.cost, p.kind != "ratio", p.settings, p.ratio, p.threshold or 0.0))
 
 
-def _at(captured: dict[float, list], i: int, ratio: float) -> float:
-    return captured[ratio][i]
-
-
-def _variants(
-    results, probes, ladder, variants, curve, blend, bar, num_layers, tokens, *, target, confidence, min_speedup, base
+def _measure(
+    replies: _Replies,
+    ladder: list[float],
+    tried: list[dict],
+    num_layers: int,
+    tokens: int,
+    *,
+    target: float,
+    confidence: float,
+    min_speedup: float,
+    exhaustive: bool,
 ) -> list[dict]:
-    """The other settings, each at the ratios cheaper than the best policy
-    found so far, cheapest first; a candidate stops at the disagreement that
-    rules the target out, and one as costly as a ratio measured too slow to be
-    worth it is not run. A candidate's row covers the probes it ran on,
-    hardest first."""
-    n = len(results)
-    # Hardest probes first (those the engine's own settings disagreed on at the most ratios): a
-    # variant that cannot meet the target shows it within a few probes. Verdicts do not depend on order.
-    order = sorted(
-        range(n), key=lambda j: -sum(not _agree(results[j].full, g, tokens) for g in results[j].runs.values())
-    )
-    results, probes = [results[j] for j in order], [probes[j] for j in order]
+    """Measure the policies cheapest first, each on the probes hardest first,
+    and return their rows. Every probe's reply at the cheapest ratio comes
+    first: it orders the probes (disagreeing, then by first-token KL) and gives
+    the guard its shares. A policy stops at the disagreement that rules the
+    target out, and is not run at all once a cheaper one met the target (a
+    single ratio only for a cheaper single ratio: engines without the guard
+    need one) or one as costly was measured too slow to be worth it. The
+    choice is the one measuring everything would make; ``exhaustive`` does,
+    for the whole curve."""
+    n, base = len(replies.fulls), tried[0]
+    first = [replies.blended(0, ladder[0], j) for j in range(n)]
+    hardness = [(_agree(f, g, tokens), -(_first_token_kl(f, g) or 0.0)) for f, g in zip(replies.fulls, first)]
+    replies.reorder(sorted(range(n), key=lambda j: hardness[j]))
     misses_allowed = _max_misses(n, target, confidence)
-    best = min((c["cost"] for c in curve if _meets(c, target, n, min_speedup)), default=math.inf)
-    too_slow = min(
-        (c["cost"] for c in curve if c["policy"] == "ratio" and c["ttft_speedup"] < min_speedup), default=math.inf
-    )
-    candidates = sorted(
-        ((policy_cost(v, r, num_layers), i, r) for i, v in enumerate(variants) for r in ladder),
-        key=lambda c: (c[0], c[1], c[2]),
-    )
-    bar.total += n * len(candidates)
+    best_single = best_any = too_slow = math.inf
     rows = []
-    for cost, i, r in candidates:
-        settings = variants[i]
-        if misses_allowed < 0 or cost >= min(best, too_slow):
-            bar.update(n)
-            continue
+    for policy in _candidates(replies, ladder, tried, num_layers, n):
+        settings = tried[policy.settings]
+        cheaper_met = best_single if policy.kind == "ratio" else best_any
+        measured = all(replies.has(policy.settings, r, j) for j, r in enumerate(policy.rungs))
+        if not (exhaustive or measured) and (misses_allowed < 0 or policy.cost >= min(cheaper_met, too_slow)):
+            continue  # its row costs nothing to give when its replies are all there
         per_probe, misses = [], 0
-        for p, tp in zip(results, probes):
-            g = blend(tp, r, settings)
-            per_probe.append((r, g))
-            bar.update()
-            misses += not _agree(p.full, g, tokens)
-            if misses > misses_allowed:
+        for j, r in enumerate(policy.rungs):
+            # past the miss that rules the target out, only replies already measured are counted
+            if misses > misses_allowed and not exhaustive and not replies.has(policy.settings, r, j):
                 break
-        bar.update(n - len(per_probe))
+            g = replies.get(policy.settings, r, j)
+            per_probe.append((r, g))
+            misses += g is not None and not _agree(replies.fulls[j], g, tokens)
+        fields = {"threshold": policy.threshold} if policy.kind == "guard" else {}
         row = _row(
-            results,
+            replies.fulls,
             per_probe,
             tokens,
             confidence,
             n,
-            policy="ratio",
+            policy=policy.kind,
             variant=_label(settings, base),
             settings=settings,
-            ratio=r,
-            cost=round(cost, 4),
+            ratio=policy.ratio,
+            **fields,
+            cost=round(policy.cost, 4),
         )
         rows.append(row)
+        if row["n"] == n and row["ttft_speedup"] < min_speedup:
+            too_slow = min(too_slow, policy.cost)
         if _meets(row, target, n, min_speedup):
-            best = min(best, row["cost"])
+            best_any = min(best_any, policy.cost)
+            if policy.kind == "ratio":
+                best_single = min(best_single, policy.cost)
     return rows
 
 
@@ -708,7 +722,7 @@ def _meets(row: dict, target: float, n: int, min_speedup: float) -> bool:
 
 
 def _choose(
-    curve: list[dict], *, base, target, confidence, tokens, n, min_speedup, engine, version, seconds
+    curve: list[dict], *, base, ladder, target, confidence, tokens, n, min_speedup, engine, version, seconds
 ) -> CalibrationRecord:
     """The cheapest policy meeting the target: the single ratio (with its
     settings) for every engine, and the guard when it is cheaper still; each
@@ -721,7 +735,13 @@ def _choose(
     guarded = min((c for c in worth if c["policy"] == "guard"), key=cost, default=None)
     if guarded is not None and uniform is not None and cost(guarded) >= cost(uniform):
         guarded = None  # the guard only when it is cheaper than one ratio for every request
-    if not meeting:
+    if _max_misses(n, target, confidence) < 0:
+        needed = next(m for m in itertools.count(n) if _max_misses(m, target, confidence) >= 0)
+        why = (
+            f"{n} prompts cannot show agreement {target} at {confidence:.0%} confidence even if every one "
+            f"agrees (that takes {needed} or more): full prefill"
+        )
+    elif not meeting:
         why = f"no policy below ratio 1.0 meets the target {target}: blending cannot hold it here; full prefill"
     elif uniform is None and guarded is None:
         best = min(meeting, key=cost)
@@ -742,7 +762,7 @@ def _choose(
         dtype=engine.dtype_name,
         settings=uniform["settings"] if uniform is not None else base,
         ratio=uniform["ratio"] if uniform is not None else 1.0,
-        guard=None if guarded is None else Guard(guarded["ratio"], guarded["threshold"], LADDER),
+        guard=None if guarded is None else Guard(guarded["ratio"], guarded["threshold"], tuple(ladder)),
         guard_settings=None if guarded is None else guarded["settings"],
         meets_target=bool(meeting),
         target=target,
@@ -790,6 +810,12 @@ def report(record: CalibrationRecord) -> str:
         "",
         *curve_table(record.curve, record.n),
     ]
+    if any(c["n"] < record.n for c in record.curve):
+        lines.append(
+            "\nPolicies ran cheapest first, each on the hardest probes first: one stopped early could no "
+            "longer meet the target, and those costlier than a policy that met it were not run "
+            "(calibrate(..., exhaustive=True) runs them all)."
+        )
     guards = [c for c in record.curve if c["policy"] == "guard" and c["lower_bound"] >= record.target]
     if guards:
         best = min(guards, key=lambda c: c["cost"])
@@ -798,11 +824,7 @@ def report(record: CalibrationRecord) -> str:
             f"{best['mean_ratio']:.3f}, agreement {best['agreement']:.3f}, {best['ttft_speedup']:.2f}x"
         )
     if not record.meets_target:
-        lines.append(
-            f"\nNo policy below ratio 1.0 meets the target {record.target} on this model: blending cannot hold it "
-            "here. "
-            '"auto" runs full prefill; lower the target, or pass a ratio explicitly.'
-        )
+        lines.append(f'\nChosen: full prefill ("auto" runs it): {record.why}. Lower the target, or pass a ratio.')
     elif record.ratio >= 1.0 and record.guard is None:
         lines.append(f'\nChosen: full prefill ("auto" runs it): {record.why}.')
     elif record.guard is not None:
@@ -832,9 +854,27 @@ def write_plot(record: CalibrationRecord, path: str | os.PathLike) -> None:
         rows = [c for c in record.curve if c["policy"] == "ratio" and c["variant"] == v]
         xs = [c["ratio"] for c in rows]
         color = f"C{i}"
-        ax.plot(xs, [c["agreement"] for c in rows], "o-" if i == 0 else "x", color=color, label=f"agreement ({v})")
+        whole = [c for c in rows if c["n"] == record.n]
+        stopped = [c for c in rows if c["n"] < record.n]
+        ax.plot(
+            [c["ratio"] for c in whole],
+            [c["agreement"] for c in whole],
+            "o-" if i == 0 else "x",
+            color=color,
+            label=f"agreement ({v})",
+        )
+        if stopped:  # measured on the hardest probes only, until they ruled the target out
+            ax.plot(
+                [c["ratio"] for c in stopped],
+                [c["agreement"] for c in stopped],
+                "v" if i == 0 else "1",
+                color=color,
+                label=f"stopped early ({v})",
+            )
         if i == 0:
-            ax.plot(xs, [c["lower_bound"] for c in rows], ":", color=color, label="lower bound")
+            ax.plot(
+                [c["ratio"] for c in whole], [c["lower_bound"] for c in whole], ":", color=color, label="lower bound"
+            )
             speed.plot(xs, [c["ttft_speedup"] for c in rows], "s--", color="grey", label="TTFT full / blend")
     ax.axhline(record.target, color="red", lw=0.8, label=f"target {record.target}")
     ax.set_xlabel("recompute ratio")

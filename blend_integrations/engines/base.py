@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -64,6 +64,10 @@ class Generation:
     # Why the prompt was computed in full although blending was asked for (the
     # vLLM engine: its blend pass failed and vLLM recomputed it), else None.
     fallback: str | None = None
+    # ``deviation_share(r)``: the share of the reused tokens' deviation at the check layer that
+    # the top ``r`` of them hold, for any ratio (``usage.deviation_captured`` is it at the ratio
+    # used); calibration simulates the guard with it. None where the engine does not report it.
+    deviation_share: Callable[[float], float] | None = field(default=None, repr=False, compare=False)
 
     def stats(self) -> dict:
         """What the call reused and recomputed, and how soon it answered (a flat

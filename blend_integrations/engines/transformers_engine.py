@@ -174,6 +174,7 @@ class TransformersEngine(Engine):
                     logprobs=out_logprobs,
                     total_s=time.perf_counter() - req.started,
                     loading=stats.loading,
+                    deviation_share=stats.deviation_share,
                 )
             finally:
                 # Missed chunks are computed with the standalone recipe after the

@@ -10,7 +10,7 @@ standalone recipe.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,7 @@ class PrefillStats:
     recompute_ratio: float | None = None  # the ratio the walk blended at (None: not blended)
     ratio_source: str | None = None  # where it came from (``config.RATIO_SOURCES``)
     deviation_captured: float | None = None  # the share of the reused tokens' deviation that ratio covers
+    deviation_share: Callable[[float], float] | None = field(default=None, repr=False)  # the same, for any ratio
     loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
     missed: dict[str, list[int]] = field(default_factory=dict, repr=False)  # key -> ids, to save
 
@@ -173,7 +174,7 @@ class Blender:
         if plan.reports_ratio:  # the planned ratio, or the guard's (the walk's is None when nothing was reused)
             stats.recompute_ratio = walk.ratio if walk.ratio is not None else plan.ratio
             stats.ratio_source = "guard" if walk.guarded else plan.ratio_source
-            stats.deviation_captured = walk.captured
+            stats.deviation_captured, stats.deviation_share = walk.captured, walk.share
         return out, stats
 
     def _walk(self, cache: KVCache, token_ids, loaded: list, plan: PrefillPlan, *, logits: bool):

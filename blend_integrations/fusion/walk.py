@@ -28,7 +28,7 @@ Attention of active queries uses an exact causal mask by absolute position
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,6 +86,8 @@ class WalkStats:
     guarded: bool = False  # the guard raised the ratio
     # the share of the reused tokens' deviation at the first check layer that the top ``ratio`` of them hold
     captured: float | None = None
+    # ``share(r)``: the same for any ratio r (it does not depend on the ratio the walk ran at)
+    share: Callable[[float], float] | None = field(default=None, repr=False, compare=False)
 
 
 def forward(
@@ -142,7 +144,7 @@ def forward(
         reused, schedule = (), None
     checks = dict(schedule or ())
     ratio = schedule[-1][1] if schedule else None
-    guarded, captured = False, None
+    guarded, captured, share = False, None, None
     # Layers before the first check layer compute every token; their reused KV is never read.
     load_from = min(checks) if checks else 0
     active = torch.arange(T) if (schedule or not num_reused) else torch.nonzero(~is_reused).flatten()
@@ -227,7 +229,7 @@ def forward(
         h = model.finish(layer, h, attn)
     cache.length = end
     kept = tuple(active[is_reused[active]].tolist()) if schedule else ()
-    stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept, ratio, guarded, captured)
+    stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept, ratio, guarded, captured, share)
     return (model.logits(h[-1:])[0] if logits else None), stats
 
 
