@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", metavar="PNG", help="write agreement and TTFT speedup against the ratio here")
     parser.add_argument(
+        "--exhaustive", action="store_true", help="measure every policy on every probe (slower; the same choice)"
+    )
+    parser.add_argument(
         "--variants",
         nargs="*",
         metavar="JSON",
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         min_speedup=args.min_speedup,
         plot=args.plot,
+        exhaustive=args.exhaustive,
     )
     if args.model.startswith(("http://", "https://")):
         if args.store is not None or args.store_remote is not None:

@@ -381,8 +381,8 @@ class _Replies:
     """Each probe's full prefill, and its blended replies under each setting
     and ratio, each run once, when a policy first needs it."""
 
-    def __init__(self, probes: list, fulls: list, blend: Callable, settings: list[dict], bar) -> None:
-        self.probes, self.fulls, self.blend, self.settings, self.bar = probes, fulls, blend, settings, bar
+    def __init__(self, probes: list, fulls: list, blend: Callable, settings: list[dict]) -> None:
+        self.probes, self.fulls, self.blend, self.settings = probes, fulls, blend, settings
         self.runs: dict[tuple[int, float, int], Generation] = {}
 
     def has(self, settings: int, ratio: float, j: int) -> bool:
@@ -395,7 +395,6 @@ class _Replies:
         key = (settings, ratio, j)
         if key not in self.runs:
             self.runs[key] = self.blend(self.probes[j], ratio, self.settings[settings])
-            self.bar.update()
         return self.runs[key]
 
     def reorder(self, order: list[int]) -> None:
@@ -560,28 +559,28 @@ def calibrate(
     with engine.calibration_lock(name):
         chunks = {tuple(p.token_ids[a:b]) for p in probes for a, b in p.chunk_spans}
         engine.warm([list(c) for c in chunks], progress=show)
-        # the bar's total is every run the exhaustive way; stopping early finishes it sooner
-        bar = tqdm(
-            total=n * (1 + len(ladder) * len(tried)), desc=f"calibrating ({source})", unit="run", disable=not show
-        )
-        with bar:
+        first = f"calibrating ({source}): full prefill and ratio {ladder[0]}"
+        with tqdm(total=2 * n, desc=first, unit="run", disable=not show) as bar:
             fulls = []
             for tp in probes:
                 fulls.append(engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP))
                 bar.update()
-            replies = _Replies(probes, fulls, blend, tried, bar)
-            curve = _measure(
-                replies,
-                ladder,
-                tried,
-                num_layers,
-                tokens,
-                target=target,
-                confidence=confidence,
-                min_speedup=min_speedup,
-                exhaustive=exhaustive,
-            )
-            bar.total = bar.n
+            replies = _Replies(probes, fulls, blend, tried)
+            for j in range(n):
+                replies.blended(0, ladder[0], j)
+                bar.update()
+        curve = _measure(
+            replies,
+            ladder,
+            tried,
+            num_layers,
+            tokens,
+            target=target,
+            confidence=confidence,
+            min_speedup=min_speedup,
+            exhaustive=exhaustive,
+            progress=show,
+        )
         record = _choose(
             curve,
             base=base,
@@ -662,6 +661,7 @@ def _measure(
     confidence: float,
     min_speedup: float,
     exhaustive: bool,
+    progress: bool = False,
 ) -> list[dict]:
     """Measure the policies cheapest first, each on the probes hardest first,
     and return their rows. Every probe's reply at the cheapest ratio comes
@@ -679,7 +679,16 @@ def _measure(
     misses_allowed = _max_misses(n, target, confidence)
     best_single = best_any = too_slow = math.inf
     rows = []
-    for policy in _candidates(replies, ladder, tried, num_layers, n):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        _candidates(replies, ladder, tried, num_layers, n),
+        desc="calibrating: policies, cheapest first",
+        unit="policy",
+        disable=not progress,
+    )
+    for policy in bar:
+        bar.set_postfix(runs=len(replies.runs), refresh=False)
         settings = tried[policy.settings]
         cheaper_met = best_single if policy.kind == "ratio" else best_any
         measured = all(replies.has(policy.settings, r, j) for j, r in enumerate(policy.rungs))
