@@ -15,7 +15,7 @@ from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_text_splitters import RecursiveCharacterTextSplitter
 from local_embeddings import LangChainMiniLM  # siblings: this folder is on sys.path
-from shared import CALIBRATION, DATA, compare, default_model, parse_args
+from shared import DATA, compare, default_model, parse_args
 
 from blend_integrations.langchain import BlendCacheWarmer, ChatBlend, create_blend_rag_chain
 
@@ -38,7 +38,7 @@ def main() -> None:
     )
     # Ingestion: the chunk KV of every piece is computed once and stored, and the model is
     # calibrated on these documents if the store has no calibration of it yet.
-    warmer = BlendCacheWarmer(chat, show_progress=True, calibrate=True, calibrate_options=CALIBRATION)
+    warmer = BlendCacheWarmer(chat, show_progress=True, calibrate=True)
     chunks = warmer.transform_documents(chunks)
     retriever = InMemoryVectorStore.from_documents(chunks, LangChainMiniLM()).as_retriever(search_kwargs={"k": 4})
 

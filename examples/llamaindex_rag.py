@@ -13,7 +13,7 @@ from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from local_embeddings import LlamaIndexMiniLM  # siblings: this folder is on sys.path
-from shared import CALIBRATION, DATA, compare, default_model, parse_args
+from shared import DATA, compare, default_model, parse_args
 
 from blend_integrations.llama_index import BlendCacheWarmer, BlendLLM, as_blend_query_engine
 
@@ -31,7 +31,7 @@ def main() -> None:
     embed_model = LlamaIndexMiniLM()
     # Ingestion: split, embed, compute every node's chunk KV once, and calibrate the model on
     # these nodes if the store has no calibration of it yet.
-    warmer = BlendCacheWarmer(llm, calibrate=True, calibrate_options=CALIBRATION)
+    warmer = BlendCacheWarmer(llm, calibrate=True)
     pipeline = IngestionPipeline(
         transformations=[SentenceSplitter(chunk_size=1024, chunk_overlap=0), embed_model, warmer]
     )

@@ -39,11 +39,6 @@ def default_model() -> str:
     return str(smollm2_dir())
 
 
-# Probe prompts the examples calibrate with: enough for a 0.95 agreement target at
-# an 80% lower bound (24 of 24 agreeing), and a few minutes for SmolLM2 on 2 CPUs.
-CALIBRATION = {"num_prompts": 24}
-
-
 def ratio(text: str) -> float | str:
     """--recompute-ratio's value, refused here with the reason rather than after the model loads."""
     try:

@@ -32,7 +32,7 @@ def test_langchain_rag_example_is_the_demo(run):
     assert "retrieved: ['ada_okafor.txt'" in out and ("(4/4 chunks)" in out or "(ratio 1.0, calibrated)" in out)
     assert "time to first token: full" in out and "x sooner" in out
     # calibrated at ingestion, blend with the defaults answers right where full prefill does
-    assert "calibrated on 24 probe prompts" in out and "target 0.95 agreement with full prefill" in out
+    assert "calibrated on 48 probe prompts" in out and "target 0.95 agreement with full prefill" in out
     assert "(ratio " in out and ("calibrated)" in out or "guard)" in out)
     assert out.rstrip().endswith("expected answer: 'Brimford'; blend right: True, full right: True")
 
@@ -55,7 +55,7 @@ def test_llamaindex_rag_example(run):
     # (0/0 chunks) when the calibration chose full prefill for SmolLM2
     assert "retrieved: ['ada_okafor.txt'" in out and ("(4/4 chunks)" in out or "(ratio 1.0, calibrated)" in out)
     assert "time to first token: full" in out and "x sooner" in out
-    assert "calibrated on 24 probe prompts" in out  # the store's calibration, whichever example made it
+    assert "calibrated on 48 probe prompts" in out  # the store's calibration, whichever example made it
     # blend is right wherever full prefill is (SmolLM2's full prefill misses this one through LlamaIndex's prompt)
     verdict = out.rstrip().splitlines()[-1]
     assert verdict.startswith("expected answer: 'Brimford'; blend right: ")
