@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import itertools
 import json
 import logging
 import math
@@ -432,6 +431,17 @@ def policy_cost(settings: dict, ratio: float, num_layers: int) -> float:
     return share + (QUERY_PASS_COST if settings["selection"] != "deviation" else 0.0)
 
 
+def _prompts_needed(target: float, confidence: float) -> int | None:
+    """The fewest prompts that, all agreeing, show ``target`` (None: no number does, as for 1.0)."""
+    if target >= 1.0:
+        return None
+    z = NormalDist().inv_cdf(confidence)
+    n = max(1, math.ceil(target * z * z / (1 - target)))  # all agreeing, the Wilson bound is n / (n + z^2)
+    while wilson_lower(n, n, confidence) < target:  # float rounding at the boundary
+        n += 1
+    return n
+
+
 def _max_misses(n: int, target: float, confidence: float) -> int:
     """The most disagreements out of ``n`` that still meet ``target`` (-1: none does)."""
     return max((f for f in range(n + 1) if wilson_lower(n - f, n, confidence) >= target), default=-1)
@@ -745,10 +755,11 @@ def _choose(
     if guarded is not None and uniform is not None and cost(guarded) >= cost(uniform):
         guarded = None  # the guard only when it is cheaper than one ratio for every request
     if _max_misses(n, target, confidence) < 0:
-        needed = next(m for m in itertools.count(n) if _max_misses(m, target, confidence) >= 0)
+        needed = _prompts_needed(target, confidence)
         why = (
-            f"{n} prompts cannot show agreement {target} at {confidence:.0%} confidence even if every one "
-            f"agrees (that takes {needed} or more): full prefill"
+            f"{n} prompts cannot show agreement {target} at {confidence:.0%} confidence even if every one agrees "
+            + (f"(that takes {needed} or more)" if needed else "(no number of prompts can: lower the target)")
+            + ": full prefill"
         )
     elif not meeting:
         why = f"no policy below ratio 1.0 meets the target {target}: blending cannot hold it here; full prefill"

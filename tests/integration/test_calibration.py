@@ -307,9 +307,15 @@ def test_calibration_with_the_users_own_prompts_and_the_no_target_verdict(privat
     docs = documents(95, 4)
     prompts = [BlendPrompt("Docs:", docs[i:] + docs[:i], QUESTION) for i in range(4)]
     record = private.calibrate(prompts=prompts, target=1.0, confidence=0.99, ratios=(0.05,), progress=False)
-    # four prompts can never show 1.0 agreement at a 99% lower bound: blending cannot hold that target
+    # no number of prompts can show 1.0 agreement at a 99% lower bound: full prefill, and why
     assert record.n == 4 and not record.meets_target and record.ratio == 1.0 and record.guard is None
-    assert "cannot hold it here" in capsys.readouterr().out
+    assert "4 prompts cannot show agreement 1.0 at 99% confidence even if every one agrees (no number" in (
+        capsys.readouterr().out
+    )
+    assert private.calibrate(prompts=prompts, target=0.9, confidence=0.8, ratios=(0.05,), progress=False).why == (
+        "4 prompts cannot show agreement 0.9 at 80% confidence even if every one agrees (that takes 7 or more): "
+        "full prefill"
+    )
     gen = private.generate(prompts[0], max_tokens=2)
     full = private.generate(prompts[0], max_tokens=2, mode="full")
     assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 1.0)
@@ -350,7 +356,7 @@ def test_the_cli_calibrates_a_store_from_a_folder_of_documents(model_dirs, tmp_p
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "| default | 0.50 |" in done.stdout and f"stored in {store}" in done.stdout
+    assert "| default | 0.10 |" in done.stdout and f"stored in {store}" in done.stdout
     assert "calibrating" in done.stderr  # the progress bar
     assert len(list((store / "records").iterdir())) == 1
     bad = subprocess.run(cmd + ["--documents", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
