@@ -66,6 +66,10 @@ def test_quickstart_example(run):
     out = run(["examples/quickstart.py"])
     assert "computed at warm-up: 5 chunks" in out
     assert "ratio 1.0 reproduces full prefill: True" in out
-    assert "chunks_hit=5, chunks_missed=0" in out
+    # blend with the defaults, in the examples' store: SmolLM2's calibration there (the first example
+    # made it) either blends, reading the five chunks, or chose full prefill, reading none
+    assert "chunks_hit=5, chunks_missed=0" in out or (
+        "chunks_hit=0, chunks_missed=0" in out and "recompute_ratio=1.0, ratio_source='calibrated'" in out
+    )
     blend, full = (line for line in out.splitlines() if line.startswith(("blend:", "full:")))
     assert "Brimford" in full and "Brimford" in blend
