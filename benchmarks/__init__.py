@@ -2,18 +2,41 @@
 
 import argparse
 import json
+import os
+import platform
 import random
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 from blend_integrations.prompt import BlendPrompt
 
 
+def machine() -> str:
+    """What the numbers were measured on: the GPU, or the CPU with its vector
+    extensions (vLLM's and torch's CPU speed depend on them) and its count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"GPU {torch.cuda.get_device_name()}"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return f"CPU {platform.processor() or platform.machine()}"
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
+    flags = fields.get("Flags", "").split()
+    ext = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags]
+    family = f"family {fields['CPU family']} model {fields['Model']}" if "CPU family" in fields else ""
+    cpus = len(os.sched_getaffinity(0))
+    return f"CPU {fields.get('Model name', '?')} ({', '.join(ext + [family]) or 'no AVX2'}), {cpus} CPUs"
+
+
 def setup_line(cfg: dict) -> str:
     """The start of a result's first line: model, dtype, device, threads, prompt."""
     return (
         f"Model: {cfg['model']}; {cfg['dtype']} on {cfg['device']} ({cfg['torch_threads']} threads); "
-        f"{cfg['chunks']}, {cfg['prompt_tokens']} prompt tokens; "
+        + (f"{cfg['machine']}; " if "machine" in cfg else "")
+        + f"{cfg['chunks']}, {cfg['prompt_tokens']} prompt tokens; "
     )
 
 

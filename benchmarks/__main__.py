@@ -1,8 +1,8 @@
-"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration] [options]``; no part runs them all."""
+"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration|profile] [options]``; no part runs them all."""
 
 import sys
 
-from . import calibration, drift, fuzz, quality, store, ttft, vllm_bench
+from . import calibration, drift, fuzz, profile, quality, store, ttft, vllm_bench
 
 PARTS = {
     "ttft": ttft.main,
@@ -12,6 +12,7 @@ PARTS = {
     "fuzz": fuzz.main,
     "drift": drift.main,
     "calibration": calibration.main,
+    "profile": profile.main,
 }
 
 

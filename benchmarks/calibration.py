@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ from blend_integrations.quality.metrics import contains
 from blend_integrations.store import ChunkStore
 from training.data import make_examples
 
-from . import write_results
+from . import machine, write_results
 from .quality import HELD_OUT_SEED, model_and_task
 
 PROBES = {
@@ -42,17 +40,6 @@ PROBES = {
 }
 CALIBRATION_SEED = 30_000  # the documents calibration probes; the held-out questions use HELD_OUT_SEED
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or platform.machine()
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "")
-    ext = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags.split()]
-    return f"{fields.get('Model name', '?').strip()} ({', '.join(ext) or 'no AVX2'})"
 
 
 def run(args) -> dict:
@@ -126,7 +113,7 @@ def run(args) -> dict:
             "tag": args.tag,
             "backend": args.backend,
             "dtype": engine.dtype_name,
-            "cpu": cpu_name(),
+            "cpu": machine(),
             "calibration_documents": len(calibration_docs),
             "probes": args.probes,
             "calibration_prompts": record.n,

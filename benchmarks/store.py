@@ -31,7 +31,7 @@ from blend_integrations.store.layered import LayerReader
 from tests.fixtures.local_models import cached_model_dir
 from tests.fixtures.redis_server import RedisServer
 
-from . import add_model_arguments, setup_line, shuffled_prompts, write_results
+from . import add_model_arguments, machine, setup_line, shuffled_prompts, write_results
 from .ttft import make_chunks
 
 RATIO = 0.15
@@ -174,6 +174,7 @@ def measure(args, model_dir, tiers: Tiers) -> dict:
         "config": {
             "model": f"llama, {L} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, random weights",
             "dtype": whole.dtype_name,
+            "machine": machine(),
             "device": str(whole.device),
             "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
             "prompt_tokens": gens["full"][-1].usage.prompt_tokens,

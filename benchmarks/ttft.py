@@ -24,7 +24,16 @@ from blend_integrations.engines import load_engine
 from blend_integrations.store import ChunkStore
 from tests.fixtures.local_models import sample_text
 
-from . import MODEL_HELP, add_model_arguments, bench_model, compute_ceiling, setup_line, shuffled_prompts, write_results
+from . import (
+    MODEL_HELP,
+    add_model_arguments,
+    bench_model,
+    compute_ceiling,
+    machine,
+    setup_line,
+    shuffled_prompts,
+    write_results,
+)
 
 
 def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -91,6 +100,7 @@ def run(args) -> dict:
             "model": label,
             "results": "ttft" + suffix,
             "dtype": engine.dtype_name,
+            "machine": machine(),
             "device": str(engine.device),
             "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
             "prompt_tokens": results["full"]["prompt_tokens"],

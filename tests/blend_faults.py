@@ -1,5 +1,6 @@
-"""Fault injection for the tests: a vLLM worker extension (``worker_extension_cls``)
-that can make the blend pass of chosen requests fail for real, inside the worker."""
+"""The tests' vLLM worker extension (``worker_extension_cls``): fault injection
+that makes the blend pass of chosen requests fail for real, inside the worker,
+and a probe that runs the walk there with each attention."""
 
 from __future__ import annotations
 
@@ -44,13 +45,11 @@ class FaultInjection(BlendWorkerExtension):
         _records.messages.clear()
         logger.addHandler(_records)  # every record of the connector, the scheduler side's too
 
-        def failing(job, forward_context):
+        def failing(job):
             if not _holds(job.token_ids, list(chunk_ids)):
-                return BlendConnector._run(connector, job, forward_context)
+                return BlendConnector._run(connector, job)
             wrong = dataclasses.replace(job.plan, mode="full", chunks=())
-            BlendConnector._run(
-                connector, dataclasses.replace(job, token_ids=job.token_ids[::-1], plan=wrong), forward_context
-            )
+            BlendConnector._run(connector, dataclasses.replace(job, token_ids=job.token_ids[::-1], plan=wrong))
             raise torch.OutOfMemoryError("injected fault: out of memory in the blend pass")
 
         connector._run = failing
@@ -77,3 +76,40 @@ class FaultInjection(BlendWorkerExtension):
             return None if key == lost else type(store).get(store, key, **kwargs)
 
         store.get = get
+
+    def blend_walk_both_ways(self, token_ids: list[int], spans: list[tuple[int, int]], ratio: float, selection: str):
+        """The walk over a prompt whose chunks are reused, run in this worker
+        twice: attending in vLLM's paged cache with the backend's kernel (as a
+        connector job does, in free blocks of the idle engine), and with SDPA
+        over the dense cache alone. Returns what each kept after the check
+        layer and the largest difference between their dense K and V."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from blend_integrations.fusion.walk import KVCache, ReusedSpan, forward
+        from blend_integrations.models.vllm import PagedCache
+
+        connector = get_kv_transfer_group()
+        blender = connector._attach()
+        model = blender.model
+        heads = model.tp.kv_heads if model.tp is not None else slice(None)
+        reused = [ReusedSpan(a, blender.compute_chunk(token_ids[a:b]).kv[:, :, heads]) for a, b in spans]
+        blocks = list(range(1, 1 + -(-len(token_ids) // connector.block_size)))  # block 0 is vLLM's null block
+        paged = PagedCache([connector._kv_caches[n] for n in connector._layer_names], blocks, connector.block_size)
+        kept, caches = [], []
+        for target in (paged, None):
+            cache = KVCache.allocate(model, len(token_ids))
+            with torch.inference_mode():
+                _, stats = forward(
+                    model,
+                    cache,
+                    torch.tensor(token_ids, device=model.device),
+                    reused=reused,
+                    schedule=[(1, ratio)],
+                    selection=selection,
+                    query_start=spans[-1][1],
+                    logits=False,
+                    kv_target=target,
+                )
+            kept.append(list(stats.kept))
+            caches.append(torch.stack([torch.stack(cache.k), torch.stack(cache.v)]).float())
+        return kept[0], kept[1], float((caches[0] - caches[1]).abs().max())

@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -85,6 +86,7 @@ from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..fusion import Blender, ChunkKeys, KVCache, Planner, PrefillPlan, PrefillStats
 from ..fusion.plan import in_full, measured_rates
+from ..models.vllm import PagedCache, VLLMDecoder
 from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
 from . import vllm_plugin
@@ -336,15 +338,13 @@ class BlendConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------
     def _attach(self) -> Blender:
         if self.blender is None:
-            from ..models.vllm import VLLMDecoder
-
             model = vllm_plugin.loaded_model()
             if model is None:
                 raise RuntimeError(
                     "the blend connector found no model: start vLLM with load_format='blend' "
                     "(`vllm serve ... --load-format blend`); load_engine(..., backend='vllm') does this"
                 )
-            decoder = VLLMDecoder(model)
+            decoder = VLLMDecoder(model, self._vllm_config)
             self.blender = Blender(
                 decoder,
                 self.store,
@@ -367,7 +367,7 @@ class BlendConnector(KVConnectorBase_V1):
                     self._fail(job, job.error)
                     continue
                 try:
-                    self._run(job, forward_context)
+                    self._run(job)
                 except Exception as exc:
                     why = f"the blend pass failed: {type(exc).__name__}: {exc}"
                     logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
@@ -383,21 +383,15 @@ class BlendConnector(KVConnectorBase_V1):
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
 
-    def _run(self, job: BlendJob, forward_context) -> None:
+    def _run(self, job: BlendJob) -> None:
         assert job.plan is not None  # a job without a plan has an error, and is failed without a run
         blender = self._attach()
         n = len(job.token_ids)
         cache = KVCache.allocate(blender.model, n)
-        _, stats = blender.prefill(cache, job.token_ids, job.plan, logits=False)
-        device = blender.model.device
-        positions = torch.arange(n, device=device)
-        blocks = torch.tensor(job.block_ids, device=device, dtype=torch.long)
-        slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
-        for i, name in enumerate(self._layer_names):
-            layer = forward_context.no_compile_layers[name]
-            key = cache.k[i][:, :n].transpose(0, 1).contiguous()  # [n, kv_heads, head_dim]
-            value = cache.v[i][:, :n].transpose(0, 1).contiguous()
-            layer.impl.do_kv_cache_update(layer, key, value, self._kv_caches[name], slots)
+        # The walk writes every layer into the request's blocks and attends there.
+        paged = PagedCache([self._kv_caches[name] for name in self._layer_names], job.block_ids, self.block_size)
+        with record_function("blend.pass"):
+            _, stats = blender.prefill(cache, job.token_ids, job.plan, logits=False, kv_target=paged)
         # Missed chunks are saved at the next step, after this step's first
         # token is out: off the time-to-first-token path.
         self._unsaved.append(stats)
@@ -450,6 +444,15 @@ class BlendWorkerExtension:
         blender = connector._attach()
         connector.save_unsaved()
         return sum(blender.ensure(ids) for ids in chunks)
+
+    def blend_attention(self) -> dict:
+        """How this worker's blend pass attends: vLLM's attention backend,
+        whether the pass drives its kernel (else SDPA), and the dtype."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        decoder = get_kv_transfer_group()._attach().model
+        backend = decoder.attn_modules[0].attn_backend.get_name()
+        return {"backend": backend, "kernel": decoder.metadata_builder() is not None, "dtype": str(decoder.dtype)}
 
     def blend_flush(self) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group

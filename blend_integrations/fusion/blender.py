@@ -134,10 +134,17 @@ class Blender:
         return True
 
     def prefill(
-        self, cache: KVCache, token_ids: Sequence[int], plan: PrefillPlan, *, logits: bool = True
+        self,
+        cache: KVCache,
+        token_ids: Sequence[int],
+        plan: PrefillPlan,
+        *,
+        logits: bool = True,
+        kv_target: object | None = None,
     ) -> tuple[torch.Tensor | None, PrefillStats]:
         """Prefill ``token_ids`` into an empty ``cache`` as ``plan`` says (see
-        ``plan.py``). Call ``save_missed`` after."""
+        ``plan.py``); ``kv_target``: the engine's own cache the walk also
+        writes and attends (``LayerModel.attention``). Call ``save_missed`` after."""
         stats = PrefillStats(loading=plan.loading)
         opened = []  # (chunk, ids, ChunkKV or LayerReader or None) of the chunks to load
         for chunk in plan.chunks:
@@ -159,7 +166,7 @@ class Blender:
                 loaded.append((chunk.start, chunk.end, chunk.key, ids, source))
         first = cache.length
         while True:
-            out, walk = self._walk(cache, token_ids, loaded, plan, logits=logits)
+            out, walk = self._walk(cache, token_ids, loaded, plan, logits=logits, kv_target=kv_target)
             if walk is not None:
                 break
             # A chunk failed to read or verify after its bytes may have been
@@ -177,7 +184,7 @@ class Blender:
             stats.deviation_captured, stats.deviation_share = walk.captured, walk.share
         return out, stats
 
-    def _walk(self, cache: KVCache, token_ids, loaded: list, plan: PrefillPlan, *, logits: bool):
+    def _walk(self, cache: KVCache, token_ids, loaded: list, plan: PrefillPlan, *, logits: bool, kv_target):
         """One walk with the ``loaded`` chunks, as ``plan`` says, reading the
         layers of those still in the store meanwhile (pipelined loading).
         Every reader is then settled: ``loaded`` holds its entry, or None if it
@@ -211,6 +218,7 @@ class Blender:
                     loader=loader,
                     guard=plan.guard,
                     schedule_for=plan.schedule,
+                    kv_target=kv_target,
                 )
         except LoadFailed:
             pass  # settled below

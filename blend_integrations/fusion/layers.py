@@ -40,9 +40,9 @@ class LayerModel(Protocol):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[T]`` -> hidden ``[T, hidden]``."""
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, head_dim]`` at absolute positions, from the model's own
-        rotary module (so every rope scaling it supports is honoured)."""
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        """RoPE at these absolute positions, with the model's own rotary
+        module (so every rope scaling it supports is honoured)."""
 
     def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm and projections: q ``[num_heads, T, D]``, k and v
@@ -54,6 +54,41 @@ class LayerModel(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[T, hidden]`` -> ``[T, vocab]`` (float32)."""
+
+    def attention(self, positions: torch.Tensor, start: int, end: int, target: object | None) -> Attention:
+        """How the active queries at sorted absolute ``positions`` attend the
+        KV of positions ``0..end`` (the new tokens are ``start..end``): built
+        once per active set, then called for each layer. ``target``: the
+        engine's own KV cache to write each layer into and attend there (the
+        vLLM adapter's paged cache), or None: the walk's dense cache
+        (``attention.DenseAttention``)."""
+
+
+class Attention(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+        """q ``[num_heads, A, D]`` (after RoPE) against the layer's complete
+        K (after RoPE) and V ``[num_kv_heads, end, D]`` -> ``[num_heads, A, D]``."""
+
+
+class Rotary(Protocol):
+    def __call__(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[heads, n, D]`` rotated to the positions ``positions[rows]``
+        (all of them when rows is None); may rotate ``x`` in place."""
+
+
+class TableRotary:
+    """``Rotary`` from cos, sin tables ``[T, D]`` of the walk's positions."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+        self._rows: torch.Tensor | None = None
+        self._tables = (cos, sin)
+
+    def __call__(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is not self._rows:  # the walk passes one rows tensor per active set
+            self._rows = rows
+            self._tables = (self.cos, self.sin) if rows is None else (self.cos[rows], self.sin[rows])
+        return rotate(x, *self._tables)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

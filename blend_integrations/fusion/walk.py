@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+from torch.profiler import record_function
 
-from .layers import LayerModel, rotate
+from .attention import QUERY_GROUP
+from .layers import LayerModel
 
 if TYPE_CHECKING:
     from ..calibration import Guard
@@ -105,6 +106,7 @@ def forward(
     relevance: torch.Tensor | None = None,
     guard: Guard | None = None,
     schedule_for: Callable[[float], list[tuple[int, float]]] | None = None,
+    kv_target: object | None = None,
 ) -> tuple[torch.Tensor | None, WalkStats]:
     """Run the new tokens ``ids`` through every layer, appending their KV to
     ``cache``. Returns the float32 logits of the last token (None when
@@ -125,6 +127,9 @@ def forward(
     (``[num_layers, 2, num_kv_heads, T, head_dim]``), receives K before RoPE
     and V of every token: the standalone chunk recipe. With ``logits`` the last
     token is always computed, since its hidden state gives them.
+    ``kv_target``: an engine's own KV cache that the adapter writes every
+    layer into and attends there (``LayerModel.attention``); None: the dense
+    ``cache`` alone.
     """
     T = ids.shape[0]
     start, end = cache.length, cache.length + T
@@ -132,7 +137,7 @@ def forward(
         raise ValueError(f"{end} tokens do not fit the KV cache of {cache.capacity}")
     device = model.device
     positions = torch.arange(start, end, device=device)
-    cos, sin = model.rope(positions)
+    rotary = model.rotary(positions)
 
     is_reused = torch.zeros(T, dtype=torch.bool)
     for span in reused:
@@ -160,56 +165,73 @@ def forward(
     if schedule and selection != "deviation" and bool(is_query.any()):
         query_attention = torch.zeros(T, device=device)
         _, first = forward(
-            model, cache, ids, reused=reused, query_start=query_start, logits=logits, relevance=query_attention
+            model,
+            cache,
+            ids,
+            reused=reused,
+            query_start=query_start,
+            logits=logits,
+            relevance=query_attention,
+            kv_target=kv_target,
         )
         first_pass = first.token_layers
         cache.length = start  # the blend walk below writes every row again
         query_attention = _over_ranks(model, query_attention)
     act = active.to(device)  # the same indices on the model's device
     h = model.embed(ids[act])
-    plans: dict = {}  # attention plan per sliding window, valid while the active set holds
+    attention = None  # how the active tokens attend: built for each active set, shared by its layers
     token_layers = 0
     for layer in range(model.num_layers):
-        q, k, v = model.qkv(layer, h)
+        with record_function("walk.qkv"):
+            q, k, v = model.qkv(layer, h)
         if record is not None:
             record[layer, 0].copy_(k)
             record[layer, 1].copy_(v)
-        q = rotate(q, cos[act], sin[act])
-        k = rotate(k, cos[act], sin[act])
+        with record_function("walk.rope"):
+            q = rotary(q, act)
+            k = rotary(k, act)
         K = cache.k[layer][:, :end]
         V = cache.v[layer][:, :end]
         if reused and layer >= load_from:
-            for span in reused:
-                if span.ready is not None:
-                    span.ready(layer)  # the walk needs layer l's KV only here
-                a, b = start + span.start, start + span.end
-                K[:, a:b] = span.kv[layer, 0]
-                V[:, a:b] = span.kv[layer, 1]
+            with record_function("walk.load_kv"):
+                for span in reused:
+                    if span.ready is not None:
+                        span.ready(layer)  # the walk needs layer l's KV only here
+                    a, b = start + span.start, start + span.end
+                    K[:, a:b] = span.kv[layer, 0]
+                    V[:, a:b] = span.kv[layer, 1]
             # One rotation over all new rows; rows that are not reused hold
             # stale values here and are overwritten by fresh KV just below.
-            K[:, start:end] = rotate(K[:, start:end], cos, sin)
+            with record_function("walk.rerotate"):
+                new_rows = K[:, start:end]
+                rotated = rotary(new_rows)
+                if rotated.data_ptr() != new_rows.data_ptr():  # not rotated in place
+                    new_rows.copy_(rotated)
         keep = None
         if layer in checks:
-            reused_rows = is_reused[active]
-            rows = torch.nonzero(reused_rows).flatten()
-            fresh, stored = (k, K) if deviation == "k" else (v, V)
-            # before the fresh KV overwrites the reused KV
-            scores = {"deviation": _over_ranks(model, _deviation(fresh, stored, start, act, rows.to(device)))}
-            if captured is None:  # the first check layer: every reused token is still active
-                share = _captured(scores["deviation"])
-                if guard is not None and schedule_for is not None and ratio is not None:
-                    raised = guard.ratio(share)
-                    if raised > ratio:
-                        ratio, guarded = raised, True
-                        checks = dict(schedule_for(raised))
-                captured = share(ratio if ratio is not None else 0.0)
-        K.index_copy_(1, start + act, k)
-        V.index_copy_(1, start + act, v)
+            with record_function("walk.check"):
+                reused_rows = is_reused[active]
+                rows = torch.nonzero(reused_rows).flatten()
+                fresh, stored = (k, K) if deviation == "k" else (v, V)
+                # before the fresh KV overwrites the reused KV
+                scores = {"deviation": _over_ranks(model, _deviation(fresh, stored, start, act, rows.to(device)))}
+                if captured is None:  # the first check layer: every reused token is still active
+                    share = _captured(scores["deviation"])
+                    if guard is not None and schedule_for is not None and ratio is not None:
+                        raised = guard.ratio(share)
+                        if raised > ratio:
+                            ratio, guarded = raised, True
+                            checks = dict(schedule_for(raised))
+                    captured = share(ratio if ratio is not None else 0.0)
+        with record_function("walk.kv_write"):
+            K.index_copy_(1, start + act, k)
+            V.index_copy_(1, start + act, v)
         if relevance is not None:
-            queries = torch.nonzero(is_query[active]).flatten().to(device)
-            relevance += _query_attention(
-                q[:, queries], K, positions[act[queries]], model.windows[layer], model.scaling
-            )[start:]
+            with record_function("walk.query_scoring"):
+                queries = torch.nonzero(is_query[active]).flatten().to(device)
+                relevance += _query_attention(
+                    q[:, queries], K, positions[act[queries]], model.windows[layer], model.scaling
+                )[start:]
         if layer in checks:
             if query_attention is not None:
                 scores["query"] = query_attention[act[rows.to(device)]]
@@ -220,13 +242,14 @@ def forward(
         if keep is not None:
             keep_dev = keep.to(device)
             q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
-            plans.clear()
+            attention = None
         token_layers += act.numel()
-        window = model.windows[layer]
-        if window not in plans:
-            plans[window] = _attention_plan(positions[act], start, end, T, window, model.dtype)
-        attn = _attend(q, K, V, plans[window], model.scaling)
-        h = model.finish(layer, h, attn)
+        with record_function("walk.attention"):
+            if attention is None:
+                attention = model.attention(positions[act], start, end, kv_target)
+            attn = attention(layer, q, K, V)
+        with record_function("walk.finish"):
+            h = model.finish(layer, h, attn)
     cache.length = end
     kept = tuple(active[is_reused[active]].tolist()) if schedule else ()
     stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept, ratio, guarded, captured, share)
@@ -296,49 +319,3 @@ def _choose(scores: dict[str, torch.Tensor], selection: str, count: int) -> torc
     rest = deviation.clone()
     rest[first] = -1.0  # deviations are >= 0: the chosen rows come last
     return torch.cat([first, rest.topk(count - first.numel()).indices])
-
-
-# Queries per attention call when an explicit mask is needed. A mask makes the
-# kernel compute every query-key score, so scattered recomputed queries would
-# pay for keys after their own position; in groups of sorted queries each group
-# only reads keys up to its last position (about half the work).
-QUERY_GROUP = 32
-
-
-def _attention_plan(q_pos, start, end, T, window, dtype):
-    """How active queries at sorted positions ``q_pos`` attend to keys
-    0..end-1: None for ordinary causal attention (every new token in order,
-    or one query at the end), else ``[(lo, hi, k_end, additive_mask)]`` per
-    query group. Depends only on the active set, so layers share it."""
-    A = q_pos.shape[0]
-    if window is None and ((start == 0 and A == T) or (A == 1 and int(q_pos[0]) == end - 1)):
-        return None
-    plan = []
-    for lo in range(0, A, QUERY_GROUP):
-        pos = q_pos[lo : lo + QUERY_GROUP]
-        k_end = int(pos[-1]) + 1
-        k_pos = torch.arange(k_end, device=q_pos.device)
-        visible = pos[:, None] >= k_pos[None, :]
-        if window is not None:
-            visible &= pos[:, None] - k_pos[None, :] < window
-        mask = torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
-        plan.append((lo, lo + pos.shape[0], k_end, mask))
-    return plan
-
-
-def _attend(q, K, V, plan, scale):
-    """q ``[H, A, D]`` against K, V ``[Hkv, end, D]`` following ``plan``."""
-    gqa = q.shape[0] != K.shape[0]
-    if plan is None:
-        return _sdpa(q, K, V, None, scale, gqa, causal=q.shape[1] > 1)
-    outs = []
-    for lo, hi, k_end, mask in plan:
-        outs.append(_sdpa(q[:, lo:hi], K[:, :k_end], V[:, :k_end], mask, scale, gqa))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-def _sdpa(q, K, V, mask, scale, gqa, causal=False):
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
-    )
-    return out[0]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..fusion.layers import TensorParallel
+from ..fusion.attention import DenseAttention
+from ..fusion.layers import TableRotary, TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -71,10 +72,10 @@ class HFDecoder:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.inner.embed_tokens(ids)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, positions: torch.Tensor) -> TableRotary:
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
         cos, sin = self.inner.rotary_emb(probe, positions[None, :])
-        return cos[0], sin[0]
+        return TableRotary(cos[0], sin[0])
 
     def qkv(self, layer: int, hidden: torch.Tensor):
         block = self.layers[layer]
@@ -94,3 +95,8 @@ class HFDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.inner.norm(hidden)).float()
+
+    def attention(self, positions: torch.Tensor, start: int, end: int, target: object | None) -> DenseAttention:
+        if target is not None:
+            raise ValueError("the transformers engine's walk keeps its KV in its own dense cache")
+        return DenseAttention(positions, start, end, windows=self.windows, scaling=self.scaling, dtype=self.dtype)

@@ -125,6 +125,18 @@ def test_two_ranks_choose_what_one_rank_chooses(vllm_tp2, vllm_engine, docs, sel
     assert chosen(two) == pytest.approx(chosen(one), abs=1e-3)
 
 
+def test_two_ranks_attending_with_vllms_kernel_keep_what_sdpa_keeps(vllm_tp2, docs):
+    """Each rank's walk attends its own heads in its own paged cache with the
+    backend's kernel, and keeps what both keep attending with SDPA."""
+    tp = vllm_tp2.tokenize(BlendPrompt("Read.", docs[::-1], QUESTION))
+    spans = [list(span) for span in tp.chunk_spans]
+    ranks = vllm_tp2.llm.collective_rpc("blend_walk_both_ways", args=(list(tp.token_ids), spans, 0.15, "deviation"))
+    assert len(ranks) == 2
+    for paged, dense, diff in ranks:
+        assert paged and paged == dense == ranks[0][1]
+        assert diff < 1e-3
+
+
 def test_cpu_binding_and_head_checks(monkeypatch):
     monkeypatch.delenv(CPU_BINDING_ENV, raising=False)
     assert cpu_thread_binding(1) is None

@@ -40,6 +40,20 @@ def test_blend_at_ratio_one_equals_plain_vllm_prefill(vllm_engine, docs):
     assert chosen(blend) == pytest.approx(chosen(full), abs=1e-3)
 
 
+@pytest.mark.parametrize("selection", ["deviation", "query"])
+def test_the_walk_attending_with_vllms_kernel_keeps_what_sdpa_keeps(vllm_engine, docs, selection):
+    """In a connector job the walk writes every layer into vLLM's paged cache
+    and attends there with the backend's kernel; it keeps the same tokens as
+    the walk attending over its dense cache with SDPA, and computes the same KV."""
+    tp = vllm_engine.tokenize(BlendPrompt("Read.", docs[::-1], QUESTION))
+    spans = [list(span) for span in tp.chunk_spans]
+    [(paged, dense, diff)] = vllm_engine.llm.collective_rpc(
+        "blend_walk_both_ways", args=(list(tp.token_ids), spans, 0.15, selection)
+    )
+    assert paged and paged == dense
+    assert diff < 1e-3
+
+
 def test_vllm_full_prefill_equals_the_transformers_engine(vllm_engine, engine, docs):
     prompt = BlendPrompt("You answer questions.", docs, QUESTION)
     assert (

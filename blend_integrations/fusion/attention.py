@@ -1,0 +1,87 @@
+"""Walk layer: the walk's attention over a dense KV cache, with torch's SDPA.
+
+Every engine's adapter can use it (``LayerModel.attention``): the
+transformers engine always does, the vLLM adapter outside a connector job and
+on backends whose kernel it does not drive. Active queries attend with an
+exact causal mask by absolute position (key position <= query position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+class DenseAttention:
+    """The active queries at sorted absolute ``positions`` (of the new tokens
+    ``start..end``) against the dense K, V the walk keeps; one plan per
+    sliding window, built at first use and shared by the layers."""
+
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        start: int,
+        end: int,
+        *,
+        windows: Sequence[int | None],
+        scaling: float,
+        dtype: torch.dtype,
+    ) -> None:
+        self.positions, self.start, self.end = positions, start, end
+        self.windows, self.scaling, self.dtype = windows, scaling, dtype
+        self.plans: dict = {}
+
+    def __call__(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+        """q ``[H, A, D]``, K and V ``[Hkv, end, D]`` -> ``[H, A, D]``."""
+        window = self.windows[layer]
+        if window not in self.plans:
+            self.plans[window] = _plan(self.positions, self.start, self.end, self.end - self.start, window, self.dtype)
+        return _attend(q, K, V, self.plans[window], self.scaling)
+
+
+# Queries per attention call when an explicit mask is needed. A mask makes the
+# kernel compute every query-key score, so scattered recomputed queries would
+# pay for keys after their own position; in groups of sorted queries each group
+# only reads keys up to its last position (about half the work).
+QUERY_GROUP = 32
+
+
+def _plan(q_pos, start, end, T, window, dtype):
+    """How active queries at sorted positions ``q_pos`` attend to keys
+    0..end-1: None for ordinary causal attention (every new token in order,
+    or one query at the end), else ``[(lo, hi, k_end, additive_mask)]`` per
+    query group. Depends only on the active set, so layers share it."""
+    A = q_pos.shape[0]
+    if window is None and ((start == 0 and A == T) or (A == 1 and int(q_pos[0]) == end - 1)):
+        return None
+    plan = []
+    for lo in range(0, A, QUERY_GROUP):
+        pos = q_pos[lo : lo + QUERY_GROUP]
+        k_end = int(pos[-1]) + 1
+        k_pos = torch.arange(k_end, device=q_pos.device)
+        visible = pos[:, None] >= k_pos[None, :]
+        if window is not None:
+            visible &= pos[:, None] - k_pos[None, :] < window
+        mask = torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
+        plan.append((lo, lo + pos.shape[0], k_end, mask))
+    return plan
+
+
+def _attend(q, K, V, plan, scale):
+    """q ``[H, A, D]`` against K, V ``[Hkv, end, D]`` following ``plan``."""
+    gqa = q.shape[0] != K.shape[0]
+    if plan is None:
+        return _sdpa(q, K, V, None, scale, gqa, causal=q.shape[1] > 1)
+    outs = []
+    for lo, hi, k_end, mask in plan:
+        outs.append(_sdpa(q[:, lo:hi], K[:, :k_end], V[:, :k_end], mask, scale, gqa))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _sdpa(q, K, V, mask, scale, gqa, causal=False):
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
+    return out[0]
