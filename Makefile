@@ -70,6 +70,7 @@ bench: install
 	$(PY) -m benchmarks ttft
 	$(PY) -m benchmarks store
 	$(PY) -m benchmarks vllm
+	$(PY) -m benchmarks profile
 	$(PY) -m benchmarks quality
 	$(PY) -m benchmarks fuzz
 

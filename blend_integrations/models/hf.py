@@ -97,6 +97,5 @@ class HFDecoder:
         return self.lm_head(self.inner.norm(hidden)).float()
 
     def attention(self, positions: torch.Tensor, start: int, end: int, target: object | None) -> DenseAttention:
-        if target is not None:
-            raise ValueError("the transformers engine's walk keeps its KV in its own dense cache")
+        assert target is None, "the transformers engine's walk attends its own dense cache"
         return DenseAttention(positions, start, end, windows=self.windows, scaling=self.scaling, dtype=self.dtype)

@@ -64,10 +64,14 @@ SUBCLASSES = [
 WORKERS = ["vllm.v1.worker.gpu_worker.Worker", "vllm.v1.worker.cpu_worker.CPUWorker"]
 # Calls we make on vLLM objects we never import by name: (file, called name, where vLLM defines it).
 CALLS = [
-    ("engines/vllm_connector.py", "do_kv_cache_update", "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl"),
-    ("engines/vllm_connector.py", "do_kv_cache_update", "vllm.v1.attention.backends.flashinfer.FlashInferImpl"),
-    ("engines/vllm_connector.py", "do_kv_cache_update", "vllm.v1.attention.backends.triton_attn.TritonAttentionImpl"),
-    ("engines/vllm_connector.py", "do_kv_cache_update", "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"),
+    ("models/vllm.py", "do_kv_cache_update", "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl"),
+    ("models/vllm.py", "do_kv_cache_update", "vllm.v1.attention.backends.flashinfer.FlashInferImpl"),
+    ("models/vllm.py", "do_kv_cache_update", "vllm.v1.attention.backends.triton_attn.TritonAttentionImpl"),
+    ("models/vllm.py", "do_kv_cache_update", "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"),
+    # the blend pass attends with the CPU backend's kernel (models/vllm.py, KERNEL_BACKENDS)
+    ("models/vllm.py", "forward", "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"),
+    ("models/vllm.py", "build", "vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder"),
+    ("models/vllm.py", "get_kv_cache_spec", "vllm.model_executor.layers.attention.attention.Attention"),
     ("engines/vllm_engine.py", "render_cmpl", "vllm.renderers.base.BaseRenderer"),
     ("engines/vllm_engine.py", "add_request", "vllm.v1.engine.llm_engine.LLMEngine"),
     ("engines/vllm_engine.py", "abort_request", "vllm.v1.engine.llm_engine.LLMEngine"),
@@ -582,3 +586,21 @@ def test_our_calls_into_vllm_bind(vllm, file, called, where):
     params = parameters(defined, bound=not vllm.has_module(where))
     problems = [p for call in calls for p in call_problems(params, call)]
     assert not problems, f"{where}.{called}{show(params)} in {vllm}:\n" + "\n".join(problems)
+
+
+def test_attention_metadata_we_build_has_every_field_it_needs(vllm):
+    """The blend pass builds vLLM's ``CommonAttentionMetadata`` (a dataclass)
+    by keyword: every keyword must be a field, and every field without a
+    default must be given."""
+    [call] = [
+        n
+        for n in ast.walk(our_tree("models/vllm.py"))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "CommonAttentionMetadata"
+    ]
+    given = {k.arg for k in call.keywords}
+    node = vllm.find("vllm.v1.attention.backend.CommonAttentionMetadata").node
+    fields = [n for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    names = {f.target.id for f in fields}
+    required = {f.target.id for f in fields if f.value is None}
+    assert given <= names, f"{vllm}: CommonAttentionMetadata has no field {sorted(given - names)}"
+    assert required <= given, f"{vllm}: CommonAttentionMetadata needs {sorted(required - given)}"
