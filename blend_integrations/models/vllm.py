@@ -19,7 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from ..fusion.attention import DenseAttention
-from ..fusion.layers import TensorParallel
+from ..fusion.layers import Attention, TensorParallel
 from .hf import check_supported, heads_first, layer_windows
 
 # Attention backends whose kernel the blend pass drives (tested here); on any
@@ -135,10 +135,11 @@ class VLLMDecoder:
     def attention_layer_names(self) -> list[str]:
         return [module.layer_name for module in self.attn_modules]
 
-    def attention(self, positions: torch.Tensor, start: int, end: int, target: PagedCache | None):
+    def attention(self, positions: torch.Tensor, start: int, end: int, target: object | None) -> Attention:
         dense = DenseAttention(positions, start, end, windows=self.windows, scaling=self.scaling, dtype=self.dtype)
         if target is None:
             return dense
+        assert isinstance(target, PagedCache), "a connector job's walk writes into a PagedCache"
         return PagedAttention(self, target, positions, start, end, dense)
 
     def metadata_builder(self):
