@@ -1,7 +1,7 @@
 """Models layer: ``LayerModel`` over vLLM's decoder modules (Llama, Mistral, Qwen2, Qwen3).
 
-vLLM fuses q/k/v into one projection and keeps RoPE as a cos/sin cache; the
-adapter splits the projection and reads cos/sin from that cache, so the walk
+vLLM fuses q/k/v into one projection; the adapter splits it, and rotates
+with vLLM's own rotary module (its fused kernel, ``FusedRotary``), so the walk
 sees exactly the same interface as with Hugging Face modules. Runs inside a
 vLLM worker process.
 
