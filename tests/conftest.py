@@ -32,6 +32,11 @@ def model_dirs(tmp_path_factory):
         "mistral": dict(arch="mistral"),
         "qwen2": dict(arch="qwen2"),
         "qwen3": dict(arch="qwen3"),
+        "gemma2": dict(arch="gemma2"),
+        "gemma3_text": dict(arch="gemma3_text"),
+        "phi3": dict(arch="phi3"),
+        "olmo2": dict(arch="olmo2"),
+        "granite": dict(arch="granite"),
         "llama3_rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE),
     }
 

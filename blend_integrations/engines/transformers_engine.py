@@ -41,7 +41,8 @@ class TransformersEngine(Engine):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         model_dir = resolve_model_dir(model)
-        check_supported(AutoConfig.from_pretrained(model_dir))
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        check_supported(hf_config)
         self.model_name = str(model)
         self.config = config or BlendConfig()
         store = store if store is not None else ChunkStore()
@@ -49,7 +50,14 @@ class TransformersEngine(Engine):
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = dtype_name(self.dtype)
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        # The walk calls the model's modules and attends itself; the model's own
+        # forward (``hf_model``, for users and tests) must honour soft-capping,
+        # which only transformers' eager attention does.
+        capped = getattr(hf_config, "attn_logit_softcapping", None) is not None
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=self.dtype, **({"attn_implementation": "eager"} if capped else {})
+        )
+        hf_model = hf_model.to(self.device).eval()
         self.hf_model = hf_model
         self.layers = HFDecoder(hf_model)
         self.num_layers = self.layers.num_layers

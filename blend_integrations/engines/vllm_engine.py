@@ -73,7 +73,7 @@ class VLLMEngine(Engine):
         check_vllm_version(vllm.__version__)
         model_dir = resolve_model_dir(model)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        check_supported(hf_config)
+        check_supported(hf_config, engine="vllm")
         self.num_layers = int(hf_config.get_text_config().num_hidden_layers)
         check_tensor_parallel(hf_config, tensor_parallel_size)
         if device not in ("auto", "cpu", "cuda"):
@@ -163,6 +163,9 @@ class VLLMEngine(Engine):
                 shutdown.shutdown()
 
     def __del__(self) -> None:
+        # Closed already (at interpreter exit the modules it would use may be gone), or never started.
+        if getattr(self, "_closed", True):
+            return
         with contextlib.suppress(Exception):
             self.close()
 

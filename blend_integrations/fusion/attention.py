@@ -4,6 +4,8 @@ Every engine's adapter can use it (``LayerModel.attention``): the
 transformers engine always does, the vLLM adapter outside a connector job and
 on backends whose kernel it does not drive. Active queries attend with an
 exact causal mask by absolute position (key position <= query position).
+Layers with attention-logit soft-capping (Gemma 2) attend in plain torch,
+since SDPA cannot cap its scores.
 """
 
 from __future__ import annotations
@@ -28,14 +30,19 @@ class DenseAttention:
         windows: Sequence[int | None],
         scaling: float,
         dtype: torch.dtype,
+        softcaps: Sequence[float | None] | None = None,
     ) -> None:
         self.positions, self.start, self.end = positions, start, end
         self.windows, self.scaling, self.dtype = windows, scaling, dtype
+        self.softcaps = softcaps
         self.plans: dict = {}
 
     def __call__(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
         """q ``[H, A, D]``, K and V ``[Hkv, end, D]`` -> ``[H, A, D]``."""
         window = self.windows[layer]
+        softcap = self.softcaps[layer] if self.softcaps else None
+        if softcap:
+            return _capped(q, K, V, self.positions, window, self.scaling, softcap)
         if window not in self.plans:
             self.plans[window] = _plan(self.positions, self.start, self.end, self.end - self.start, window, self.dtype)
         return _attend(q, K, V, self.plans[window], self.scaling)
@@ -85,3 +92,24 @@ def _sdpa(q, K, V, mask, scale, gqa, causal=False):
         q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
     )
     return out[0]
+
+
+def _capped(q, K, V, q_pos, window, scale, cap):
+    """Attention with soft-capped scores, ``cap * tanh(scores / cap)`` (Gemma 2),
+    in groups of sorted queries, each reading keys up to its last position."""
+    H, A, D = q.shape
+    Hkv = K.shape[0]
+    q = q.reshape(Hkv, H // Hkv, A, D)  # query heads of one KV head side by side, as in GQA
+    outs = []
+    for lo in range(0, A, QUERY_GROUP):
+        pos = q_pos[lo : lo + QUERY_GROUP]
+        k_end = int(pos[-1]) + 1
+        k_pos = torch.arange(k_end, device=q.device)
+        visible = pos[:, None] >= k_pos[None, :]
+        if window is not None:
+            visible &= pos[:, None] - k_pos[None, :] < window
+        scores = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP].float(), K[:, :k_end].float()) * scale
+        scores = torch.tanh(scores / cap) * cap
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        outs.append(torch.einsum("hgqk,hkd->hgqd", weights, V[:, :k_end].float()).to(q.dtype))
+    return torch.cat(outs, dim=2).reshape(H, A, D)

@@ -42,7 +42,8 @@ class LayerModel(Protocol):
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         """RoPE at these absolute positions, with the model's own rotary
-        module (so every rope scaling it supports is honoured)."""
+        module(s) (so every rope scaling it supports, and a rope base per
+        layer where the model has one, is honoured)."""
 
     def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm and projections: q ``[num_heads, T, D]``, k and v
@@ -71,29 +72,41 @@ class Attention(Protocol):
 
 
 class Rotary(Protocol):
-    def __call__(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` ``[heads, n, D]`` rotated to the positions ``positions[rows]``
-        (all of them when rows is None); may rotate ``x`` in place."""
+    def __call__(self, layer: int, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[heads, n, D]`` rotated as ``layer`` rotates, to the
+        positions ``positions[rows]`` (all of them when rows is None); may
+        rotate ``x`` in place."""
 
 
 class TableRotary:
-    """``Rotary`` from cos, sin tables ``[T, D]`` of the walk's positions."""
+    """``Rotary`` from cos, sin tables ``[T, R]`` of the walk's positions, one
+    pair per layer (layers with the same rope share one pair). R < D: only the
+    first R dims of each head rotate (partial rotary, as Phi-4-mini)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cos, self.sin = cos, sin
+    def __init__(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.tables = tables
         self._rows: torch.Tensor | None = None
-        self._tables = (cos, sin)
+        self._sliced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is not self._rows:  # the walk passes one rows tensor per active set
-            self._rows = rows
-            self._tables = (self.cos, self.sin) if rows is None else (self.cos[rows], self.sin[rows])
-        return rotate(x, *self._tables)
+            self._rows, self._sliced = rows, {}
+        cos, sin = self.tables[layer]
+        if rows is not None:
+            key = id(cos)
+            if key not in self._sliced:
+                self._sliced[key] = (cos[rows], sin[rows])
+            cos, sin = self._sliced[key]
+        return rotate(x, cos, sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE in the half-split layout (HF Llama family, vLLM neox style).
-    x ``[heads, T, D]``, cos/sin ``[T, D]``."""
-    half = x.shape[-1] // 2
+    """Apply RoPE in the half-split layout (HF Llama family, vLLM neox style)
+    to the first ``cos.shape[-1]`` dims of each head. x ``[heads, T, D]``,
+    cos/sin ``[T, R]``."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat((rotate(x[..., :width], cos, sin), x[..., width:]), dim=-1)
+    half = width // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -188,8 +188,8 @@ def forward(
             record[layer, 0].copy_(k)
             record[layer, 1].copy_(v)
         with record_function("walk.rope"):
-            q = rotary(q, act)
-            k = rotary(k, act)
+            q = rotary(layer, q, act)
+            k = rotary(layer, k, act)
         K = cache.k[layer][:, :end]
         V = cache.v[layer][:, :end]
         if reused and layer >= load_from:
@@ -204,7 +204,7 @@ def forward(
             # stale values here and are overwritten by fresh KV just below.
             with record_function("walk.rerotate"):
                 new_rows = K[:, start:end]
-                rotated = rotary(new_rows)
+                rotated = rotary(layer, new_rows)
                 if rotated.data_ptr() != new_rows.data_ptr():  # not rotated in place
                     new_rows.copy_(rotated)
         keep = None

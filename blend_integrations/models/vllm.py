@@ -1,9 +1,10 @@
-"""Models layer: ``LayerModel`` over vLLM's decoder modules (Llama, Mistral, Qwen2, Qwen3).
+"""Models layer: ``LayerModel`` over vLLM's decoder modules (``VLLM_MODEL_TYPES``).
 
 vLLM fuses q/k/v into one projection; the adapter splits it, and rotates
-with vLLM's own rotary module (its fused kernel, ``FusedRotary``), so the walk
-sees exactly the same interface as with Hugging Face modules. Runs inside a
-vLLM worker process.
+with each layer's vLLM rotary module (its fused kernel, ``FusedRotary``), so
+the walk sees exactly the same interface as with Hugging Face modules. The
+families' differences (norm placement, multipliers, soft-capping, windows)
+are read the same way as in ``hf.py``. Runs inside a vLLM worker process.
 
 In a connector job the walk's KV goes into the request's blocks of vLLM's
 paged cache, layer by layer, through the attention backend's own
@@ -20,7 +21,7 @@ from torch.profiler import record_function
 
 from ..fusion.attention import DenseAttention
 from ..fusion.layers import Attention, TensorParallel
-from .hf import check_supported, heads_first, layer_windows
+from .hf import check_supported, heads_first, layer_windows, post_norm_finish
 
 # Attention backends whose kernel the blend pass drives (tested here); on any
 # other the walk writes the paged cache the same way and attends with SDPA.
@@ -76,7 +77,7 @@ class VLLMDecoder:
     def __init__(self, model, vllm_config=None) -> None:
         config = model.config
         self.vllm_config = vllm_config  # for the attention metadata builder; None: attention with SDPA only
-        check_supported(config)
+        check_supported(config, engine="vllm")
         self.inner = model.model
         self.layers = list(self.inner.layers)
         from vllm.distributed.parallel_state import get_pp_group
@@ -90,16 +91,22 @@ class VLLMDecoder:
         # Under tensor parallelism the modules hold this rank's heads only.
         tp = VLLMTensorParallel(attn.num_kv_heads, config.num_key_value_heads or config.num_attention_heads)
         self.tp: TensorParallel | None = tp if tp.size > 1 else None
-        rope = attn.rotary_emb
-        if not rope.is_neox_style or rope.rotary_dim != attn.head_dim:
-            raise NotImplementedError("blending needs full-width neox-style RoPE (the Llama-family layout)")
+        if not all(block.self_attn.rotary_emb.is_neox_style for block in self.layers):
+            raise NotImplementedError(
+                "blending needs neox-style (rotate-half) RoPE, the layout of the supported families"
+            )
         self.num_layers = len(self.layers)
         self.num_heads = attn.num_heads
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.windows = layer_windows(config)
+        self.softcaps = (getattr(config, "attn_logit_softcapping", None),) * self.num_layers  # Gemma 2: every layer
         self.has_qk_norm = hasattr(attn, "q_norm")
+        self.post_norms = hasattr(self.layers[0], "post_feedforward_layernorm")
+        self.embedding_multiplier = getattr(
+            config, "embedding_multiplier", None
+        )  # Granite; Gemma's is in embed_input_ids
         self._split = [attn.q_size, attn.kv_size, attn.kv_size]
         weight = self.inner.embed_tokens.weight
         self.dtype = weight.dtype
@@ -108,10 +115,11 @@ class VLLMDecoder:
         self._builder = None  # the backend's metadata builder for the full-attention layers, made at first use
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.embed_tokens(ids)
+        h = self.inner.embed_input_ids(ids)
+        return h if self.embedding_multiplier is None else h * self.embedding_multiplier
 
     def rotary(self, positions: torch.Tensor) -> FusedRotary:
-        return FusedRotary(self.layers[0].self_attn.rotary_emb, positions)
+        return FusedRotary([block.self_attn.rotary_emb for block in self.layers], positions)
 
     def qkv(self, layer: int, hidden: torch.Tensor):
         block = self.layers[layer]
@@ -125,8 +133,7 @@ class VLLMDecoder:
         block = self.layers[layer]
         T = attn_out.shape[1]
         out, _ = block.self_attn.o_proj(attn_out.transpose(0, 1).reshape(T, -1))
-        hidden = hidden + out
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return post_norm_finish(block, hidden, out, self.post_norms)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # vLLM samples from its own forward; the blend pass never needs logits.
@@ -136,7 +143,9 @@ class VLLMDecoder:
         return [module.layer_name for module in self.attn_modules]
 
     def attention(self, positions: torch.Tensor, start: int, end: int, target: object | None) -> Attention:
-        dense = DenseAttention(positions, start, end, windows=self.windows, scaling=self.scaling, dtype=self.dtype)
+        dense = DenseAttention(
+            positions, start, end, windows=self.windows, scaling=self.scaling, dtype=self.dtype, softcaps=self.softcaps
+        )
         if target is None:
             return dense
         assert isinstance(target, PagedCache), "a connector job's walk writes into a PagedCache"
@@ -157,33 +166,34 @@ class VLLMDecoder:
 
 
 class FusedRotary:
-    """RoPE with vLLM's rotary module (its fused kernel, in place), which
-    takes token-major rows ``[n, heads * D]``: the walk's heads-first tensors
-    are views of such rows (the projections' output) or, for the reused keys
-    of the dense cache, one row block per head."""
+    """RoPE with each layer's vLLM rotary module (its fused kernel, in
+    place), which takes token-major rows ``[n, heads * D]``: the walk's
+    heads-first tensors are views of such rows (the projections' output) or,
+    for the reused keys of the dense cache, one row block per head."""
 
-    def __init__(self, rope, positions: torch.Tensor) -> None:
-        self.rope, self.positions = rope, positions
+    def __init__(self, ropes: list, positions: torch.Tensor) -> None:
+        self.ropes, self.positions = ropes, positions
         self._rows: torch.Tensor | None = None
         self._at = positions
 
-    def _apply(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        out, _ = self.rope(positions, rows)
+    def _apply(self, rope, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        out, _ = rope(positions, rows)
         if out.data_ptr() != rows.data_ptr():  # an out-of-place implementation
             rows.copy_(out)
 
-    def __call__(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is not self._rows:  # the walk passes one rows tensor per active set
             self._rows, self._at = rows, (self.positions if rows is None else self.positions[rows])
+        rope = self.ropes[layer]
         heads, n, d = x.shape
         tokens = x.transpose(0, 1)
         if tokens.stride(1) == d and tokens.stride(2) == 1:  # token-major memory: every head at once
-            self._apply(self._at, tokens.view(n, heads * d))
+            self._apply(rope, self._at, tokens.view(n, heads * d))
         elif x.stride(1) == d and x.stride(2) == 1:  # heads-first memory: a call per head
             for head in x:
-                self._apply(self._at, head)
+                self._apply(rope, self._at, head)
         else:
-            return self(x.contiguous(), rows)
+            return self(layer, x.contiguous(), rows)
         return x
 
 
