@@ -59,6 +59,16 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf():
+    """Gemma 3 270M's GGUF file (joined from its four packages), converted once
+    per machine into the user cache, as ``smollm2_gguf``."""
+    from blend_integrations.models.packaged import GEMMA3_270M
+
+    GEMMA3_270M.checkpoint()
+    return GEMMA3_270M.gguf()
+
+
+@pytest.fixture(scope="session")
 def store(tmp_path_factory):
     s = ChunkStore(tmp_path_factory.mktemp("store"))
     yield s

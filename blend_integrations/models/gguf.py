@@ -98,6 +98,9 @@ def converted_dir(path: str | os.PathLike, *, cache: str | os.PathLike | None = 
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         except Exception as exc:  # truncated or damaged tensor data
             raise GGUFError(f"{str(source)!r} is not a readable GGUF checkpoint: {type(exc).__name__}: {exc}") from exc
+        # transformers' GGUF tokenizer drops the file's "add BOS" flag (Gemma's needs its BOS).
+        if _metadata_flag(source, "tokenizer.ggml.add_bos_token") and tokenizer.bos_token_id is not None:
+            tokenizer.add_bos_token = True
         # A GGUF load leaves a quantizer that refuses to save; the weights are plain float32 now.
         model.hf_quantizer = None
         for holder in (model.config, getattr(model.config, "text_config", None)):
@@ -118,3 +121,43 @@ def converted_dir(path: str | os.PathLike, *, cache: str | os.PathLike | None = 
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+# GGUF metadata value types -> size in bytes (8: string, 9: array)
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _metadata_flag(path: Path, key: str) -> bool:
+    """A boolean from the GGUF file's metadata header (False where it is
+    absent), read by skipping over the other entries: gguf's own reader maps
+    every tensor first, which takes ~25 s on a 250 MB file."""
+    import struct
+
+    def skip(f, kind: int) -> None:
+        if kind == 8:
+            f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+        elif kind == 9:
+            inner, count = struct.unpack("<IQ", f.read(12))
+            if inner in _SIZES:
+                f.seek(_SIZES[inner] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(f, inner)
+        elif kind in _SIZES:
+            f.seek(_SIZES[kind], 1)
+        else:
+            raise GGUFError(f"{str(path)!r} has metadata of unknown type {kind}")
+
+    try:
+        with open(path, "rb") as f:
+            _, _, _, entries = struct.unpack("<4sIQQ", f.read(24))
+            for _ in range(entries):
+                (length,) = struct.unpack("<Q", f.read(8))
+                name = f.read(length).decode("utf-8", "replace")
+                (kind,) = struct.unpack("<I", f.read(4))
+                if name == key:
+                    return kind == 7 and f.read(1) != b"\x00"
+                skip(f, kind)
+    except struct.error as exc:
+        raise GGUFError(f"{str(path)!r} has a truncated metadata header") from exc
+    return False
