@@ -17,9 +17,11 @@ full prefill's.
 Models (``--model``): ``reader``, the bundled reader trained here (the
 default; docs/results/quality.md), ``smollm2``, SmolLM2-135M-Instruct from the
 package index, with shorter documents and a short-answer prompt
-(docs/results/quality-smollm2.md), or a checkpoint directory (the reader's task).
+(docs/results/quality-smollm2.md), ``gemma3-270m``, Gemma 3 270M base from the
+package index, with the same documents and a completion prompt
+(docs/results/quality-gemma3-270m.md), or a checkpoint directory (the reader's task).
 
-    python -m benchmarks quality [--model reader|smollm2|DIR] [--quick] [--json] [--questions 300]
+    python -m benchmarks quality [--model reader|smollm2|gemma3-270m|DIR] [--quick] [--json] [--questions 300]
                                  [--device cpu|cuda] [--dtype float32|bfloat16]
 """
 
@@ -38,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from blend_integrations.chat import RAG_SYSTEM_PROMPT, rag_prompt
+from blend_integrations.chat import RAG_QUESTION, RAG_SYSTEM_PROMPT, rag_prompt
 from blend_integrations.config import SELECTIONS, BlendConfig
 from blend_integrations.engines import load_engine
 from blend_integrations.prompt import TokenizedPrompt
@@ -60,6 +62,7 @@ class Task:
     system: str
     accuracy: str  # "em" or "contains"
     max_tokens: int  # enough for the answer: the reader replies with it alone, a chat model in a sentence
+    question_template: str = RAG_QUESTION  # a base model (no chat template) gets a completion prompt
 
 
 TASKS = {
@@ -72,6 +75,15 @@ TASKS = {
         "You answer questions about the documents with a short answer: a name, a city or a year.",
         "contains",
         24,
+    ),
+    # Gemma 3 270M is a base model without a chat template: the documents, then "Question: ...\nAnswer:" to complete.
+    "gemma3-270m": Task(
+        "quality-gemma3-270m",
+        (20, 40),
+        "Read the documents and answer the question.",
+        "contains",
+        12,
+        "Question: {question}\nAnswer:",
     ),
 }
 HELD_OUT_SEED = 20_000  # training draws from other seeds
@@ -89,6 +101,9 @@ MODES: dict[str, tuple[dict, dict]] = {
     "blend@0.10": (BASE, {"recompute_ratio": 0.10}),
     "blend@0.15": (BASE, {"recompute_ratio": 0.15}),
     "blend@0.30": (BASE, {"recompute_ratio": 0.30}),
+    # small models need far more (SmolLM2, Gemma 3 270M): run with --modes
+    "blend@0.50": (BASE, {"recompute_ratio": 0.50}),
+    "blend@0.70": (BASE, {"recompute_ratio": 0.70}),
     "blend@0.15 k-deviation": (BASE | {"deviation": "k"}, {"recompute_ratio": 0.15}),
     "blend@0.15 gradual": (BASE | {"check_layers": (1, 2, 3)}, {"recompute_ratio": 0.15}),
     "blend@0.15 sink4": (BASE | {"sink_tokens": 4}, {"recompute_ratio": 0.15}),
@@ -146,6 +161,10 @@ def model_and_task(model: str | None) -> tuple[Path, Task, str]:
         from blend_integrations.models.smollm2 import LABEL, smollm2_dir
 
         return smollm2_dir(), TASKS["smollm2"], LABEL
+    if model == "gemma3-270m":
+        from blend_integrations.models.packaged import GEMMA3_270M
+
+        return GEMMA3_270M.checkpoint(), TASKS["gemma3-270m"], GEMMA3_270M.label
     return Path(model), TASKS["reader"], str(model)
 
 
@@ -173,7 +192,17 @@ def run(args) -> dict:
     )
 
     examples = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
-    prompts = [rag_prompt(e.documents, e.question, tokenizer, DEFAULT.separator, system=task.system) for e in examples]
+    prompts = [
+        rag_prompt(
+            e.documents,
+            e.question,
+            tokenizer,
+            DEFAULT.separator,
+            system=task.system,
+            question_template=task.question_template,
+        )
+        for e in examples
+    ]
     engine.warm([d for e in examples for d in e.documents], progress=True)  # progress goes to stderr
     rows: dict[str, list[dict]] = {name: [] for name in modes}
     started = time.time()
@@ -526,11 +555,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="24 questions, results not written")
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the modes' metrics last")
-    parser.add_argument("--max-tokens", type=int, help="default: the task's (8 for the reader, 24 for smollm2)")
+    parser.add_argument(
+        "--max-tokens", type=int, help="default: the task's (8 for the reader, 24 for smollm2, 12 for gemma3-270m)"
+    )
     parser.add_argument(
         "--model",
         default="reader",
-        help="reader (the bundled reader model, the default), smollm2, or a checkpoint directory",
+        help="reader (the bundled reader model, the default), smollm2, gemma3-270m, or a checkpoint directory",
     )
     parser.add_argument("--modes", nargs="*", help=f"subset of: {', '.join(MODES)}")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")
