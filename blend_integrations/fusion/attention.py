@@ -55,6 +55,16 @@ class DenseAttention:
 QUERY_GROUP = 32
 
 
+def visible_keys(q_pos: torch.Tensor, k_end: int, window: int | None) -> torch.Tensor:
+    """``[Q, k_end]``: which of the keys ``0..k_end`` each query at ``q_pos``
+    sees (causal by absolute position, and within its sliding window)."""
+    k_pos = torch.arange(k_end, device=q_pos.device)
+    visible = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    return visible
+
+
 def _plan(q_pos, start, end, T, window, dtype):
     """How active queries at sorted positions ``q_pos`` attend to keys
     0..end-1: None for ordinary causal attention (every new token in order,
@@ -67,10 +77,7 @@ def _plan(q_pos, start, end, T, window, dtype):
     for lo in range(0, A, QUERY_GROUP):
         pos = q_pos[lo : lo + QUERY_GROUP]
         k_end = int(pos[-1]) + 1
-        k_pos = torch.arange(k_end, device=q_pos.device)
-        visible = pos[:, None] >= k_pos[None, :]
-        if window is not None:
-            visible &= pos[:, None] - k_pos[None, :] < window
+        visible = visible_keys(pos, k_end, window)
         mask = torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
         plan.append((lo, lo + pos.shape[0], k_end, mask))
     return plan
@@ -104,10 +111,7 @@ def _capped(q, K, V, q_pos, window, scale, cap):
     for lo in range(0, A, QUERY_GROUP):
         pos = q_pos[lo : lo + QUERY_GROUP]
         k_end = int(pos[-1]) + 1
-        k_pos = torch.arange(k_end, device=q.device)
-        visible = pos[:, None] >= k_pos[None, :]
-        if window is not None:
-            visible &= pos[:, None] - k_pos[None, :] < window
+        visible = visible_keys(pos, k_end, window)
         scores = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP].float(), K[:, :k_end].float()) * scale
         scores = torch.tanh(scores / cap) * cap
         weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.profiler import record_function
 
-from .attention import QUERY_GROUP
+from .attention import QUERY_GROUP, visible_keys
 from .layers import LayerModel
 
 if TYPE_CHECKING:
@@ -292,13 +292,9 @@ def _query_attention(q, K, q_pos, window, scale):
     # Grouped-query attention: query head h reads KV head h // (H / Hkv), so the
     # query heads of one KV head stand side by side (no copy of K per query head).
     q = q.float().reshape(keys.shape[0], H // keys.shape[0], Q, D)
-    k_pos = torch.arange(keys.shape[1], device=q.device)
     mass = torch.zeros(keys.shape[1], device=q.device)
     for lo in range(0, Q, QUERY_GROUP):  # bounded memory for long questions
-        pos = q_pos[lo : lo + QUERY_GROUP]
-        visible = pos[:, None] >= k_pos[None, :]
-        if window is not None:
-            visible &= pos[:, None] - k_pos[None, :] < window
+        visible = visible_keys(q_pos[lo : lo + QUERY_GROUP], keys.shape[1], window)
         logits = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP], keys) * scale
         mass += logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).sum(dim=(0, 1, 2))
     return mass

