@@ -54,7 +54,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
 
 
-MODEL_HELP = "smollm2, or a checkpoint directory, instead of the random-weight model"
+MODEL_HELP = "smollm2, gemma3-270m, or a checkpoint directory, instead of the random-weight model"
 
 
 def bench_model(
@@ -76,6 +76,11 @@ def bench_model(
         from blend_integrations.models.smollm2 import LABEL, smollm2_dir
 
         return str(smollm2_dir()), f"{LABEL}: llama, 30 layers, hidden 576, 9 heads, 3 KV heads", "-smollm2"
+    if model == "gemma3-270m":
+        from blend_integrations.models.packaged import GEMMA3_270M
+
+        shape = "gemma3_text, 18 layers (15 with a 512-token window), hidden 640, 4 heads of 256, 1 KV head"
+        return str(GEMMA3_270M.checkpoint()), f"{GEMMA3_270M.label}: {shape}", "-gemma3-270m"
     return model, model, "-" + Path(model).name
 
 
