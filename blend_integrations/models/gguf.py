@@ -153,6 +153,8 @@ def _metadata_flag(path: Path, key: str) -> bool:
             _, _, _, entries = struct.unpack("<4sIQQ", f.read(24))
             for _ in range(entries):
                 (length,) = struct.unpack("<Q", f.read(8))
+                if length > 1 << 16:  # a damaged length must not make us read the whole file as a key
+                    raise GGUFError(f"{str(path)!r} has a metadata key of {length} bytes: its header is damaged")
                 name = f.read(length).decode("utf-8", "replace")
                 (kind,) = struct.unpack("<I", f.read(4))
                 if name == key:

@@ -153,3 +153,19 @@ def test_spans_from_separator_in_token_ids():
     assert spans_from_separator(ids, sep) == [(4, 6), (10, 11)]
     assert spans_from_separator([1, 2, 3], sep) == []
     assert spans_from_separator(ids, []) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "design"),
+    [
+        ("MixtralConfig", "mixture-of-experts"),
+        ("DeepseekV3Config", r"mixture-of-experts or multi-head latent attention \(MLA\)"),
+    ],
+)
+def test_designs_the_walk_does_not_implement_are_named(config, design):
+    import transformers
+
+    from blend_integrations.models.hf import check_supported
+
+    with pytest.raises(UnsupportedModelError, match=f"is not supported \\(blending does not support {design}\\)"):
+        check_supported(getattr(transformers, config)())
