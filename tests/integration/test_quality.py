@@ -245,6 +245,8 @@ def test_quality_bench_quick(short_runs):
         "blend@0.10",
         "blend@0.15",
         "blend@0.30",
+        "blend@0.50",
+        "blend@0.70",
         "blend@0.15 k-deviation",
         "blend@0.15 gradual",
         "blend@0.15 sink4",
