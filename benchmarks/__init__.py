@@ -47,18 +47,37 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--chunks", type=int, default=6)
+    parser.add_argument("--intermediate", type=int, help="the MLP's width (default 3 x hidden)")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="a named model shape instead of --layers/--hidden/--heads/--kv-heads/--intermediate",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
 
 
+# Named shapes of random-weight models (the vocabulary is the local tokenizer's 2,048).
+SHAPES = {
+    "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336),
+}
+
 MODEL_HELP = "smollm2, gemma3-270m, or a checkpoint directory, instead of the random-weight model"
 
 
 def bench_model(
-    model: str | None, *, layers: int = 16, hidden: int = 512, heads: int = 8, kv_heads: int = 2
+    model: str | None,
+    *,
+    layers: int = 16,
+    hidden: int = 512,
+    heads: int = 8,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    shape: str | None = None,
+    context: int = 8192,
+    dtype: str = "float32",
 ) -> tuple[str, str, str]:
     """(checkpoint directory, description, suffix of the results' file names) of
     a timing bench's model: a random-weight Llama of the given shape (speed is a
@@ -66,12 +85,24 @@ def bench_model(
     if model is None:
         from tests.fixtures.local_models import cached_model_dir
 
-        path = cached_model_dir(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads)
-        return (
-            str(path),
-            f"llama, {layers} layers, hidden {hidden}, {heads} heads, {kv_heads} KV heads, random weights",
-            "",
+        if shape is not None:
+            layers, hidden, heads, kv_heads, intermediate = (
+                SHAPES[shape][k] for k in ("layers", "hidden", "heads", "kv_heads", "intermediate")
+            )
+        path = cached_model_dir(
+            num_layers=layers,
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            intermediate_size=intermediate,
+            context=context,
+            # a bf16 run of a large shape stores its weights in bf16 (half the disk and load time)
+            dtype="bfloat16" if dtype in ("bfloat16", "bf16") and shape else "float32",
         )
+        label = f"llama, {layers} layers, hidden {hidden}, {heads} heads, {kv_heads} KV heads"
+        label += f", MLP {intermediate}" if intermediate else ""
+        label += f" ({shape}'s shape)" if shape else ""
+        return str(path), label + ", random weights", f"-{shape}" if shape else ""
     if model == "smollm2":
         from blend_integrations.models.smollm2 import LABEL, smollm2_dir
 

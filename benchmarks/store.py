@@ -28,10 +28,9 @@ from blend_integrations.config import BlendConfig
 from blend_integrations.engines import load_engine
 from blend_integrations.store import ChunkStore
 from blend_integrations.store.layered import LayerReader
-from tests.fixtures.local_models import cached_model_dir
 from tests.fixtures.redis_server import RedisServer
 
-from . import add_model_arguments, machine, setup_line, shuffled_prompts, write_results
+from . import add_model_arguments, bench_model, machine, setup_line, shuffled_prompts, write_results
 from .ttft import make_chunks
 
 RATIO = 0.15
@@ -98,8 +97,15 @@ def bandwidth(tiers: Tiers, keys: list[str], repeats: int) -> dict:
 
 def run(args) -> dict:
     torch.manual_seed(0)
-    model_dir = cached_model_dir(
-        num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads
+    model_dir, label, _ = bench_model(
+        None,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        shape=args.shape,
+        dtype=args.dtype,
     )
     work = Path(tempfile.mkdtemp(prefix="blend-bench-store-"))
     redis = None
@@ -109,14 +115,14 @@ def run(args) -> dict:
         else:
             print("redis-server is not installed: the Redis tier is skipped")
         tiers = Tiers(work, redis.url() if redis else None)
-        return measure(args, model_dir, tiers)
+        return measure(args, model_dir, label, tiers)
     finally:
         if redis is not None:
             redis.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 
-def measure(args, model_dir, tiers: Tiers) -> dict:
+def measure(args, model_dir: str, label: str, tiers: Tiers) -> dict:
     base = BlendConfig(check_layers=(1,), recompute_ratio=RATIO)
     configs = {
         "whole": base,
@@ -128,7 +134,6 @@ def measure(args, model_dir, tiers: Tiers) -> dict:
         for name, config in configs.items()
     }
     whole = engines["whole"]
-    L = whole.layers.num_layers
     chunks = make_chunks(whole.tokenizer, args.chunks, args.chunk_tokens)
     whole.warm(chunks, progress=not args.quick)
     keys = [whole.chunk_key(c) for c in chunks]
@@ -172,7 +177,7 @@ def measure(args, model_dir, tiers: Tiers) -> dict:
         results[name] = row
     return {
         "config": {
-            "model": f"llama, {L} layers, hidden {args.hidden}, {args.heads} heads, {args.kv_heads} KV heads, random weights",
+            "model": label,
             "dtype": whole.dtype_name,
             "machine": machine(),
             "device": str(whole.device),
@@ -232,6 +237,7 @@ def render(report: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks store", description=__doc__.splitlines()[0])
     add_model_arguments(p)
+    p.add_argument("--chunks", type=int, default=6)
     p.add_argument(
         "--quick",
         action="store_true",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,42 +48,68 @@ def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> l
     return chunks
 
 
-def run(args) -> dict:
+def run(args) -> list[dict]:
+    """One report per prompt size in ``args.chunks`` (one engine, one store)."""
     torch.manual_seed(0)
+    sizes = sorted(args.chunks)
+    context = max(8192, 2 ** (max(sizes) * args.chunk_tokens + 256).bit_length())
     model_dir, label, suffix = bench_model(
-        args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads
+        args.model,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        shape=args.shape,
+        context=context,
+        dtype=args.dtype,
     )
     store_dir = tempfile.mkdtemp(prefix="blend-bench-store-")
     check_layer = 1
+    # "Memory": every chunk of the prompt held in this process (the tier's limit
+    # is no limit here); "disk": the same store with no memory tier.
+    memory = ChunkStore(store_dir, memory_limit_bytes=2**40, size_limit_bytes=2**40)
+    disk = ChunkStore(store_dir, memory_limit_bytes=0, size_limit_bytes=2**40)
     engine = load_engine(
         model_dir,
-        store=ChunkStore(store_dir),
+        store=memory,
         dtype=args.dtype,
         device=args.device,
         config=BlendConfig(check_layers=(check_layer,)),
     )
-    L = engine.layers.num_layers
-    chunks = make_chunks(engine.tokenizer, args.chunks, args.chunk_tokens)
+    chunks = make_chunks(engine.tokenizer, max(sizes), args.chunk_tokens)
     engine.warm(chunks, progress=True)
-    prompt = shuffled_prompts(chunks)
+    reports = []
+    for n_chunks in sizes:
+        reports.append(
+            measure(args, engine, chunks[:n_chunks], memory, disk, check_layer) | {"label": label, "suffix": suffix}
+        )
+    for report in reports:
+        label, suffix = report.pop("label"), report.pop("suffix")
+        report["config"] = {"model": label, "results": "ttft" + suffix, **report["config"]}
+    return reports
 
+
+def measure(args, engine, chunks, memory: ChunkStore, disk: ChunkStore, check_layer: int) -> dict:
+    """Every mode's TTFT on prompts of ``chunks`` in a new order each round."""
+    L = engine.layers.num_layers
+    prompt = shuffled_prompts(chunks)
     # (name, mode, ratio, selection)
     cases = [("full", "full", None, None), ("reuse", "reuse", None, None)]
     cases += [(f"blend@{r:.2f}", "blend", r, None) for r in args.ratios]
     # Query-aware selection beside HKVD at the same ratios: the cost of its scoring pass.
     cases += [(f"blend@{r:.2f} {s}", "blend", r, s) for s in args.selections for r in args.ratios]
-    # The same blend with every chunk read from disk (no in-process memory tier).
-    cases.append(("blend@0.15 (disk)", "blend", 0.15, None))
-    stores = {name: engine.store for name, *_ in cases}
-    stores["blend@0.15 (disk)"] = ChunkStore(store_dir, memory_limit_bytes=0)
+    # The same reuse and blend with every chunk read from disk (no in-process memory tier).
+    cases += [("reuse (disk)", "reuse", None, None), ("blend@0.15 (disk)", "blend", 0.15, None)]
     gens: dict[str, list] = {name: [] for name, *_ in cases}
     # Modes take turns within every round, so drift in machine speed hits all alike.
     for round_ in range(args.repeats + 1):
         for name, mode, ratio, selection in cases:
-            engine.store = stores[name]
+            engine.store = disk if name.endswith("(disk)") else memory
             g = engine.generate(prompt(), max_tokens=1, mode=mode, recompute_ratio=ratio, selection=selection)
             if round_:  # round 0 warms up
                 gens[name].append(g)
+    engine.store = memory
     results = {
         name: summarize(gens[name], L, check_layer, mode, selection or "deviation")
         for name, mode, _, selection in cases
@@ -101,12 +128,10 @@ def run(args) -> dict:
         row["of_predicted"] = row["ttft_ms"] / row["predicted_ms"]
     return {
         "config": {
-            "model": label,
-            "results": "ttft" + suffix,
             "dtype": engine.dtype_name,
             "machine": machine(),
             "device": str(engine.device),
-            "chunks": f"{args.chunks} x {args.chunk_tokens} tokens",
+            "chunks": f"{len(chunks)} x {args.chunk_tokens} tokens",
             "prompt_tokens": results["full"]["prompt_tokens"],
             "check_layer": check_layer,
             "repeats": args.repeats,
@@ -206,6 +231,13 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks ttft", description=__doc__.splitlines()[0])
     add_model_arguments(p)
     p.add_argument("--model", help=MODEL_HELP)
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[6],
+        help="chunks in the prompt; several values time each prompt size on one engine",
+    )
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30])
     p.add_argument(
         "--selections",
@@ -215,22 +247,24 @@ def main(argv=None) -> None:
     )
     p.add_argument("--out", default="docs/results", help="directory for ttft.md and ttft.json ('' to skip)")
     args = p.parse_args(argv)
-    report = run(args)
-    table = render(report)
-    print(table)
+    reports = run(args)
+    text = "\n\n".join(render(r) for r in reports)
+    print(text)
     if args.out:
-        stem = report["config"]["results"]
+        stem = reports[0]["config"]["results"]
+        if len(reports) > 1:
+            stem += "-" + "-".join(f"{round(r['config']['prompt_tokens'] / 1024)}k" for r in reports)
+        command = " ".join(["python -m benchmarks ttft", *(argv if argv is not None else sys.argv[1:])])
         out = write_results(
             args.out,
             stem,
             "Time to first token: full prefill vs reuse vs blend",
-            table,
-            report,
-            command=f"`python -m benchmarks ttft{' --model ' + args.model if args.model else ''}`"
-            + (" (`make bench` runs it)." if not args.model else "."),
+            text,
+            reports[0] if len(reports) == 1 else {"runs": reports},
+            command=f"`{command}`" + (" (`make bench` runs it)." if command == "python -m benchmarks ttft" else "."),
             extra=f"\n![TTFT per mode, and speedup against the computed share]({stem}.png)\n",
         )
-        plot(report, out / f"{stem}.png")
+        plot(reports[-1], out / f"{stem}.png")
 
 
 if __name__ == "__main__":
