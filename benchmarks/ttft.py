@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -48,8 +49,9 @@ def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> l
     return chunks
 
 
-def run(args) -> list[dict]:
-    """One report per prompt size in ``args.chunks`` (one engine, one store)."""
+def run(args) -> Iterator[dict]:
+    """One report per prompt size in ``args.chunks`` (one engine, one store),
+    each as soon as it is measured."""
     torch.manual_seed(0)
     sizes = sorted(args.chunks)
     context = max(8192, 2 ** (max(sizes) * args.chunk_tokens + 256).bit_length())
@@ -79,15 +81,10 @@ def run(args) -> list[dict]:
     )
     chunks = make_chunks(engine.tokenizer, max(sizes), args.chunk_tokens)
     engine.warm(chunks, progress=True)
-    reports = []
     for n_chunks in sizes:
-        reports.append(
-            measure(args, engine, chunks[:n_chunks], memory, disk, check_layer) | {"label": label, "suffix": suffix}
-        )
-    for report in reports:
-        label, suffix = report.pop("label"), report.pop("suffix")
+        report = measure(args, engine, chunks[:n_chunks], memory, disk, check_layer)
         report["config"] = {"model": label, "results": "ttft" + suffix, **report["config"]}
-    return reports
+        yield report
 
 
 def measure(args, engine, chunks, memory: ChunkStore, disk: ChunkStore, check_layer: int) -> dict:
@@ -247,9 +244,11 @@ def main(argv=None) -> None:
     )
     p.add_argument("--out", default="docs/results", help="directory for ttft.md and ttft.json ('' to skip)")
     args = p.parse_args(argv)
-    reports = run(args)
+    reports = []
+    for report in run(args):
+        reports.append(report)
+        print(render(report) + "\n", flush=True)
     text = "\n\n".join(render(r) for r in reports)
-    print(text)
     if args.out:
         stem = reports[0]["config"]["results"]
         if len(reports) > 1:

@@ -48,10 +48,13 @@ class DenseAttention:
         return _attend(q, K, V, self.plans[window], self.scaling)
 
 
-# Queries per attention call when an explicit mask is needed. A mask makes the
-# kernel compute every query-key score, so scattered recomputed queries would
-# pay for keys after their own position; in groups of sorted queries each group
-# only reads keys up to its last position (about half the work).
+# Queries per attention call on a CPU when an explicit mask is needed. A mask
+# makes the kernel compute every query-key score, so scattered recomputed
+# queries would pay for keys after their own position; in groups of sorted
+# queries each group only reads keys up to its last position (about half the
+# work). A GPU attends all of them in one call: a call of 32 query rows is a
+# kernel launch that leaves most of the GPU idle (a 16k-token prompt on an
+# H200, llama3-8b's shape: 9.9 s in groups of 32, 0.59 s in one group).
 QUERY_GROUP = 32
 
 
@@ -73,9 +76,10 @@ def _plan(q_pos, start, end, T, window, dtype):
     A = q_pos.shape[0]
     if window is None and ((start == 0 and A == T) or (A == 1 and int(q_pos[0]) == end - 1)):
         return None
+    group = QUERY_GROUP if q_pos.device.type == "cpu" else A
     plan = []
-    for lo in range(0, A, QUERY_GROUP):
-        pos = q_pos[lo : lo + QUERY_GROUP]
+    for lo in range(0, A, group):
+        pos = q_pos[lo : lo + group]
         k_end = int(pos[-1]) + 1
         visible = visible_keys(pos, k_end, window)
         mask = torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
@@ -95,6 +99,12 @@ def _attend(q, K, V, plan, scale):
 
 
 def _sdpa(q, K, V, mask, scale, gqa, causal=False):
+    if gqa and mask is not None and q.is_cuda:
+        # torch's memory-efficient CUDA kernel takes a mask but not grouped KV
+        # heads; with enable_gqa a masked call falls back to the math kernel
+        K = K.repeat_interleave(q.shape[0] // K.shape[0], dim=0)
+        V = V.repeat_interleave(q.shape[0] // V.shape[0], dim=0)
+        gqa = False
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
     )

@@ -198,8 +198,10 @@ def forward(
                     if span.ready is not None:
                         span.ready(layer)  # the walk needs layer l's KV only here
                     a, b = start + span.start, start + span.end
-                    K[:, a:b] = span.kv[layer, 0]
-                    V[:, a:b] = span.kv[layer, 1]
+                    # asynchronous from page-locked memory (the memory tier's on a
+                    # machine with a GPU): no wait for the GPU per chunk and layer
+                    K[:, a:b].copy_(span.kv[layer, 0], non_blocking=True)
+                    V[:, a:b].copy_(span.kv[layer, 1], non_blocking=True)
             # One rotation over all new rows; rows that are not reused hold
             # stale values here and are overwritten by fresh KV just below.
             with record_function("walk.rerotate"):

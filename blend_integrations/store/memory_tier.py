@@ -7,7 +7,10 @@ process has its own; entries are content-addressed, so it is never stale.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
+
+import torch
 
 from .format import ChunkKV, CorruptEntryError
 from .layered import LayerReader
@@ -46,6 +49,11 @@ class MemoryTier(Tier):
         return None if entry is None else entry.nbytes
 
     def put(self, entry: ChunkKV, data: bytes | bytearray | None = None) -> None:
+        if torch.cuda.is_available() and not entry.kv.is_pinned():
+            # Page-locked, so a GPU engine copies it at the bus's speed and without
+            # waiting (from pageable memory a 16k-token prompt's 2.1 GB of llama3-8b
+            # KV took 0.5 s on an H200, as long as computing it)
+            entry = dataclasses.replace(entry, kv=entry.kv.pin_memory())
         with self._lock:
             self._pop(entry.key)
             if entry.nbytes > self.limit_bytes:
