@@ -99,12 +99,6 @@ def _attend(q, K, V, plan, scale):
 
 
 def _sdpa(q, K, V, mask, scale, gqa, causal=False):
-    if gqa and mask is not None and q.is_cuda:
-        # torch's memory-efficient CUDA kernel takes a mask but not grouped KV
-        # heads; with enable_gqa a masked call falls back to the math kernel
-        K = K.repeat_interleave(q.shape[0] // K.shape[0], dim=0)
-        V = V.repeat_interleave(q.shape[0] // V.shape[0], dim=0)
-        gqa = False
     out = F.scaled_dot_product_attention(
         q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
     )
