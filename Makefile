@@ -46,7 +46,7 @@ lint: install
 # tests/unit (the walk, the plan, the store tiers, the validators) and tests/integration,
 # then the LangChain and LlamaIndex tests again on their newest releases
 test: install lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-frameworks
 
 install-frameworks:
@@ -61,7 +61,7 @@ install-frameworks:
 
 # Their [vllm] variants need vLLM, which is not there: -k deselects them (they run in `make test`'s first part).
 test-frameworks: install-frameworks
-	$(FPY) -m pytest -q $(FRAMEWORKS_TESTS) -k "not vllm"
+	$(FPY) -m pytest -q --durations=15 $(FRAMEWORKS_TESTS) -k "not vllm"
 
 unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

@@ -69,6 +69,13 @@ def gemma3_gguf():
 
 
 @pytest.fixture(scope="session")
+def examples_store(tmp_path_factory):
+    """One store for the examples and the notebook, as a user's: the first of them to run
+    calibrates SmolLM2 in it at ingestion (minutes on 2 CPUs), the others find the calibration."""
+    return tmp_path_factory.mktemp("examples") / "store"
+
+
+@pytest.fixture(scope="session")
 def store(tmp_path_factory):
     s = ChunkStore(tmp_path_factory.mktemp("store"))
     yield s

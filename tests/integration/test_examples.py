@@ -10,13 +10,6 @@ import pytest
 from tests.fixtures.commands import ROOT, run_python
 
 
-@pytest.fixture(scope="module")
-def examples_store(tmp_path_factory):
-    """One store for the examples, as a user's: the first example run calibrates SmolLM2 in it at
-    ingestion, the others find the calibration there."""
-    return tmp_path_factory.mktemp("examples") / "store"
-
-
 @pytest.fixture
 def run(smollm2_gguf, examples_store):
     def run(args):
