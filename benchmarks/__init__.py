@@ -59,6 +59,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
 
 
+def model_options(args: argparse.Namespace) -> dict:
+    """``bench_model``'s options from the flags of ``add_model_arguments``."""
+    return {
+        name: getattr(args, name)
+        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "shape", "dtype")
+    }
+
+
 # Named shapes of random-weight models (the vocabulary is the local tokenizer's 2,048).
 SHAPES = {
     "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336),

@@ -30,7 +30,7 @@ from blend_integrations.store import ChunkStore
 from blend_integrations.store.layered import LayerReader
 from tests.fixtures.redis_server import RedisServer
 
-from . import add_model_arguments, bench_model, machine, setup_line, shuffled_prompts, write_results
+from . import add_model_arguments, bench_model, machine, model_options, setup_line, shuffled_prompts, write_results
 from .ttft import make_chunks
 
 RATIO = 0.15
@@ -97,16 +97,7 @@ def bandwidth(tiers: Tiers, keys: list[str], repeats: int) -> dict:
 
 def run(args) -> dict:
     torch.manual_seed(0)
-    model_dir, label, _ = bench_model(
-        None,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        shape=args.shape,
-        dtype=args.dtype,
-    )
+    model_dir, label, _ = bench_model(None, **model_options(args))
     work = Path(tempfile.mkdtemp(prefix="blend-bench-store-"))
     redis = None
     try:

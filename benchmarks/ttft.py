@@ -31,6 +31,7 @@ from . import (
     bench_model,
     compute_ceiling,
     machine,
+    model_options,
     setup_line,
     shuffled_prompts,
     write_results,
@@ -55,17 +56,7 @@ def run(args) -> Iterator[dict]:
     torch.manual_seed(0)
     sizes = sorted(args.chunks)
     context = max(8192, 2 ** (max(sizes) * args.chunk_tokens + 256).bit_length())
-    model_dir, label, suffix = bench_model(
-        args.model,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        shape=args.shape,
-        context=context,
-        dtype=args.dtype,
-    )
+    model_dir, label, suffix = bench_model(args.model, **model_options(args), context=context)
     store_dir = tempfile.mkdtemp(prefix="blend-bench-store-")
     check_layer = 1
     # "Memory": every chunk of the prompt held in this process (the tier's limit
