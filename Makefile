@@ -12,7 +12,9 @@ FPY := $(FRAMEWORKS_VENV)/bin/python
 # a torch that is not pinned comes from PyPI as a CUDA build of several GB.
 FRAMEWORKS_TORCH ?= torch==2.13.0
 # The LangChain and LlamaIndex tests that need no vLLM: their test files, examples, notebook and
-# documentation pages (the quickstart example and the other pages use neither framework).
+# documentation pages (the quickstart example and the other pages use neither framework), and the
+# LangChain warmer calibrating at ingestion (under `make test` the examples find the calibration the
+# first run made).
 FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_langchain_standard.py \
 	tests/integration/test_langchain_retriever.py tests/integration/test_tool_calls.py \
 	tests/integration/test_llama_index.py tests/integration/test_integration_core.py \
@@ -20,7 +22,8 @@ FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_l
 	tests/integration/test_examples.py::test_llamaindex_rag_example tests/integration/test_notebook.py \
 	"tests/integration/test_docs.py::test_code_samples_run[langchain.md]" \
 	"tests/integration/test_docs.py::test_code_samples_run[llamaindex.md]" \
-	tests/integration/test_docs.py::test_configuration_names_every_option
+	tests/integration/test_docs.py::test_configuration_names_every_option \
+	tests/integration/test_calibration.py::test_the_warmer_calibrates_at_ingestion_once
 
 .PHONY: install demo lint test unit bench clean install-frameworks test-frameworks
 
@@ -46,8 +49,10 @@ lint: install
 # tests/unit (the walk, the plan, the store tiers, the validators) and tests/integration,
 # then the LangChain and LlamaIndex tests again on their newest releases
 test: install lint
-	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-frameworks
+	@# one examples' store for both runs: SmolLM2 is calibrated at ingestion once (tests/conftest.py)
+	store=$$(mktemp -d); export BLEND_TEST_EXAMPLES_STORE=$$store/store; \
+	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS) && $(MAKE) --no-print-directory test-frameworks; \
+	status=$$?; rm -rf $$store; exit $$status
 
 install-frameworks:
 	test -x $(FPY) || python3 -m venv $(FRAMEWORKS_VENV)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -71,8 +72,10 @@ def gemma3_gguf():
 @pytest.fixture(scope="session")
 def examples_store(tmp_path_factory):
     """One store for the examples and the notebook, as a user's: the first of them to run
-    calibrates SmolLM2 in it at ingestion (minutes on 2 CPUs), the others find the calibration."""
-    return tmp_path_factory.mktemp("examples") / "store"
+    calibrates SmolLM2 in it at ingestion (minutes on 2 CPUs), the others find the calibration.
+    ``make test`` gives both of its runs the same one ($BLEND_TEST_EXAMPLES_STORE)."""
+    shared = os.environ.get("BLEND_TEST_EXAMPLES_STORE")
+    return Path(shared) if shared else tmp_path_factory.mktemp("examples") / "store"
 
 
 @pytest.fixture(scope="session")
