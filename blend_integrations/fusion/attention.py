@@ -76,7 +76,7 @@ def _plan(q_pos, start, end, T, window, dtype):
     A = q_pos.shape[0]
     if window is None and ((start == 0 and A == T) or (A == 1 and int(q_pos[0]) == end - 1)):
         return None
-    group = QUERY_GROUP if q_pos.device.type == "cpu" else A
+    group = QUERY_GROUP if q_pos.device.type == "cpu" else max(A, 1)
     plan = []
     for lo in range(0, A, group):
         pos = q_pos[lo : lo + group]

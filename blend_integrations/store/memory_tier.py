@@ -7,6 +7,7 @@ process has its own; entries are content-addressed, so it is never stale.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 
@@ -49,11 +50,12 @@ class MemoryTier(Tier):
         return None if entry is None else entry.nbytes
 
     def put(self, entry: ChunkKV, data: bytes | bytearray | None = None) -> None:
-        if torch.cuda.is_available() and not entry.kv.is_pinned():
+        if entry.nbytes <= self.limit_bytes and torch.cuda.is_available() and not entry.kv.is_pinned():
             # Page-locked, so a GPU engine copies it at the bus's speed and without
             # waiting: a 16k-token prompt's 2.1 GB of llama3-8b KV loaded in 0.54 s
             # from pageable memory on an H200 (full prefill: 0.57 s), 0.12 s from this
-            entry = dataclasses.replace(entry, kv=entry.kv.pin_memory())
+            with contextlib.suppress(RuntimeError):  # CUDA unusable in this process: kept pageable
+                entry = dataclasses.replace(entry, kv=entry.kv.pin_memory())
         with self._lock:
             self._pop(entry.key)
             if entry.nbytes > self.limit_bytes:
