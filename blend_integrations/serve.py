@@ -32,6 +32,7 @@ Clients send token ids and chunk spans; ``load_engine(URL, backend="server")`` d
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -200,6 +201,20 @@ async def _error(scope, receive, send, message: str, status: int, param: str | N
     await JSONResponse({"error": error}, status_code=status)(scope, receive, send)
 
 
+@functools.cache
+def _refused():
+    """``vllm:blend_requests_refused_total{reason}``: requests refused at the HTTP
+    edge, by the field that broke a rule. Made at the first refusal, after vLLM
+    has set up its registry (it drops every ``vllm:`` series it finds then)."""
+    from prometheus_client import Counter
+
+    return Counter(
+        "vllm:blend_requests_refused",
+        "Requests refused with HTTP 400 before reaching the engine, by the blend parameter that broke a rule.",
+        ["reason"],
+    )
+
+
 class CheckBlendParams(_ApiKeyAware):
     """ASGI middleware for vLLM's API server (``--middleware``): a POST whose
     ``kv_transfer_params.blend`` breaks a rule gets HTTP 400 with vLLM's error
@@ -215,6 +230,7 @@ class CheckBlendParams(_ApiKeyAware):
         problem = blend_params_problem(body)
         if problem is not None:
             message, param = problem
+            _refused().labels(param or "body").inc()
             await _error(scope, receive, send, message, 400, param)
             return
         replayed = False

@@ -81,6 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ..calibration import Calibrations
 from ..config import BlendConfig
@@ -90,6 +91,7 @@ from ..models.vllm import PagedCache, VLLMDecoder
 from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
 from . import vllm_plugin
+from .blend_metrics import RATIO_BUCKETS, REASONS, BlendCounters
 from .vllm_contract import BlendParams, blend_params_of, connector_store_args, not_blended
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,74 @@ class BlendWorkerMetadata(KVConnectorWorkerMetadata):
 
 def _slowest(mine: float | None, theirs: float | None) -> float | None:
     return None if mine is None or theirs is None else min(mine, theirs)
+
+
+class BlendConnectorStats(KVConnectorStats):
+    """One interval's ``BlendCounters``, as vLLM carries connector stats to its API server."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> BlendConnectorStats:
+        merged = BlendCounters.of(self.data).merge(BlendCounters.of(getattr(other, "data", None)))
+        return BlendConnectorStats(data=merged.data())
+
+    def reduce(self) -> dict[str, int | float]:
+        return BlendCounters.of(self.data).summary()
+
+    def is_empty(self) -> bool:
+        return not BlendCounters.of(self.data)
+
+
+class BlendPromMetrics(KVConnectorPromMetrics):
+    """The blend series on vLLM's ``/metrics``, one set per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._labelvalues = per_engine_labelvalues
+        self._requests = self._counter_cls(
+            name="vllm:blend_requests",
+            documentation="Finished requests by outcome (blend, reuse, full) and, for full prefill, the reason.",
+            labelnames=[*labelnames, "outcome", "reason"],
+        )
+        self._counts = {
+            name: self._counter_cls(name=f"vllm:blend_{name}", documentation=doc, labelnames=labelnames)
+            for name, doc in (
+                ("cached_tokens", "Prompt tokens whose KV was read from the chunk store."),
+                ("recomputed_tokens", "Of those, tokens recomputed by the blend pass."),
+                ("chunks_hit", "Chunks found in the store and loaded."),
+                ("chunks_missed", "Chunks not in the store (computed, then saved)."),
+                ("chunks_computed", "Stored chunks the loading controller computed instead of loading."),
+            )
+        }
+        self._guard = self._counter_cls(
+            name="vllm:blend_guard_raised",
+            documentation="Requests whose ratio the calibration's guard raised.",
+            labelnames=labelnames,
+        )
+        self._ratio = self._histogram_cls(
+            name="vllm:blend_recompute_ratio",
+            documentation="The recompute ratio of each blended request.",
+            labelnames=labelnames,
+            buckets=list(RATIO_BUCKETS),
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self._labelvalues[engine_idx]
+        counters = BlendCounters.of(transfer_stats_data)
+        for key, n in counters.requests.items():
+            outcome, _, reason = key.partition("/")
+            if outcome == "full" and reason not in REASONS:
+                reason = "blend_pass_failed"
+            self._requests.labels(*labels, outcome, reason).inc(n)
+        for name, metric in self._counts.items():
+            if counters.counts.get(name):
+                metric.labels(*labels).inc(counters.counts[name])
+        if counters.guard_raised:
+            self._guard.labels(*labels).inc(counters.guard_raised)
+        histogram = self._ratio.labels(*labels)
+        for ratio in counters.ratios:
+            histogram.observe(ratio)
 
 
 @functools.lru_cache(maxsize=4)
@@ -199,7 +269,8 @@ class BlendConnector(KVConnectorBase_V1):
         # scheduler side
         self._to_load: dict[str, tuple[BlendParams, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
         self._planned: dict[str, PrefillPlan] = {}  # req_id -> its plan, whose usage it reports
-        self._fallbacks: dict[str, str] = {}  # req_id -> why it is computed in full, until it finishes
+        self._fallbacks: dict[str, tuple[str, str]] = {}  # req_id -> (why, REASONS' name), until it finishes
+        self._counters = BlendCounters()  # finished requests since vLLM last asked (get_kv_connector_stats)
         self._in_full: set[str] = set()  # requests the calibration computes in full, until they finish
         # worker side
         self.blender: Blender | None = None
@@ -239,14 +310,15 @@ class BlendConnector(KVConnectorBase_V1):
             return params
         except Exception as exc:
             why = str(exc) if isinstance(exc, PromptError) else f"reading the blend parameters failed: {exc!r}"
-            self._fall_back(rid, why)
+            self._fall_back(rid, why, "invalid_params")
             return None
 
-    def _fall_back(self, req_id: str, why: str, *, logged: bool = False) -> None:
-        """Compute the request in full; its response says why. ``logged``: the worker logged it."""
+    def _fall_back(self, req_id: str, why: str, reason: str, *, logged: bool = False) -> None:
+        """Compute the request in full; its response says why (``reason``: the
+        metrics' name of the cause). ``logged``: the worker logged it."""
         if req_id not in self._fallbacks and not logged:
             logger.warning("request %s is computed in full, not blended: %s", req_id, why)
-        self._fallbacks[req_id] = why
+        self._fallbacks[req_id] = (why, reason)
         self._planned.pop(req_id, None)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -306,7 +378,7 @@ class BlendConnector(KVConnectorBase_V1):
             )
         except Exception as exc:
             why = f"planning the blend pass failed: {exc!r}"
-            self._fall_back(req_id, why)
+            self._fall_back(req_id, why, "planning_failed")
             return BlendJob(req_id, ids, None, list(block_ids), error=why)
         self._planned[req_id] = plan
         return BlendJob(req_id, ids, plan, list(block_ids))
@@ -317,23 +389,44 @@ class BlendConnector(KVConnectorBase_V1):
             self._rates = meta.rates
             # vLLM recomputes these requests in full (their blocks failed to load).
             for req_id, why in meta.failed.items():
-                self._fall_back(req_id, why, logged=True)
+                self._fall_back(req_id, why, "blend_pass_failed", logged=True)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        rid = request.request_id
+        answer = self._answer(request.request_id)
+        self._counters.add(answer)  # here, once per request, whatever the ranks
+        return False, answer
+
+    def _answer(self, rid: str) -> dict[str, Any] | None:
+        """What a finished request's ``kv_transfer_params`` carry back (None: not blended)."""
         self._to_load.pop(rid, None)
-        why = self._fallbacks.pop(rid, None)
+        fallback = self._fallbacks.pop(rid, None)
         plan = self._planned.pop(rid, None)
         in_full_by_calibration = rid in self._in_full
         self._in_full.discard(rid)
-        if why is not None:
-            return False, not_blended(why)
+        if fallback is not None:
+            return not_blended(*fallback)
         if plan is None and in_full_by_calibration:
-            return False, {"blend": PrefillPlan("full", 1.0, (), 0, ratio_source="calibrated").usage()}
+            return {"blend": PrefillPlan("full", 1.0, (), 0, ratio_source="calibrated").usage()}
         if plan is None:
-            return False, None
+            return None
         loading = {"blend_loading": dataclasses.asdict(plan.loading)} if plan.loading else {}
-        return False, {"blend": plan.usage()} | loading
+        return {"blend": plan.usage()} | loading
+
+    # -- metrics (vLLM's API server turns them into Prometheus series) ----
+    def get_kv_connector_stats(self) -> BlendConnectorStats | None:
+        """The scheduler side's counts since vLLM last asked (the worker side has none)."""
+        if not self._counters:
+            return None
+        stats, self._counters = BlendConnectorStats(data=self._counters.data()), BlendCounters()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> BlendConnectorStats:
+        return BlendConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> BlendPromMetrics:
+        return BlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side ----------------------------------------------------
     def _attach(self) -> Blender:

@@ -391,10 +391,12 @@ def kv_transfer_params(req: Request) -> dict | None:
     return {"blend": blend}
 
 
-def not_blended(reason: str) -> dict:
-    """The connector's answer for a request computed in full instead of blended."""
+def not_blended(why: str, reason: str) -> dict:
+    """The connector's answer for a request computed in full instead of
+    blended: ``why`` in words, ``reason`` the metrics' name of the cause
+    (``blend_metrics.REASONS``)."""
     nothing = PrefillPlan("full", 0.0, (), sink_tokens=0)
-    return {"blend": nothing.usage(), "blend_fallback": reason}
+    return {"blend": nothing.usage(), "blend_fallback": why, "blend_fallback_reason": reason}
 
 
 def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str | None]:

@@ -23,6 +23,7 @@ from ..models.loading import resolve_device, resolve_model_dir
 from ..prompt import PromptInput, TextOrIds
 from ..store import ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage
+from .blend_metrics import BlendCounters
 from .vllm_contract import (
     CONNECTOR_MODULE,
     blend_engine_args,
@@ -117,6 +118,8 @@ class VLLMEngine(Engine):
             self.llm = vllm.LLM(**kwargs)
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._ids = itertools.count()
+        self._counters = BlendCounters()  # every finished request's blend outcome: ``stats()``
+        self._counters_lock = threading.Lock()
         self._requests: dict[str, queue.Queue] = {}  # request id -> its outputs, until finished
         self._lock = threading.Lock()  # vLLM's engine is not thread-safe
         self._wake = threading.Event()
@@ -225,6 +228,14 @@ class VLLMEngine(Engine):
         self._wake.set()
         return self._follow(stream, rid, outputs, req)
 
+    def stats(self) -> dict[str, int | float]:
+        """Totals over the requests this engine finished, counted as the blend
+        series on a server's ``/metrics`` are (``blend_metrics``): requests by
+        outcome (``requests_blend``, ``requests_full_<reason>``, ...), reused and
+        recomputed tokens, chunks hit, missed and computed, the mean ratio."""
+        with self._counters_lock:
+            return self._counters.summary()
+
     def generate_many(self, prompts: Sequence[PromptInput], **kwargs) -> list[Generation]:
         """Submit every prompt at once so vLLM batches them."""
         streams = [self.stream(p, **kwargs) for p in prompts]
@@ -257,6 +268,8 @@ class VLLMEngine(Engine):
                     text.append(completion.text)
                     yield completion.text
             blend, loading, fallback = blend_results(out.kv_transfer_params)
+            with self._counters_lock:
+                self._counters.add(out.kv_transfer_params)
             usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
             stream.generation = Generation(
                 text="".join(text),

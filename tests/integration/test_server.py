@@ -204,3 +204,69 @@ def test_fuzzing_never_takes_the_server_down(blend_server, capsys):
     assert report["good_same_tokens"] == report["good"] and report["good_after_same_tokens"] == report["good_requests"]
     assert report["ratio_one_equals_full"] and report["healthy_after"] and blend_server.healthy()
     assert fuzz.passed(report)
+
+
+def blend_series(server) -> dict[tuple, float]:
+    """The blend series on the server's /metrics: (name, labels other than model and engine) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    series = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "blend" in sample.name and not sample.name.endswith("_created"):
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine")))
+                series[sample.name, labels] = series.get((sample.name, labels), 0.0) + sample.value
+    return series
+
+
+def test_metrics_equal_the_usage_the_responses_reported(client, blend_server, docs):
+    """Blended requests, one computed in full because its separator is not in the
+    prompt, one refused at the HTTP edge: the blend series on /metrics move by
+    exactly what the responses reported, and the refusal is counted by its field."""
+    client.warm(docs)
+    before = blend_series(blend_server)
+    prompts = [BlendPrompt("Read.", docs[::-1], QUESTION), BlendPrompt("Read.", docs, QUESTION)]
+    usages = [client.generate(p, max_tokens=2, recompute_ratio=r).usage for p, r in zip(prompts, (0.15, 0.3))]
+
+    def post(blend: dict) -> int:
+        body = {
+            "model": client.model_name,
+            "prompt": "Read. " + docs[0],
+            "max_tokens": 1,
+            "kv_transfer_params": {"blend": blend},
+        }
+        req = urllib.request.Request(
+            blend_server.url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {blend_server.api_key}"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                assert json.loads(r.read())["kv_transfer_params"]["blend_fallback_reason"] == "invalid_params"
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert post({"mode": "blend", "separator": "@@no such separator@@"}) == 200  # computed in full
+    assert post({"mode": "blend", "ratio": 1.5, "separator": "\n\n"}) == 400  # refused at the edge
+
+    expected = {
+        ("vllm:blend_requests_total", (("outcome", "blend"), ("reason", ""))): 2,
+        ("vllm:blend_requests_total", (("outcome", "full"), ("reason", "invalid_params"))): 1,
+        ("vllm:blend_requests_refused_total", (("reason", "kv_transfer_params.blend.ratio"),)): 1,
+        ("vllm:blend_cached_tokens_total", ()): sum(u.cached_tokens for u in usages),
+        ("vllm:blend_recomputed_tokens_total", ()): sum(u.recomputed_tokens for u in usages),
+        ("vllm:blend_chunks_hit_total", ()): sum(u.chunks_hit for u in usages),
+        ("vllm:blend_recompute_ratio_count", ()): 2,
+    }
+    deadline = time.monotonic() + 30  # the API server records a step's stats after its outputs
+    while True:
+        after = blend_series(blend_server)
+        moved = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in expected}
+        if moved == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert moved == expected
+    assert all(u.chunks_hit == len(docs) for u in usages)

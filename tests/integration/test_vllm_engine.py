@@ -459,3 +459,23 @@ def test_a_failing_blend_pass_costs_one_request_not_the_engine(vllm_engine, docs
     assert len(log) == 1 and log[0].startswith("ERROR request ") and "OutOfMemoryError" in log[0], log
     again = vllm_engine.generate(prompts[2], max_tokens=8, recompute_ratio=1.0)
     assert again.fallback is None and again.usage.chunks_hit == 3 and again.token_ids == full[2]
+
+
+def test_stats_count_what_the_generations_reported(vllm_engine, docs):
+    """The embedded engine's stats() counts each finished request once, as the
+    server's /metrics does: by outcome, with the reused and recomputed tokens."""
+    vllm_engine.warm(docs)
+    before = vllm_engine.stats()
+    prompts = [BlendPrompt("Read.", docs[::-1], QUESTION), BlendPrompt("Read.", docs, QUESTION)]
+    gens = vllm_engine.generate_many(prompts, max_tokens=2, recompute_ratio=0.15)
+    full = vllm_engine.generate(prompts[0], max_tokens=2, mode="full")
+    after = vllm_engine.stats()
+
+    def moved(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert moved("requests_blend") == 2
+    assert moved("requests_full_not_requested") == 1 and full.usage.cached_tokens == 0
+    assert moved("cached_tokens") == sum(g.usage.cached_tokens for g in gens) > 0
+    assert moved("recomputed_tokens") == sum(g.usage.recomputed_tokens for g in gens) > 0
+    assert moved("chunks_hit") == 2 * len(docs)

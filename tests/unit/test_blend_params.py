@@ -140,7 +140,7 @@ def test_good_params_and_defaults():
 
 
 def test_results_of_a_fallback():
-    usage, loading, why = blend_results(not_blended("kv_transfer_params.blend.ratio must be ..."))
+    usage, loading, why = blend_results(not_blended("kv_transfer_params.blend.ratio must be ...", "invalid_params"))
     assert usage == {
         "cached_tokens": 0,
         "recomputed_tokens": 0,
