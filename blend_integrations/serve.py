@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import SELECTIONS, BlendConfig, parse_ratio
+from .engines import stream_usage
 from .engines.vllm_contract import (
     BlendParamsError,
     blend_engine_args,
@@ -215,10 +216,66 @@ def _refused():
     )
 
 
+def _marked_for_stream_usage(body: bytes) -> tuple[bytes | None, str | None]:
+    """(the body to pass on if it changed, else None; the token it was given,
+    ``stream_usage``, if it streams one blended completion). A token a client
+    sent is dropped: only the server makes them."""
+    if stream_usage.TOKEN_KEY.encode() not in body and b'"blend"' not in body:
+        return None, None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None, None
+    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    if not isinstance(params, dict):
+        return None, None
+    changed = params.pop(stream_usage.TOKEN_KEY, None) is not None
+    prompt = data.get("prompt")
+    one_prompt = "messages" in data or isinstance(prompt, str) or _prompt_lengths(prompt) == [len(prompt or ())]
+    token = None
+    if data.get("stream") is True and "blend" in params and one_prompt and data.get("n") in (None, 1):
+        token = params[stream_usage.TOKEN_KEY] = stream_usage.new_token()
+    return (json.dumps(data).encode() if changed or token else None), token
+
+
+def _stream_usage_sender(send, token: str):
+    """``send`` that adds the request's blend usage before a stream's
+    ``data: [DONE]`` (``stream_usage``)."""
+    import asyncio
+
+    streaming, last_event = False, b""
+
+    async def sender(message) -> None:
+        nonlocal streaming, last_event
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers") or ())
+            streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body" and streaming:
+            data = message.get("body", b"")
+            done = data.find(b"data: [DONE]")
+            if done < 0:
+                if b"data: {" in data:
+                    last_event = data
+            else:
+                # The connector wrote the answer before vLLM sent the last output; allow for a slow disk.
+                for _ in range(100):
+                    found, answer = await asyncio.to_thread(stream_usage.take_answer, token)
+                    if found:
+                        break
+                    await asyncio.sleep(0.01)
+                if found and answer is not None:
+                    event = stream_usage.answer_event(last_event or data[:done], answer)
+                    message = {**message, "body": data[:done] + event + data[done:]}
+        await send(message)
+
+    return sender
+
+
 class CheckBlendParams(_ApiKeyAware):
     """ASGI middleware for vLLM's API server (``--middleware``): a POST whose
     ``kv_transfer_params.blend`` breaks a rule gets HTTP 400 with vLLM's error
-    body and never reaches the engine."""
+    body and never reaches the engine. A streamed blended completion ends
+    with its blend usage (``engines/stream_usage.py``)."""
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or self._unauthorized(scope):
@@ -233,6 +290,13 @@ class CheckBlendParams(_ApiKeyAware):
             _refused().labels(param or "body").inc()
             await _error(scope, receive, send, message, 400, param)
             return
+        marked, token = _marked_for_stream_usage(body)
+        if marked is not None:
+            body = marked
+            headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        if token is not None:
+            send = _stream_usage_sender(send, token)
         replayed = False
 
         async def replay():
@@ -242,7 +306,13 @@ class CheckBlendParams(_ApiKeyAware):
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if token is not None:  # not taken: the client went away; the engine may still write it
+                import asyncio
+
+                asyncio.get_running_loop().call_later(60, stream_usage.discard, token)
 
 
 CALIBRATION_PATH = "/v1/blend/calibration"

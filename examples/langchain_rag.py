@@ -15,7 +15,7 @@ from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_text_splitters import RecursiveCharacterTextSplitter
 from local_embeddings import LangChainMiniLM  # siblings: this folder is on sys.path
-from shared import DATA, compare, default_model, parse_args
+from shared import DATA, compare, default_model, parse_args, starting
 
 from blend_integrations.langchain import BlendCacheWarmer, ChatBlend, create_blend_rag_chain
 
@@ -29,13 +29,14 @@ def main() -> None:
 
     # documents here are short: the splitter keeps each one whole
     chunks = RecursiveCharacterTextSplitter(chunk_size=3000, chunk_overlap=0).split_documents(load_documents(DATA))
-    chat = ChatBlend(
-        model=args.model or default_model(),
-        backend=args.backend,
-        store_path=args.store,
-        max_tokens=args.max_tokens,
-        recompute_ratio=args.recompute_ratio,
-    )
+    with starting(args.backend):
+        chat = ChatBlend(
+            model=args.model or default_model(),
+            backend=args.backend,
+            store_path=args.store,
+            max_tokens=args.max_tokens,
+            recompute_ratio=args.recompute_ratio,
+        )
     # Ingestion: the chunk KV of every piece is computed once and stored, and the model is
     # calibrated on these documents if the store has no calibration of it yet.
     warmer = BlendCacheWarmer(chat, show_progress=True, calibrate=True)

@@ -13,7 +13,7 @@ from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from local_embeddings import LlamaIndexMiniLM  # siblings: this folder is on sys.path
-from shared import DATA, compare, default_model, parse_args
+from shared import DATA, compare, default_model, parse_args, starting
 
 from blend_integrations.llama_index import BlendCacheWarmer, BlendLLM, as_blend_query_engine
 
@@ -21,13 +21,14 @@ from blend_integrations.llama_index import BlendCacheWarmer, BlendLLM, as_blend_
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
 
-    llm = BlendLLM(
-        args.model or default_model(),
-        backend=args.backend,
-        store_path=args.store,
-        max_tokens=args.max_tokens,
-        recompute_ratio=args.recompute_ratio,
-    )
+    with starting(args.backend):
+        llm = BlendLLM(
+            args.model or default_model(),
+            backend=args.backend,
+            store_path=args.store,
+            max_tokens=args.max_tokens,
+            recompute_ratio=args.recompute_ratio,
+        )
     embed_model = LlamaIndexMiniLM()
     # Ingestion: split, embed, compute every node's chunk KV once, and calibrate the model on
     # these nodes if the store has no calibration of it yet.

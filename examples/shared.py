@@ -19,8 +19,10 @@ store): blend then runs at the ratio measured to agree with full prefill,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,16 @@ def parse_args(description: str) -> argparse.Namespace:
         "calibrated at ingestion, docs/calibration.md)",
     )
     return parser.parse_args()
+
+
+@contextlib.contextmanager
+def starting(backend: str) -> Iterator[None]:
+    """Print how long the engine took to start (model load, and on vLLM its
+    engine process and KV cache), apart from the times to first token."""
+    print(f"starting the {backend} engine ...", flush=True)
+    started = time.perf_counter()
+    yield
+    print(f"engine started in {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def compare(

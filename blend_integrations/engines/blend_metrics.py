@@ -8,6 +8,8 @@ one and hands vLLM each step's increments (``get_kv_connector_stats``); vLLM's
 API server adds them to Prometheus series on ``/metrics``
 (``build_prom_metrics``). The embedded engine keeps one for ``stats()``. A
 request is counted once, on the scheduler side, however many ranks compute it.
+The worker side adds its chunk store's reads by tier (``store_reads``): rank
+0's only, since every tensor-parallel rank reads the same entries.
 
 Labels have few values: a request's ``outcome`` is "blend", "reuse" or "full",
 and a full prefill's ``reason`` one of ``REASONS``, never a message's text.
@@ -18,6 +20,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..store.chunk_store import TIERS
+from ..store.stats import StoreStats
 
 # Why a request was computed in full instead of blended.
 REASONS = (
@@ -32,6 +37,17 @@ RATIO_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 COUNTS = ("cached_tokens", "recomputed_tokens", "chunks_hit", "chunks_missed", "chunks_computed")
 
 
+def store_reads(stats: StoreStats) -> Counter:
+    """A store's reads so far, per tier: ``"<tier>/hits"`` (entries read),
+    ``"<tier>/bytes"`` (their bytes) and ``"<tier>/seconds"`` (time reading them)."""
+    reads: Counter = Counter()
+    for tier in TIERS:
+        reads[f"{tier}/hits"] = getattr(stats, f"{tier}_hits")
+        reads[f"{tier}/bytes"] = getattr(stats, "bytes_read" if tier == "disk" else f"{tier}_bytes_read")
+        reads[f"{tier}/seconds"] = getattr(stats, f"{tier}_read_s")
+    return reads
+
+
 @dataclass
 class BlendCounters:
     """Running counts; ``data()`` is their plain-dict form (what crosses vLLM's processes)."""
@@ -40,6 +56,7 @@ class BlendCounters:
     counts: Counter = field(default_factory=Counter)  # COUNTS -> sum over requests
     ratios: list[float] = field(default_factory=list)  # each blended request's ratio
     guard_raised: int = 0
+    tiers: Counter = field(default_factory=Counter)  # store reads, as ``store_reads`` names them
 
     def add(self, answer: dict[str, Any] | None) -> None:
         """One finished request: ``answer`` is what the connector returned in its
@@ -72,6 +89,7 @@ class BlendCounters:
             "counts": dict(self.counts),
             "ratios": list(self.ratios),
             "guard_raised": self.guard_raised,
+            "tiers": dict(self.tiers),
         }
 
     @classmethod
@@ -82,6 +100,7 @@ class BlendCounters:
             Counter(data.get("counts") or {}),
             list(data.get("ratios") or ()),
             int(data.get("guard_raised") or 0),
+            Counter(data.get("tiers") or {}),
         )
 
     def merge(self, other: BlendCounters) -> BlendCounters:
@@ -90,6 +109,7 @@ class BlendCounters:
             self.counts + other.counts,
             self.ratios + other.ratios,
             self.guard_raised + other.guard_raised,
+            self.tiers + other.tiers,
         )
 
     def summary(self) -> dict[str, int | float]:
@@ -101,7 +121,8 @@ class BlendCounters:
         if self.ratios:
             out["mean_recompute_ratio"] = sum(self.ratios) / len(self.ratios)
         out["guard_raised"] = self.guard_raised
+        out.update({f"store_{k.replace('/', '_')}": v for k, v in self.tiers.items()})
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.tiers)

@@ -4,8 +4,8 @@ Prompts are tokenized here, chunk by chunk, and sent as token ids with their
 chunk spans in ``kv_transfer_params``, so the server never re-tokenizes
 joined text. ``generate`` makes one plain completion request and gets the
 blend usage back; ``stream`` uses server-sent events and has the real time to
-first token, but vLLM's server does not return ``kv_transfer_params`` on a
-stream, so its usage has token counts without the blend counts.
+first token, and the blend usage from the stream's last event (which the
+server's middleware adds: ``stream_usage``).
 """
 
 from __future__ import annotations
@@ -187,6 +187,7 @@ class ServerEngine(Engine):
 
     def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         text, ttft, finish, n_tokens = [], None, "length", 0
+        answer = None  # the connector's, from the event the middleware adds at the end
         with self._request_http("POST", "/v1/completions", self._body(req, stream=True), stream=True) as resp:
             for raw in resp:
                 line = raw.decode().strip()
@@ -195,6 +196,8 @@ class ServerEngine(Engine):
                 event = json.loads(line[5:])
                 if event.get("usage"):
                     n_tokens = event["usage"]["completion_tokens"]
+                if "kv_transfer_params" in event:
+                    answer = event["kv_transfer_params"]
                 if not event.get("choices"):
                     continue
                 choice = event["choices"][0]
@@ -205,15 +208,18 @@ class ServerEngine(Engine):
                     yield choice["text"]
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
+        blend, loading, fallback = blend_results(answer)
         stream.generation = Generation(
             text="".join(text),
             token_ids=[],
             prompt_token_ids=list(req.prompt.token_ids),
             finish_reason="length" if finish == "length" else "stop",
             ttft_s=ttft if ttft is not None else time.perf_counter() - req.started,
-            usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=n_tokens),
+            usage=Usage(prompt_tokens=len(req.prompt), completion_tokens=n_tokens, **blend),
             mode=req.mode,
             total_s=time.perf_counter() - req.started,
+            loading=loading,
+            fallback=fallback,
         )
 
     def generate(self, prompt: PromptInput, **options: Unpack[GenerateOptions]) -> Generation:

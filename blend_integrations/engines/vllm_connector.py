@@ -70,6 +70,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from ..calibration import Calibrations
 from ..config import BlendConfig
@@ -90,8 +92,8 @@ from ..fusion.plan import in_full, measured_rates
 from ..models.vllm import PagedCache, VLLMDecoder
 from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
-from . import vllm_plugin
-from .blend_metrics import RATIO_BUCKETS, REASONS, BlendCounters
+from . import stream_usage, vllm_plugin
+from .blend_metrics import RATIO_BUCKETS, REASONS, TIERS, BlendCounters, store_reads
 from .vllm_contract import BlendParams, blend_params_of, connector_store_args, not_blended
 
 logger = logging.getLogger(__name__)
@@ -138,7 +140,7 @@ class BlendConnectorStats(KVConnectorStats):
     """One interval's ``BlendCounters``, as vLLM carries connector stats to its API server."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> BlendConnectorStats:
         merged = BlendCounters.of(self.data).merge(BlendCounters.of(getattr(other, "data", None)))
@@ -172,6 +174,16 @@ class BlendPromMetrics(KVConnectorPromMetrics):
                 ("chunks_computed", "Stored chunks the loading controller computed instead of loading."),
             )
         }
+        self._store = {
+            count: self._counter_cls(
+                name=f"vllm:blend_store_{name}", documentation=doc, labelnames=[*labelnames, "tier"]
+            )
+            for count, name, doc in (
+                ("hits", "hits", "Chunk entries read from the store, by tier (tensor-parallel rank 0's reads)."),
+                ("bytes", "read_bytes", "Bytes of the entries read from the store, by tier."),
+                ("seconds", "read_seconds", "Seconds spent reading entries from the store, by tier."),
+            )
+        }
         self._guard = self._counter_cls(
             name="vllm:blend_guard_raised",
             documentation="Requests whose ratio the calibration's guard raised.",
@@ -184,6 +196,16 @@ class BlendPromMetrics(KVConnectorPromMetrics):
             buckets=list(RATIO_BUCKETS),
         )
 
+        # Every series exists from the start, at 0: a rate or an alert over one never incremented still works.
+        for labels in per_engine_labelvalues.values():
+            for outcome, reason in (("blend", ""), ("reuse", ""), *(("full", r) for r in REASONS)):
+                self._requests.labels(*labels, outcome, reason)
+            for metric in (*self._counts.values(), self._guard, self._ratio):
+                metric.labels(*labels)
+            for metric in self._store.values():
+                for tier in TIERS:
+                    metric.labels(*labels, tier)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self._labelvalues[engine_idx]
         counters = BlendCounters.of(transfer_stats_data)
@@ -195,6 +217,10 @@ class BlendPromMetrics(KVConnectorPromMetrics):
         for name, metric in self._counts.items():
             if counters.counts.get(name):
                 metric.labels(*labels).inc(counters.counts[name])
+        for key, amount in counters.tiers.items():
+            tier, _, count = key.partition("/")
+            if count in self._store:
+                self._store[count].labels(*labels, tier).inc(amount)
         if counters.guard_raised:
             self._guard.labels(*labels).inc(counters.guard_raised)
         histogram = self._ratio.labels(*labels)
@@ -271,6 +297,7 @@ class BlendConnector(KVConnectorBase_V1):
         self._planned: dict[str, PrefillPlan] = {}  # req_id -> its plan, whose usage it reports
         self._fallbacks: dict[str, tuple[str, str]] = {}  # req_id -> (why, REASONS' name), until it finishes
         self._counters = BlendCounters()  # finished requests since vLLM last asked (get_kv_connector_stats)
+        self._reads_told: Counter = Counter()  # worker side: the store reads already handed to vLLM
         self._in_full: set[str] = set()  # requests the calibration computes in full, until they finish
         # worker side
         self.blender: Blender | None = None
@@ -394,6 +421,7 @@ class BlendConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         answer = self._answer(request.request_id)
         self._counters.add(answer)  # here, once per request, whatever the ranks
+        stream_usage.write_answer(getattr(request, "kv_transfer_params", None), answer)  # for a stream's end
         return False, answer
 
     def _answer(self, rid: str) -> dict[str, Any] | None:
@@ -414,11 +442,18 @@ class BlendConnector(KVConnectorBase_V1):
 
     # -- metrics (vLLM's API server turns them into Prometheus series) ----
     def get_kv_connector_stats(self) -> BlendConnectorStats | None:
-        """The scheduler side's counts since vLLM last asked (the worker side has none)."""
-        if not self._counters:
+        """The counts since vLLM last asked: finished requests on the scheduler
+        side, the store's reads on the worker side (rank 0's: every rank reads
+        the same entries)."""
+        if self._role == KVConnectorRole.SCHEDULER:
+            counters, self._counters = self._counters, BlendCounters()
+        elif self.blender is not None and get_tensor_model_parallel_rank() == 0:
+            reads = store_reads(self.store.stats)
+            counters = BlendCounters(tiers=reads - self._reads_told)
+            self._reads_told = reads
+        else:
             return None
-        stats, self._counters = BlendConnectorStats(data=self._counters.data()), BlendCounters()
-        return stats
+        return BlendConnectorStats(data=counters.data()) if counters else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> BlendConnectorStats:

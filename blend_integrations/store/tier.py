@@ -88,7 +88,7 @@ class Tier(ABC):
     def hit(self, nbytes: int, seconds: float) -> None:
         """Count a read of ``nbytes`` from this tier that took ``seconds``."""
         self.rate.add(nbytes, seconds)
-        self.report.count(**self.hit_counts(nbytes))
+        self.report.count(**self.hit_counts(nbytes), **{f"{self.name}_read_s": seconds})
 
     @abstractmethod
     def hit_counts(self, nbytes: int) -> dict[str, int]:

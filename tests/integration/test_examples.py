@@ -3,7 +3,9 @@ SmolLM2-135M-Instruct (converted once per machine by the ``smollm2_gguf`` fixtur
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shlex
 
 import pytest
 
@@ -19,9 +21,19 @@ def run(smollm2_gguf, examples_store):
     return run
 
 
+def demo_command() -> list[str]:
+    """What ``make demo`` runs with the environment's Python."""
+    recipe = (ROOT / "Makefile").read_text().split("\ndemo:")[1].split("\n\n")[0]
+    return shlex.split(recipe.split("$(PY) ")[1])
+
+
 def test_langchain_rag_example_is_the_demo(run):
-    assert "examples/langchain_rag.py" in (ROOT / "Makefile").read_text().split("demo:")[1].split("\n\n")[0]
-    out = run(["examples/langchain_rag.py"])
+    command = demo_command()
+    assert command == ["examples/langchain_rag.py", "--backend", "vllm"]  # LangChain on the embedded vLLM engine
+    if importlib.util.find_spec("vllm") is None:  # the environment without vLLM: the reference engine
+        command[-1] = "transformers"
+    out = run(command)
+    assert f"starting the {command[-1]} engine ...\nengine started in " in out
     assert "retrieved: ['ada_okafor.txt'" in out and ("(4/4 chunks)" in out or "(ratio 1.0, calibrated)" in out)
     assert "time to first token: full" in out and "x sooner" in out
     # calibrated at ingestion, blend with the defaults answers right where full prefill does

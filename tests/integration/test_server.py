@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -14,6 +15,7 @@ from blend_integrations import BlendPrompt, PromptError, load_engine
 from blend_integrations.calibration import RELOAD_S, CalibrationRecord, record_name
 from blend_integrations.engines.server_engine import CALIBRATION_PATH, ServerError
 from blend_integrations.prompt import TokenizedPrompt
+from tests.fixtures.commands import ROOT
 from tests.fixtures.local_models import sample_text
 
 QUESTION = "Question: which city is named in the documents? Answer:"
@@ -51,6 +53,45 @@ def test_server_stream(client, docs):
     assert text == gen.text == stream.generation.text
     assert stream.generation.usage.completion_tokens == len(gen.token_ids)
     assert 0 < stream.generation.ttft_s <= stream.generation.total_s
+    # The blend usage reaches the client at the stream's end, as on a plain response.
+    streamed, plain = stream.generation.usage, gen.usage
+    assert streamed.chunks_hit == plain.chunks_hit == len(docs) and streamed.cached_tokens == plain.cached_tokens > 0
+    assert streamed.recomputed_tokens == plain.recomputed_tokens > 0
+    assert streamed.recompute_ratio == plain.recompute_ratio and stream.generation.fallback is None
+
+
+def sse_events(client, path: str, body: dict) -> list:
+    """A streamed request's server-sent events, [DONE] as the string "[DONE]"."""
+    req = urllib.request.Request(
+        client.base_url + path,
+        data=json.dumps({"model": client.model_name, "stream": True, **body}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {client._api_key}"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        lines = [raw.decode().strip() for raw in resp]
+    return [json.loads(x[5:]) if x != "data: [DONE]" else "[DONE]" for x in lines if x.startswith("data:")]
+
+
+def test_a_streamed_chat_ends_with_its_blend_usage(client, docs):
+    """A plain HTTP client streaming a chat with the separator fallback gets the
+    connector's answer in one more event before [DONE]; a token it sends itself
+    (naming a file) is dropped, and a stream that asks nothing of blending is untouched."""
+    client.warm(docs)
+    content = "\n\n".join(["Read."] + docs + [QUESTION])
+    blend = {"mode": "blend", "ratio": 0.5, "separator": "\n\n"}
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    events = sse_events(
+        client, "/v1/chat/completions", {**body, "kv_transfer_params": {"blend": blend, "blend_stream": "../../x"}}
+    )
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert last["choices"] == [] and last["object"] == "chat.completion.chunk" and last["id"] == events[0]["id"]
+    usage = last["kv_transfer_params"]["blend"]
+    assert usage["chunks_hit"] + usage["chunks_missed"] == len(docs) and usage["recompute_ratio"] == 0.5
+    assert not any("kv_transfer_params" in e for e in events[:-2])
+    plain = sse_events(client, "/v1/chat/completions", body)
+    assert plain[-1] == "[DONE]" and not any("kv_transfer_params" in e for e in plain[:-1])
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in plain[:-1] if e["choices"])
 
 
 def test_server_errors_are_clear(client):
@@ -260,13 +301,32 @@ def test_metrics_equal_the_usage_the_responses_reported(client, blend_server, do
         ("vllm:blend_recomputed_tokens_total", ()): sum(u.recomputed_tokens for u in usages),
         ("vllm:blend_chunks_hit_total", ()): sum(u.chunks_hit for u in usages),
         ("vllm:blend_recompute_ratio_count", ()): 2,
+        "store hits, every tier": sum(u.chunks_hit for u in usages),  # the worker's reads of those chunks
     }
+
+    def store_hits(series):
+        return sum(v for (name, _), v in series.items() if name == "vllm:blend_store_hits_total")
+
     deadline = time.monotonic() + 30  # the API server records a step's stats after its outputs
     while True:
         after = blend_series(blend_server)
-        moved = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in expected}
+        moved = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in expected if isinstance(key, tuple)}
+        moved["store hits, every tier"] = store_hits(after) - store_hits(before)
         if moved == expected or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert moved == expected
     assert all(u.chunks_hit == len(docs) for u in usages)
+    read = {labels: v - before.get((name, labels), 0.0) for (name, labels), v in after.items() if "store_read" in name}
+    assert read and all(v >= 0 for v in read.values()) and sum(read.values()) > 0  # bytes and seconds moved too
+
+    # Every series the dashboard and the docs' queries use is on /metrics.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(blend_server.url + "/metrics", timeout=30) as r:
+        served = {s.name for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+    used = set()
+    for source in (ROOT / "examples" / "grafana-blend.json", ROOT / "docs" / "metrics.md"):
+        used |= set(re.findall(r"vllm:[a-z_]+", source.read_text()))
+    assert {"vllm:blend_store_hits_total", "vllm:prompt_tokens_total"} <= used
+    assert used - {"vllm:blend_recompute_ratio"} <= served  # a histogram's samples: _bucket, _count, _sum

@@ -3,12 +3,13 @@ outcome, and the same numbers on Prometheus series and in ``stats()``."""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from blend_integrations.engines.blend_metrics import REASONS, BlendCounters
+from blend_integrations.engines.blend_metrics import REASONS, BlendCounters, store_reads
 from blend_integrations.engines.vllm_contract import blend_results, not_blended
 from blend_integrations.fusion.plan import PrefillPlan
 
@@ -83,7 +84,9 @@ def test_prometheus_series_equal_the_counts():
     metrics = vllm_connector.BlendConnector.build_prom_metrics(
         Config(), types, ["model_name", "engine"], {0: ["m", "0"]}
     )
-    counters = BlendCounters()
+    counters = BlendCounters(
+        tiers=collections.Counter({"memory/hits": 3, "memory/bytes": 300, "disk/hits": 1, "disk/seconds": 0.5})
+    )
     for answer in ANSWERS:
         counters.add(answer)
     stats = vllm_connector.BlendConnector.build_kv_connector_stats(counters.data())
@@ -103,3 +106,37 @@ def test_prometheus_series_equal_the_counts():
     assert value("vllm:blend_guard_raised_total") == 2
     assert value("vllm:blend_recompute_ratio_count") == 4
     assert value("vllm:blend_recompute_ratio_bucket", le="0.15") == 2
+    assert (
+        value("vllm:blend_store_hits_total", tier="memory") == 6
+        and value("vllm:blend_store_hits_total", tier="disk") == 2
+    )
+    assert value("vllm:blend_store_read_bytes_total", tier="memory") == 600
+    assert value("vllm:blend_store_read_seconds_total", tier="disk") == 1.0
+    # series nothing moved exist at 0, so rates and alerts over them work from the start
+    assert value("vllm:blend_requests_total", outcome="full", reason="blend_pass_failed") == 0
+    assert value("vllm:blend_store_hits_total", tier="remote") == value("vllm:blend_chunks_computed_total") == 0
+
+
+def test_store_reads_count_each_tier_with_its_bytes_and_time(tmp_path):
+    """The store series' source: a real store's reads, by the tier that answered."""
+    from blend_integrations.store import ChunkStore
+    from tests.fixtures.entries import make_entry
+
+    entries = [make_entry(i) for i in range(3)]
+    with ChunkStore(tmp_path / "store", memory_limit_bytes=0) as writer:
+        for entry in entries:
+            writer.put(entry)
+    with ChunkStore(tmp_path / "store") as store:
+        assert not +store_reads(store.stats)  # nothing read yet
+        for entry in entries:
+            assert store.get(entry.key) is not None  # from disk, copied into memory
+        assert store.get(entries[0].key) is not None  # from memory
+        assert store.get("ff" * 32) is None  # a miss is no read
+        reads = store_reads(store.stats)
+    nbytes = sum(e.nbytes for e in entries)
+    assert reads["disk/hits"] == 3 and reads["disk/bytes"] >= nbytes and reads["disk/seconds"] > 0
+    assert reads["memory/hits"] == 1 and reads["memory/bytes"] == entries[0].nbytes and reads["memory/seconds"] > 0
+    assert reads["remote/hits"] == 0
+    counters = BlendCounters(tiers=reads)
+    assert counters and counters.summary()["store_disk_hits"] == 3
+    assert BlendCounters.of(counters.data()).tiers == +reads
