@@ -9,8 +9,10 @@ standalone recipe.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,20 @@ from .layers import LayerModel
 from .pipeline import LayerLoader, LoadFailed
 from .plan import COMPUTE, MISS, ChunkKeys, Planner, PrefillPlan, measured_rates
 from .walk import KVCache, ReusedSpan, WalkStats, forward
+
+# Threads reading a prompt's chunks from the store at once (on a GPU machine).
+READ_THREADS = 8
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """The process's pool of reading threads, made on first use."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="blend-read")
+        return _pool
 
 
 @dataclass
@@ -146,7 +162,7 @@ class Blender:
         ``plan.py``); ``kv_target``: the engine's own cache the walk also
         writes and attends (``LayerModel.attention``). Call ``save_missed`` after."""
         stats = PrefillStats(loading=plan.loading)
-        opened = []  # (chunk, ids, ChunkKV or LayerReader or None) of the chunks to load
+        to_open = []  # (chunk, ids) of the chunks to load
         for chunk in plan.chunks:
             ids = list(token_ids[chunk.start : chunk.end])
             if chunk.action == MISS:
@@ -154,7 +170,9 @@ class Blender:
             elif chunk.action == COMPUTE:
                 stats.chunks_computed += 1
             else:
-                opened.append((chunk, ids, self._open(chunk.key, ids)))
+                to_open.append((chunk, ids))
+        # (chunk, ids, ChunkKV or LayerReader or None) of the chunks to load
+        opened = [(chunk, ids, source) for (chunk, ids), source in zip(to_open, self._open_all(to_open))]
         missing = self._missing_anywhere([source is None for *_, source in opened])
         loaded = []  # (start, end, key, ids, ChunkKV or LayerReader) of the chunks reused
         for (chunk, ids, source), gone in zip(opened, missing):
@@ -234,6 +252,17 @@ class Blender:
                     entry = self._unreadable(key, ids, plan.promised)
                 loaded[i] = (start, end, key, ids, entry)
         return out, walk
+
+    def _open_all(self, chunks: list) -> list[ChunkKV | LayerReader | None]:
+        """``_open`` of each ``(chunk, ids)``. On a GPU, several at once in
+        threads: a whole read from disk or Redis (and its checksum) runs
+        without the GIL, and one thread reads a file tier at well under the
+        bus's speed (0.8 GB/s from the page cache on an H200's host, where
+        the walk copies 19 GB/s). Elsewhere (a CPU, whose cores compute the
+        walk) one after another, in order."""
+        if self.model.device.type != "cuda" or len(chunks) < 2:
+            return [self._open(chunk.key, ids) for chunk, ids in chunks]
+        return list(_read_pool().map(lambda c: self._open(c[0].key, c[1]), chunks))
 
     def _open(self, key: str, ids: list[int]) -> ChunkKV | LayerReader | None:
         """A chunk's entry from the store (or a reader of its layers, with

@@ -181,81 +181,151 @@ def forward(
     h = model.embed(ids[act])
     attention = None  # how the active tokens attend: built for each active set, shared by its layers
     token_layers = 0
-    for layer in range(model.num_layers):
-        with record_function("walk.qkv"):
-            q, k, v = model.qkv(layer, h)
-        if record is not None:
-            record[layer, 0].copy_(k)
-            record[layer, 1].copy_(v)
-        with record_function("walk.rope"):
-            q = rotary(layer, q, act)
-            k = rotary(layer, k, act)
-        K = cache.k[layer][:, :end]
-        V = cache.v[layer][:, :end]
-        if reused and layer >= load_from:
-            with record_function("walk.load_kv"):
-                for span in reused:
-                    if span.ready is not None:
-                        span.ready(layer)  # the walk needs layer l's KV only here
-                    a, b = start + span.start, start + span.end
-                    # asynchronous from page-locked memory (the memory tier's on a
-                    # machine with a GPU): no wait for the GPU per chunk and layer
-                    K[:, a:b].copy_(span.kv[layer, 0], non_blocking=True)
-                    V[:, a:b].copy_(span.kv[layer, 1], non_blocking=True)
-            # One rotation over all new rows; rows that are not reused hold
-            # stale values here and are overwritten by fresh KV just below.
-            with record_function("walk.rerotate"):
-                new_rows = K[:, start:end]
-                rotated = rotary(layer, new_rows)
-                if rotated.data_ptr() != new_rows.data_ptr():  # not rotated in place
-                    new_rows.copy_(rotated)
-        keep = None
-        if layer in checks:
-            with record_function("walk.check"):
-                reused_rows = is_reused[active]
-                rows = torch.nonzero(reused_rows).flatten()
-                fresh, stored = (k, K) if deviation == "k" else (v, V)
-                # before the fresh KV overwrites the reused KV
-                scores = {"deviation": _over_ranks(model, _deviation(fresh, stored, start, act, rows.to(device)))}
-                if captured is None:  # the first check layer: every reused token is still active
-                    share = _captured(scores["deviation"])
-                    if guard is not None and schedule_for is not None and ratio is not None:
-                        raised = guard.ratio(share)
-                        if raised > ratio:
-                            ratio, guarded = raised, True
-                            checks = dict(schedule_for(raised))
-                    captured = share(ratio if ratio is not None else 0.0)
-        with record_function("walk.kv_write"):
-            K.index_copy_(1, start + act, k)
-            V.index_copy_(1, start + act, v)
-        if relevance is not None:
-            with record_function("walk.query_scoring"):
-                queries = torch.nonzero(is_query[active]).flatten().to(device)
-                relevance += _query_attention(
-                    q[:, queries], K, positions[act[queries]], model.windows[layer], model.scaling
-                )[start:]
-        if layer in checks:
-            if query_attention is not None:
-                scores["query"] = query_attention[act[rows.to(device)]]
-            keep = ~reused_rows
-            chosen = _choose(scores, selection, round(checks[layer] * num_reused))
-            keep[rows[chosen.cpu()]] = True
-            recomputed = int((keep & reused_rows).sum())
-        if keep is not None:
-            keep_dev = keep.to(device)
-            q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
-            attention = None
-        token_layers += act.numel()
-        with record_function("walk.attention"):
-            if attention is None:
-                attention = model.attention(positions[act], start, end, kv_target)
-            attn = attention(layer, q, K, V)
-        with record_function("walk.finish"):
-            h = model.finish(layer, h, attn)
+    loads = _Loads(cache, start, reused, load_from, model.num_layers, device)
+    try:
+        for layer in range(model.num_layers):
+            with record_function("walk.qkv"):
+                q, k, v = model.qkv(layer, h)
+            if record is not None:
+                record[layer, 0].copy_(k)
+                record[layer, 1].copy_(v)
+            with record_function("walk.rope"):
+                q = rotary(layer, q, act)
+                k = rotary(layer, k, act)
+            K = cache.k[layer][:, :end]
+            V = cache.v[layer][:, :end]
+            if reused and layer >= load_from:
+                with record_function("walk.load_kv"):
+                    loads.load(layer)
+                # One rotation over all new rows; rows that are not reused hold
+                # stale values here and are overwritten by fresh KV just below.
+                with record_function("walk.rerotate"):
+                    new_rows = K[:, start:end]
+                    rotated = rotary(layer, new_rows)
+                    if rotated.data_ptr() != new_rows.data_ptr():  # not rotated in place
+                        new_rows.copy_(rotated)
+            keep = None
+            if layer in checks:
+                with record_function("walk.check"):
+                    reused_rows = is_reused[active]
+                    rows = torch.nonzero(reused_rows).flatten()
+                    fresh, stored = (k, K) if deviation == "k" else (v, V)
+                    # before the fresh KV overwrites the reused KV
+                    scores = {"deviation": _over_ranks(model, _deviation(fresh, stored, start, act, rows.to(device)))}
+                    if captured is None:  # the first check layer: every reused token is still active
+                        share = _captured(scores["deviation"])
+                        if guard is not None and schedule_for is not None and ratio is not None:
+                            raised = guard.ratio(share)
+                            if raised > ratio:
+                                ratio, guarded = raised, True
+                                checks = dict(schedule_for(raised))
+                        captured = share(ratio if ratio is not None else 0.0)
+            with record_function("walk.kv_write"):
+                K.index_copy_(1, start + act, k)
+                V.index_copy_(1, start + act, v)
+            if relevance is not None:
+                with record_function("walk.query_scoring"):
+                    queries = torch.nonzero(is_query[active]).flatten().to(device)
+                    relevance += _query_attention(
+                        q[:, queries], K, positions[act[queries]], model.windows[layer], model.scaling
+                    )[start:]
+            if layer in checks:
+                if query_attention is not None:
+                    scores["query"] = query_attention[act[rows.to(device)]]
+                keep = ~reused_rows
+                chosen = _choose(scores, selection, round(checks[layer] * num_reused))
+                keep[rows[chosen.cpu()]] = True
+                recomputed = int((keep & reused_rows).sum())
+            if keep is not None:
+                keep_dev = keep.to(device)
+                q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
+                attention = None
+            token_layers += act.numel()
+            with record_function("walk.attention"):
+                if attention is None:
+                    attention = model.attention(positions[act], start, end, kv_target)
+                attn = attention(layer, q, K, V)
+            with record_function("walk.finish"):
+                h = model.finish(layer, h, attn)
+    finally:
+        loads.close()  # the copies still under way finish before the cache is used or freed
     cache.length = end
     kept = tuple(active[is_reused[active]].tolist()) if schedule else ()
     stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept, ratio, guarded, captured, share)
     return (model.logits(h[-1:])[0] if logits else None), stats
+
+
+# On CUDA, how many layers ahead of the walk the reused KV's copies are issued.
+LOOKAHEAD = 2
+
+
+class _Loads:
+    """Copies the reused KV of layer l into the cache when the walk reaches it.
+
+    On CUDA, the spans' KV that is at hand (``ready`` None: the memory tier's,
+    page-locked) is copied on a second stream, ``LOOKAHEAD`` layers ahead of
+    the layer that reads it, so the copies overlap the computation; each
+    layer's computation waits (an event) for its own copies only. Spans still
+    being read from the store (``ready``) are copied when the walk reaches
+    their layer, on the computation's stream. Elsewhere (a CPU) every copy is
+    made when the walk reaches its layer. ``close`` (always called) orders the
+    computation's stream after the copy stream: no copy is left writing into
+    the cache, or reading a span, once the walk returns or fails.
+    """
+
+    def __init__(
+        self,
+        cache: KVCache,
+        start: int,
+        reused: Sequence[ReusedSpan],
+        load_from: int,
+        num_layers: int,
+        device: torch.device,
+    ) -> None:
+        self.cache, self.start, self.reused, self.num_layers = cache, start, reused, num_layers
+        self.stream: torch.cuda.Stream | None = None
+        if device.type == "cuda" and any(span.ready is None for span in reused):
+            self.compute = torch.cuda.current_stream(device)
+            self.stream = torch.cuda.Stream(device=device)
+            # after what the computation did before (a query-aware walk's first pass wrote these rows)
+            self.stream.wait_stream(self.compute)
+            self.events: dict[int, torch.cuda.Event] = {}
+            self.issued = load_from  # the next layer whose copies are issued
+            self._issue(load_from + LOOKAHEAD)
+
+    def _copy(self, span: ReusedSpan, layer: int) -> None:
+        a, b = self.start + span.start, self.start + span.end
+        # asynchronous from page-locked memory (the memory tier's on a
+        # machine with a GPU): no wait for the GPU per chunk and layer
+        self.cache.k[layer][:, a:b].copy_(span.kv[layer, 0], non_blocking=True)
+        self.cache.v[layer][:, a:b].copy_(span.kv[layer, 1], non_blocking=True)
+
+    def _issue(self, through: int) -> None:
+        """Copy the KV at hand of every layer up to ``through`` on the copy stream."""
+        assert self.stream is not None
+        while self.issued <= min(through, self.num_layers - 1):
+            with torch.cuda.stream(self.stream):
+                for span in self.reused:
+                    if span.ready is None:
+                        self._copy(span, self.issued)
+                self.events[self.issued] = self.stream.record_event()
+            self.issued += 1
+
+    def load(self, layer: int) -> None:
+        """Layer ``layer``'s reused KV in the cache (for the computation's stream)."""
+        if self.stream is not None:
+            self._issue(layer + LOOKAHEAD)
+            self.compute.wait_event(self.events.pop(layer))
+        for span in self.reused:
+            if span.ready is not None:
+                span.ready(layer)  # the walk needs layer l's KV only here
+            elif self.stream is not None:
+                continue  # copied on the copy stream
+            self._copy(span, layer)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.compute.wait_stream(self.stream)
 
 
 def _over_ranks(model: LayerModel, scores: torch.Tensor) -> torch.Tensor:
