@@ -259,6 +259,21 @@ def forward(
 LOOKAHEAD = 2
 
 
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the walks on ``device`` copy reused KV on, one for the
+    process rather than one of torch's pool of 32 per walk: the allocator
+    keeps cached blocks per stream, so the copies' temporary buffers are
+    reused from walk to walk instead of being kept 32 times over."""
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device=device))
+    return stream
+
+
 class _Loads:
     """Copies the reused KV of layer l into the cache when the walk reaches it.
 
@@ -286,7 +301,7 @@ class _Loads:
         self.stream: torch.cuda.Stream | None = None
         if device.type == "cuda" and any(span.ready is None for span in reused):
             self.compute = torch.cuda.current_stream(device)
-            self.stream = torch.cuda.Stream(device=device)
+            self.stream = _copy_stream(device)
             # after what the computation did before (a query-aware walk's first pass wrote these rows)
             self.stream.wait_stream(self.compute)
             self.events: dict[int, torch.cuda.Event] = {}
