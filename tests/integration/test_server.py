@@ -247,27 +247,12 @@ def test_fuzzing_never_takes_the_server_down(blend_server, capsys):
     assert fuzz.passed(report)
 
 
-def blend_series(server) -> dict[tuple, float]:
-    """The blend series on the server's /metrics: (name, labels other than model and engine) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    series = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if "blend" in sample.name and not sample.name.endswith("_created"):
-                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine")))
-                series[sample.name, labels] = series.get((sample.name, labels), 0.0) + sample.value
-    return series
-
-
 def test_metrics_equal_the_usage_the_responses_reported(client, blend_server, docs):
     """Blended requests, one computed in full because its separator is not in the
     prompt, one refused at the HTTP edge: the blend series on /metrics move by
     exactly what the responses reported, and the refusal is counted by its field."""
     client.warm(docs)
-    before = blend_series(blend_server)
+    before = blend_server.blend_series()
     prompts = [BlendPrompt("Read.", docs[::-1], QUESTION), BlendPrompt("Read.", docs, QUESTION)]
     usages = [client.generate(p, max_tokens=2, recompute_ratio=r).usage for p, r in zip(prompts, (0.15, 0.3))]
 
@@ -309,7 +294,7 @@ def test_metrics_equal_the_usage_the_responses_reported(client, blend_server, do
 
     deadline = time.monotonic() + 30  # the API server records a step's stats after its outputs
     while True:
-        after = blend_series(blend_server)
+        after = blend_server.blend_series()
         moved = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in expected if isinstance(key, tuple)}
         moved["store hits, every tier"] = store_hits(after) - store_hits(before)
         if moved == expected or time.monotonic() > deadline:
@@ -321,10 +306,7 @@ def test_metrics_equal_the_usage_the_responses_reported(client, blend_server, do
     assert read and all(v >= 0 for v in read.values()) and sum(read.values()) > 0  # bytes and seconds moved too
 
     # Every series the dashboard and the docs' queries use is on /metrics.
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(blend_server.url + "/metrics", timeout=30) as r:
-        served = {s.name for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+    served = {sample.name for sample in blend_server.metric_samples()}
     used = set()
     for source in (ROOT / "examples" / "grafana-blend.json", ROOT / "docs" / "metrics.md"):
         used |= set(re.findall(r"vllm:[a-z_]+", source.read_text()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
 
 import pytest
 
@@ -227,4 +228,23 @@ def test_a_server_on_two_ranks(model_dirs, store, vllm_engine, docs):
         served = client.generate(prompt, max_tokens=10, recompute_ratio=1.0)
         assert (served.usage.chunks_hit, served.usage.recomputed_tokens > 0, served.fallback) == (len(docs), True, None)
         assert served.token_ids == vllm_engine.generate(prompt, max_tokens=10, mode="full").token_ids
+        # counted once, not once per rank: on /metrics, and in the stream's usage
+        stream = client.stream(prompt, max_tokens=2, recompute_ratio=1.0)
+        "".join(stream)
+        assert stream.generation.usage.cached_tokens == served.usage.cached_tokens
+        expected = {
+            ("vllm:blend_requests_total", (("outcome", "blend"), ("reason", ""))): 2,
+            ("vllm:blend_chunks_hit_total", ()): 2 * len(docs),
+            ("vllm:blend_cached_tokens_total", ()): 2 * served.usage.cached_tokens,
+            "store hits": 2 * len(docs),  # the reads of rank 0; rank 1 reads the same entries
+        }
+        deadline = time.monotonic() + 30  # the API server records a step's stats after its outputs
+        while True:
+            series = server.blend_series()
+            counted = {key: series.get(key, 0.0) for key in expected if isinstance(key, tuple)}
+            counted["store hits"] = sum(v for (n, _), v in series.items() if n == "vllm:blend_store_hits_total")
+            if counted == expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert counted == expected
     assert "local_rank=1" in log.read_text()  # vLLM started two CPU ranks
