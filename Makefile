@@ -44,7 +44,8 @@ install:
 # The main job: LangChain driving the embedded vLLM engine with the blend connector
 # (`examples/langchain_rag.py --backend transformers` runs the reference engine instead).
 demo: install
-	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=WARNING $(PY) examples/langchain_rag.py --backend vllm
+	@# vLLM's and the libraries' start-up warnings (Triton, tcmalloc, an experimental API) are not the demo's
+	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore $(PY) examples/langchain_rag.py --backend vllm
 
 lint: install
 	$(PY) -m ruff check .
