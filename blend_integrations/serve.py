@@ -231,7 +231,7 @@ def _marked_for_stream_usage(body: bytes) -> tuple[bytes | None, str | None]:
         return None, None
     changed = params.pop(stream_usage.TOKEN_KEY, None) is not None
     prompt = data.get("prompt")
-    one_prompt = "messages" in data or isinstance(prompt, str) or _prompt_lengths(prompt) == [len(prompt or ())]
+    one_prompt = "messages" in data or isinstance(prompt, str) or len(_prompt_lengths(prompt) or ()) == 1
     token = None
     if data.get("stream") is True and "blend" in params and one_prompt and data.get("n") in (None, 1):
         token = params[stream_usage.TOKEN_KEY] = stream_usage.new_token()

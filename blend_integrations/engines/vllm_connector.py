@@ -210,9 +210,7 @@ class BlendPromMetrics(KVConnectorPromMetrics):
         labels = self._labelvalues[engine_idx]
         counters = BlendCounters.of(transfer_stats_data)
         for key, n in counters.requests.items():
-            outcome, _, reason = key.partition("/")
-            if outcome == "full" and reason not in REASONS:
-                reason = "blend_pass_failed"
+            outcome, _, reason = key.partition("/")  # BlendCounters.add keeps reasons to REASONS
             self._requests.labels(*labels, outcome, reason).inc(n)
         for name, metric in self._counts.items():
             if counters.counts.get(name):

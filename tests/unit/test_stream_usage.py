@@ -83,8 +83,9 @@ def test_only_a_streamed_blended_single_completion_gets_a_token():
     assert token is not None and json.loads(marked)["kv_transfer_params"][stream_usage.TOKEN_KEY] == token
     assert _marked_for_stream_usage(body(kv_transfer_params=BLEND)) == (None, None)  # not streamed
     assert _marked_for_stream_usage(body(stream=True)) == (None, None)  # not blended
-    for fields in ({"n": 2}, {"prompt": [[1, 2], [3, 4]]}, {"prompt": ["a", "b"]}):
+    for fields in ({"n": 2}, {"prompt": [[1, 2], [3, 4]]}, {"prompt": ["a", "b"]}, {"prompt": 5}, {"prompt": {}}):
         assert _marked_for_stream_usage(body(stream=True, kv_transfer_params=BLEND, **fields))[1] is None
+    assert _marked_for_stream_usage(body(stream=True, kv_transfer_params=BLEND, prompt=[[1, 2]]))[1] is not None
     chat = json.dumps({"messages": [], "stream": True, "kv_transfer_params": BLEND}).encode()
     assert _marked_for_stream_usage(chat)[1] is not None
 
