@@ -31,6 +31,16 @@ def machine() -> str:
     return f"CPU {fields.get('Model name', '?')} ({', '.join(ext + [family]) or 'no AVX2'}), {cpus} CPUs"
 
 
+def walk_attention(engine) -> str:
+    """vLLM's attention backend and how the blend pass attends, with what
+    ``walk_attention="auto"`` measured to choose (``blend_attention``)."""
+    a = engine.llm.collective_rpc("blend_attention")[0]
+    how = "its kernel" if a["kernel"] else "SDPA"
+    if a["probe"]:
+        how += f", measured {a['probe']['kernel_ms']:.1f} ms kernel against {a['probe']['sdpa_ms']:.1f} ms SDPA"
+    return f"{a['backend']} (blend pass: {how})"
+
+
 def setup_line(cfg: dict) -> str:
     """The start of a result's first line: model, dtype, device, threads, prompt."""
     return (

@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from blend_integrations.engines import load_engine
 from blend_integrations.store import ChunkStore
 
-from . import MODEL_HELP, bench_model, machine, shuffled_prompts, write_results
+from . import MODEL_HELP, bench_model, machine, shuffled_prompts, walk_attention, write_results
 from .ttft import make_chunks
 
 # vLLM module attribute -> phase
@@ -193,7 +193,7 @@ def run(args) -> dict:
         by_scope, totals = profiled_run(engine, prompt(), mode=mode, recompute_ratio=ratio)
         profiled[name] = {"scopes": {s: dict(v) for s, v in by_scope.items()}, "totals_ms": dict(totals)}
     layer = model.model.layers[0].self_attn.attn
-    attention = f"{type(layer.impl).__name__}" + (f" (ISA {layer.isa})" if hasattr(layer, "isa") else "")
+    attention = walk_attention(engine) + (f", ISA {layer.isa}" if hasattr(layer, "isa") else "")
     dtype = str(engine.llm.llm_engine.model_config.dtype).replace("torch.", "")
     prompt_tokens = usage["full"].prompt_tokens
     engine.close()

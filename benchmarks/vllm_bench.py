@@ -25,7 +25,7 @@ from blend_integrations.engines import load_engine
 from blend_integrations.prompt import BlendPrompt, tokenize_prompt
 from blend_integrations.store import ChunkStore
 
-from . import MODEL_HELP, bench_model, compute_ceiling, machine, write_results
+from . import MODEL_HELP, bench_model, compute_ceiling, machine, walk_attention, write_results
 from .ttft import make_chunks
 
 PREFIX = "You are a helpful assistant. Answer from the documents."
@@ -44,7 +44,7 @@ def run(args) -> dict:
         kv_cache_gib=args.kv_cache_gib,
         max_num_seqs=max(64, args.requests),
     )
-    attention = engine.llm.collective_rpc("blend_attention")[0]
+    attention = walk_attention(engine)
     corpus = make_chunks(engine.tokenizer, args.corpus, args.chunk_tokens)
     engine.warm(corpus, progress=True)
 
@@ -152,8 +152,8 @@ def run(args) -> dict:
         "config": {
             "model": label,
             "machine": machine(),
-            "dtype": attention["dtype"].replace("torch.", ""),
-            "attention": f"{attention['backend']} (blend pass: {'its kernel' if attention['kernel'] else 'SDPA'})",
+            "dtype": engine.dtype_name,
+            "attention": attention,
             "results": "vllm" + suffix,
             "vllm": vllm.__version__,
             "prompt_tokens": prompt_tokens,

@@ -42,6 +42,7 @@ from typing import Any
 from .config import SELECTIONS, BlendConfig, parse_ratio
 from .engines import stream_usage
 from .engines.vllm_contract import (
+    WALK_ATTENTION,
     BlendParamsError,
     blend_engine_args,
     blend_engine_env,
@@ -65,6 +66,7 @@ def serve_command(
     cpu: bool | None = None,
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
+    walk_attention: str = "auto",
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The server command line: vLLM's OpenAI server module (what ``vllm serve``
@@ -82,6 +84,7 @@ def serve_command(
         on_gpu=not cpu,
         dtype=dtype,
         tensor_parallel_size=tensor_parallel_size,
+        walk_attention=walk_attention,
     )
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     for name, value in args.items():
@@ -431,6 +434,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on /v1 requests (default: $VLLM_API_KEY, else none)",
     )
+    parser.add_argument(
+        "--walk-attention",
+        choices=WALK_ATTENTION,
+        default="auto",
+        help="CPU backend: how the blend pass attends, with vLLM's kernel, with torch's SDPA, "
+        "or auto: the faster of the two on this machine, measured at the first blend",
+    )
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, extra = parser.parse_known_args(argv)
     # A GGUF file is served from its converted checkpoint, the one every engine and the chunk keys use.
@@ -457,6 +467,7 @@ def main(argv: list[str] | None = None) -> None:
             cpu=cpu,
             dtype=args.dtype,
             tensor_parallel_size=tp,
+            walk_attention=args.walk_attention,
             extra=extra,
         )
         try:

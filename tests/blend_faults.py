@@ -96,20 +96,27 @@ class FaultInjection(BlendWorkerExtension):
         blocks = list(range(1, 1 + -(-len(token_ids) // connector.block_size)))  # block 0 is vLLM's null block
         paged = PagedCache([connector._kv_caches[n] for n in connector._layer_names], blocks, connector.block_size)
         kept, caches = [], []
-        for target in (paged, None):
-            cache = KVCache.allocate(model, len(token_ids))
-            with torch.inference_mode():
-                _, stats = forward(
-                    model,
-                    cache,
-                    torch.tensor(token_ids, device=model.device),
-                    reused=reused,
-                    schedule=[(1, ratio)],
-                    selection=selection,
-                    query_start=spans[-1][1],
-                    logits=False,
-                    kv_target=target,
-                )
-            kept.append(list(stats.kept))
-            caches.append(torch.stack([torch.stack(cache.k), torch.stack(cache.v)]).float())
+        # the paged run drives the kernel, whatever walk_attention chose for connector jobs
+        chosen = model.walk_attention, model._kernel
+        model.walk_attention, model._kernel = "kernel", None
+        try:
+            assert model.attends_with_kernel()
+            for target in (paged, None):
+                cache = KVCache.allocate(model, len(token_ids))
+                with torch.inference_mode():
+                    _, stats = forward(
+                        model,
+                        cache,
+                        torch.tensor(token_ids, device=model.device),
+                        reused=reused,
+                        schedule=[(1, ratio)],
+                        selection=selection,
+                        query_start=spans[-1][1],
+                        logits=False,
+                        kv_target=target,
+                    )
+                kept.append(list(stats.kept))
+                caches.append(torch.stack([torch.stack(cache.k), torch.stack(cache.v)]).float())
+        finally:
+            model.walk_attention, model._kernel = chosen
         return kept[0], kept[1], float((caches[0] - caches[1]).abs().max())

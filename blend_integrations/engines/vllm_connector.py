@@ -94,7 +94,7 @@ from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
 from . import stream_usage, vllm_plugin
 from .blend_metrics import RATIO_BUCKETS, REASONS, TIERS, BlendCounters, store_reads
-from .vllm_contract import BlendParams, blend_params_of, connector_store_args, not_blended
+from .vllm_contract import BlendParams, blend_params_of, check_walk_attention, connector_store_args, not_blended
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +254,7 @@ class ServedModel:
     num_layers: int
     config: BlendConfig
     store_args: dict  # ``ChunkStore`` arguments
+    walk_attention: str  # how the blend pass attends on a kernel backend (``models.vllm.WALK_ATTENTION``)
 
     @classmethod
     def of(cls, vllm_config) -> ServedModel:
@@ -268,6 +269,7 @@ class ServedModel:
             int(model_config.hf_text_config.num_hidden_layers),
             BlendConfig(**extra.get("blend_config", {})),
             connector_store_args(extra),
+            check_walk_attention(extra.get("walk_attention", "auto")),
         )
 
     def calibrations(self, store: ChunkStore) -> Calibrations:
@@ -279,6 +281,7 @@ class BlendConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         served = ServedModel.of(vllm_config)
         self.config = served.config
+        self.walk_attention = served.walk_attention
         self.block_size = vllm_config.cache_config.block_size
         self.tokenizer_name = vllm_config.model_config.tokenizer
         store_args = dict(served.store_args)
@@ -470,7 +473,7 @@ class BlendConnector(KVConnectorBase_V1):
                     "the blend connector found no model: start vLLM with load_format='blend' "
                     "(`vllm serve ... --load-format blend`); load_engine(..., backend='vllm') does this"
                 )
-            decoder = VLLMDecoder(model, self._vllm_config)
+            decoder = VLLMDecoder(model, self._vllm_config, self.walk_attention)
             self.blender = Blender(
                 decoder,
                 self.store,
@@ -573,12 +576,14 @@ class BlendWorkerExtension:
 
     def blend_attention(self) -> dict:
         """How this worker's blend pass attends: vLLM's attention backend,
-        whether the pass drives its kernel (else SDPA), and the dtype."""
+        whether the pass drives its kernel (else SDPA), what "auto" measured
+        to choose (``probe``, ms), and the dtype."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         decoder = get_kv_transfer_group()._attach().model
         backend = decoder.attn_modules[0].attn_backend.get_name()
-        return {"backend": backend, "kernel": decoder.metadata_builder() is not None, "dtype": str(decoder.dtype)}
+        kernel = decoder.attends_with_kernel()
+        return {"backend": backend, "kernel": kernel, "probe": decoder.attention_probe, "dtype": str(decoder.dtype)}
 
     def blend_flush(self) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -81,6 +81,18 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+# How the blend pass attends on a backend whose kernel it can drive (CPU_ATTN):
+# with that kernel, with torch's SDPA over the walk's dense KV, or "auto": the
+# faster of the two, measured once per worker (``models.vllm.VLLMDecoder``).
+WALK_ATTENTION = ("auto", "kernel", "sdpa")
+
+
+def check_walk_attention(value: Any) -> str:
+    if value not in WALK_ATTENTION:
+        raise ValueError(f"walk_attention must be one of {', '.join(map(repr, WALK_ATTENTION))}, got {value!r}")
+    return value
+
+
 def blend_engine_args(
     *,
     store: ChunkStore,
@@ -89,6 +101,7 @@ def blend_engine_args(
     on_gpu: bool,
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
+    walk_attention: str = "auto",
 ) -> dict:
     """The vLLM engine arguments blending needs, by vLLM's argument names: the
     embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
@@ -113,6 +126,7 @@ def blend_engine_args(
                 "store_read_bandwidth": {tier: rate.initial for tier, rate in store.read_rates.items()},
                 **_remote_config(store),
                 "blend_config": {**dataclasses.asdict(config), "check_layers": list(config.check_layers)},
+                "walk_attention": check_walk_attention(walk_attention),
             },
         },
         # Blended KV must never enter vLLM's prefix cache, and a blended

@@ -65,6 +65,7 @@ class VLLMEngine(Engine):
         kv_cache_gib: int = 2,
         max_num_seqs: int = 64,
         tensor_parallel_size: int = 1,
+        walk_attention: str = "auto",
         **llm_kwargs,
     ) -> None:
         import vllm
@@ -95,6 +96,7 @@ class VLLMEngine(Engine):
             dtype=dtype,
             max_model_len=max_model_len or int(hf_config.max_position_embeddings),
             tensor_parallel_size=tensor_parallel_size,
+            walk_attention=walk_attention,
         )
         self.dtype_name = args["dtype"]
         # What "auto" resolves to is decided by the connector's scheduler side, which reads the same

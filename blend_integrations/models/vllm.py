@@ -9,11 +9,15 @@ are read the same way as in ``hf.py``. Runs inside a vLLM worker process.
 In a connector job the walk's KV goes into the request's blocks of vLLM's
 paged cache, layer by layer, through the attention backend's own
 ``do_kv_cache_update``; the active tokens then attend there with the
-backend's own kernel, as vLLM's forward does (``PagedAttention``).
+backend's own kernel, as vLLM's forward does (``PagedAttention``), or with
+SDPA over the walk's dense copy where that is faster on this machine
+(``VLLMDecoder.attends_with_kernel``).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +27,18 @@ from ..fusion.attention import DenseAttention
 from ..fusion.layers import Attention, TensorParallel
 from .hf import check_supported, heads_first, layer_windows, post_norm_finish
 
+logger = logging.getLogger(__name__)
+
 # Attention backends whose kernel the blend pass drives (tested here); on any
 # other the walk writes the paged cache the same way and attends with SDPA.
 KERNEL_BACKENDS = ("CPU_ATTN",)
+# Which of the kernel and SDPA attends faster (``VLLMDecoder.attends_with_kernel``)
+# depends on the CPU: on a Zen 4 with AVX-512 the kernel (249 against 359 ms
+# for the benchmark's blend pass at 0.15), on a Zen 3 with AVX2 SDPA (27
+# against 41 ms a layer).
+# auto keeps the kernel unless SDPA is faster by more than this: near a tie the
+# choice must not flip between processes on one machine.
+KERNEL_MARGIN = 1.2
 
 
 @dataclass(frozen=True)
@@ -74,9 +87,10 @@ class VLLMTensorParallel:
 class VLLMDecoder:
     """Adapts a vLLM ``*ForCausalLM`` of a supported family to ``LayerModel``."""
 
-    def __init__(self, model, vllm_config=None) -> None:
+    def __init__(self, model, vllm_config=None, walk_attention: str = "auto") -> None:
         config = model.config
         self.vllm_config = vllm_config  # for the attention metadata builder; None: attention with SDPA only
+        self.walk_attention = walk_attention  # "auto", "kernel" or "sdpa" (``vllm_contract.WALK_ATTENTION``)
         check_supported(config, engine="vllm")
         self.inner = model.model
         self.layers = list(self.inner.layers)
@@ -113,6 +127,8 @@ class VLLMDecoder:
         self.device = weight.device
         self.attn_modules = [block.self_attn.attn for block in self.layers]
         self._builder = None  # the backend's metadata builder for the full-attention layers, made at first use
+        self._kernel: bool | None = None  # whether connector jobs attend with the kernel, decided at first use
+        self.attention_probe: dict[str, float] = {}  # what "auto" measured: ms for the kernel and for SDPA
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.inner.embed_input_ids(ids)
@@ -153,16 +169,64 @@ class VLLMDecoder:
 
     def metadata_builder(self):
         """vLLM's attention metadata builder for the layers without a sliding
-        window, as the model runner makes it; None where the backend's kernel
-        is not driven here (``KERNEL_BACKENDS``)."""
-        if self._builder is None and self.vllm_config is not None:
+        window, as the model runner makes it, when connector jobs attend with
+        the backend's kernel (``attends_with_kernel``); else None."""
+        return self._builder if self.attends_with_kernel() else None
+
+    def attends_with_kernel(self) -> bool:
+        """Whether connector jobs attend with the backend's kernel rather than
+        SDPA: never on backends not in ``KERNEL_BACKENDS``; else as
+        ``walk_attention`` says, "auto" measuring both once."""
+        if self._kernel is None:
+            self._kernel = False
             full = [m for m, w in zip(self.attn_modules, self.windows) if w is None]
-            backend = full[0].attn_backend if full else None
-            if backend is not None and backend.get_name() in KERNEL_BACKENDS:
+            backend = full[0].attn_backend if full and self.vllm_config is not None else None
+            if backend is not None and backend.get_name() in KERNEL_BACKENDS and self.walk_attention != "sdpa":
                 spec = full[0].get_kv_cache_spec(self.vllm_config)
                 names = [m.layer_name for m in full]
                 self._builder = backend.get_builder_cls()(spec, names, self.vllm_config, self.device)
-        return self._builder
+                self._kernel = self.walk_attention == "kernel" or self._kernel_is_faster(
+                    full[0], self._builder, spec.block_size
+                )
+        return self._kernel
+
+    @torch.inference_mode()
+    def _kernel_is_faster(self, module, builder, block_size: int) -> bool:
+        """Time the kernel and SDPA on an active set like a blend's at 0.15
+        (every 7th token of a 2048-token prompt after its first 256, and the
+        last 16), best of 3 each, in scratch blocks; log the outcome."""
+        n = 2048
+        positions = torch.cat([torch.arange(256, n - 16, 7), torch.arange(n - 16, n)]).to(self.device)
+        H, Hkv, D, A = self.num_heads, self.num_kv_heads, self.head_dim, positions.numel()
+        blocks = -(-n // block_size)
+        shape = (blocks, Hkv, block_size, 2 * D)  # CPU_ATTN's cache layout, keys and values side by side
+        target = PagedCache([torch.randn(shape, dtype=self.dtype, device=self.device)], list(range(blocks)), block_size)
+        metadata = builder.build(0, kernel_runs(positions, target, target.slots(n, self.device)))
+        q = torch.randn(H, A, D, dtype=self.dtype, device=self.device)
+        K, V = (torch.randn(Hkv, n, D, dtype=self.dtype, device=self.device) for _ in range(2))
+        dense = DenseAttention(positions, 0, n, windows=[None], scaling=self.scaling, dtype=self.dtype)
+        query, out = q.transpose(0, 1).contiguous(), torch.empty(A, H, D, dtype=self.dtype, device=self.device)
+
+        def kernel() -> None:
+            module.impl.forward(module, query, None, None, target.kv_caches[0], metadata, out)
+
+        times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+        for _ in range(3):
+            for name, run in (("kernel", kernel), ("sdpa", lambda: dense(0, q, K, V))):
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        kernel_s, sdpa_s = min(times["kernel"]), min(times["sdpa"])
+        self.attention_probe = {"kernel_ms": kernel_s * 1e3, "sdpa_ms": sdpa_s * 1e3}
+        faster = kernel_s <= sdpa_s * KERNEL_MARGIN
+        logger.info(
+            "blend pass attention: %s (on a blend-like active set, %s kernel %.1f ms, SDPA %.1f ms)",
+            f"{module.attn_backend.get_name()}'s kernel" if faster else "SDPA over the walk's dense KV",
+            module.attn_backend.get_name(),
+            kernel_s * 1e3,
+            sdpa_s * 1e3,
+        )
+        return faster
 
 
 class FusedRotary:
@@ -197,6 +261,33 @@ class FusedRotary:
         return x
 
 
+def kernel_runs(positions: torch.Tensor, target: PagedCache, slots: torch.Tensor):
+    """The kernel's batch for active queries at sorted ``positions`` in
+    ``target``'s blocks (``slots``: their cache slots): each run of consecutive positions is one sequence,
+    whose bottom-right causal mask is then exact by absolute position."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    pos = positions.to(device="cpu", dtype=torch.int32)
+    breaks = torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1
+    ends = torch.cat([breaks, torch.tensor([pos.numel()])]).to(torch.int32)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), ends])
+    seq_lens = pos[ends.long() - 1] + 1
+    device = slots.device
+    blocks = torch.tensor(target.block_ids, dtype=torch.int32, device=device)
+    return CommonAttentionMetadata(
+        query_start_loc=starts.to(device),
+        query_start_loc_cpu=starts,
+        seq_lens=seq_lens.to(device),
+        num_reqs=ends.numel(),
+        num_actual_tokens=pos.numel(),
+        max_query_len=int((ends - starts[:-1]).max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=blocks.expand(ends.numel(), -1).contiguous(),
+        slot_mapping=slots[positions.long()].to(torch.int64),
+        causal=True,
+    )
+
+
 class PagedAttention:
     """The walk's attention in a connector job. Each layer's complete KV (the
     new tokens' rows) is written into the request's blocks with the backend's
@@ -210,30 +301,7 @@ class PagedAttention:
         self.decoder, self.target, self.start, self.end, self.dense = decoder, target, start, end, dense
         self.slots = target.slots(end, decoder.device)
         builder = decoder.metadata_builder()
-        self.metadata = None if builder is None else builder.build(0, self._runs(positions))
-
-    def _runs(self, positions: torch.Tensor):
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
-        pos = positions.to(device="cpu", dtype=torch.int32)
-        breaks = torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1
-        ends = torch.cat([breaks, torch.tensor([pos.numel()])]).to(torch.int32)
-        starts = torch.cat([torch.zeros(1, dtype=torch.int32), ends])
-        seq_lens = pos[ends.long() - 1] + 1
-        device = self.decoder.device
-        blocks = torch.tensor(self.target.block_ids, dtype=torch.int32, device=device)
-        return CommonAttentionMetadata(
-            query_start_loc=starts.to(device),
-            query_start_loc_cpu=starts,
-            seq_lens=seq_lens.to(device),
-            num_reqs=ends.numel(),
-            num_actual_tokens=pos.numel(),
-            max_query_len=int((ends - starts[:-1]).max()),
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=blocks.expand(ends.numel(), -1).contiguous(),
-            slot_mapping=self.slots[positions.long()].to(torch.int64),
-            causal=True,
-        )
+        self.metadata = None if builder is None else builder.build(0, kernel_runs(positions, target, self.slots))
 
     def __call__(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
         module = self.decoder.attn_modules[layer]

@@ -264,6 +264,42 @@ def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeyp
     assert none["store_remote"] is None and connector_store_args(none)["remote"] == ""
 
 
+def test_walk_attention_is_checked_and_reaches_the_connector(tmp_path, capsys):
+    from blend_integrations import serve
+    from blend_integrations.engines.vllm_contract import check_walk_attention
+
+    store = ChunkStore(tmp_path, remote="")
+    for choice in ("auto", "kernel", "sdpa"):
+        args = blend_engine_args(
+            store=store, config=BlendConfig(), max_model_len=512, on_gpu=False, walk_attention=choice
+        )
+        assert args["kv_transfer_config"]["kv_connector_extra_config"]["walk_attention"] == choice
+    with pytest.raises(ValueError, match=r"walk_attention must be one of 'auto', 'kernel', 'sdpa', got 'fast'"):
+        blend_engine_args(store=store, config=BlendConfig(), max_model_len=512, on_gpu=False, walk_attention="fast")
+
+    with pytest.raises(ValueError, match="walk_attention must be one of .* got 'cuda'"):
+        check_walk_attention("cuda")  # what the connector calls on kv_connector_extra_config's value
+
+    serve.main(["some/model", "--store", str(tmp_path), "--walk-attention", "sdpa", "--print"])
+    assert '"walk_attention": "sdpa"' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        serve.main(["some/model", "--store", str(tmp_path), "--walk-attention", "fast", "--print"])
+    assert "--walk-attention: invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def test_auto_walk_attention_keeps_what_it_measured_faster(vllm_engine):
+    """The session engine's walk_attention is "auto": its worker timed vLLM's
+    kernel and SDPA once, on a blend-like active set, and attends with the
+    kernel unless SDPA was faster by more than the margin."""
+    from blend_integrations.models.vllm import KERNEL_MARGIN
+
+    [how] = vllm_engine.llm.collective_rpc("blend_attention")
+    assert how["backend"] == "CPU_ATTN"
+    probe = how["probe"]
+    assert probe["kernel_ms"] > 0 and probe["sdpa_ms"] > 0
+    assert how["kernel"] == (probe["kernel_ms"] <= probe["sdpa_ms"] * KERNEL_MARGIN)
+
+
 def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, capsys):
     from blend_integrations import serve
 
