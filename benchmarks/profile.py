@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from blend_integrations.engines import load_engine
+from blend_integrations.engines.vllm_contract import WALK_ATTENTION
 from blend_integrations.store import ChunkStore
 
 from . import MODEL_HELP, bench_model, machine, shuffled_prompts, walk_attention, write_results
@@ -166,6 +167,7 @@ def run(args) -> dict:
         store=ChunkStore(tempfile.mkdtemp(prefix="blend-profile-")),
         max_model_len=args.chunks * args.chunk_tokens + 512,
         kv_cache_gib=args.kv_cache_gib,
+        walk_attention=args.walk_attention,
     )
     from blend_integrations.engines import vllm_plugin
 
@@ -210,7 +212,10 @@ def run(args) -> dict:
     return {
         "config": {
             "model": label,
-            "results": "profile" + suffix + ("" if args.dtype == "float32" else f"-{args.dtype}"),
+            "results": "profile"
+            + suffix
+            + ("" if args.dtype == "float32" else f"-{args.dtype}")
+            + ("" if args.walk_attention == "auto" else f"-{args.walk_attention}"),
             "machine": machine(),
             "vllm": vllm.__version__,
             "attention": attention,
@@ -282,6 +287,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-cache-gib", type=int, default=2)
+    p.add_argument("--walk-attention", choices=WALK_ATTENTION, default="auto", help="how the blend pass attends")
     p.add_argument("--out", default="docs/results")
     args = p.parse_args(argv)
     report = run(args)
@@ -290,6 +296,7 @@ def main(argv=None) -> None:
     if args.out:
         model = f" --model {args.model}" if args.model else ""
         dtype = "" if args.dtype == "float32" else f" --dtype {args.dtype}"
+        dtype += "" if args.walk_attention == "auto" else f" --walk-attention {args.walk_attention}"
         write_results(
             args.out,
             report["config"]["results"],

@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from blend_integrations.engines import load_engine
+from blend_integrations.engines.vllm_contract import WALK_ATTENTION
 from blend_integrations.prompt import BlendPrompt, tokenize_prompt
 from blend_integrations.store import ChunkStore
 
@@ -43,6 +44,7 @@ def run(args) -> dict:
         max_model_len=max_len,
         kv_cache_gib=args.kv_cache_gib,
         max_num_seqs=max(64, args.requests),
+        walk_attention=args.walk_attention,
     )
     attention = walk_attention(engine)
     corpus = make_chunks(engine.tokenizer, args.corpus, args.chunk_tokens)
@@ -154,7 +156,7 @@ def run(args) -> dict:
             "machine": machine(),
             "dtype": engine.dtype_name,
             "attention": attention,
-            "results": "vllm" + suffix,
+            "results": "vllm" + suffix + ("" if args.walk_attention == "auto" else f"-{args.walk_attention}"),
             "vllm": vllm.__version__,
             "prompt_tokens": prompt_tokens,
             "chunks": f"{args.chunks} x {args.chunk_tokens} tokens from a corpus of {args.corpus}",
@@ -237,6 +239,7 @@ def main(argv=None) -> None:
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-cache-gib", type=int, default=4)
+    p.add_argument("--walk-attention", choices=WALK_ATTENTION, default="auto", help="how the blend pass attends")
     p.add_argument("--out", default="docs/results")
     args = p.parse_args(argv)
     report = run(args)
@@ -244,6 +247,7 @@ def main(argv=None) -> None:
     print(text)
     if args.out:
         model = f" --model {args.model}" if args.model else ""
+        model += "" if args.walk_attention == "auto" else f" --walk-attention {args.walk_attention}"
         write_results(
             args.out,
             report["config"]["results"],
