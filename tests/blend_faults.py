@@ -77,6 +77,20 @@ class FaultInjection(BlendWorkerExtension):
 
         store.get = get
 
+    def blend_choose_attention(self) -> dict:
+        """Make this worker choose how connector jobs attend as
+        walk_attention="auto" does (timing the kernel and SDPA), then restore
+        the engine's own setting. Returns the choice and what was measured."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        model = get_kv_transfer_group()._attach().model
+        setting = model.walk_attention, model._kernel, model.attention_probe
+        model.walk_attention, model._kernel = "auto", None
+        try:
+            return {"kernel": model.attends_with_kernel(), "probe": model.attention_probe}
+        finally:
+            model.walk_attention, model._kernel, model.attention_probe = setting
+
     def blend_walk_both_ways(self, token_ids: list[int], spans: list[tuple[int, int]], ratio: float, selection: str):
         """The walk over a prompt whose chunks are reused, run in this worker
         twice: attending in vLLM's paged cache with the backend's kernel (as a

@@ -143,6 +143,9 @@ def vllm_engine(model_dirs, store, redis_server):
         kv_cache_gib=1,
         num_gpu_blocks_override=96,
         disable_log_stats=False,
+        # SDPA here, vLLM's kernel in the family and tensor-parallel tests: both ways are
+        # tested on any CPU ("auto" picks one per machine; its test makes the worker choose).
+        walk_attention="sdpa",
         worker_extension_cls="blend_faults.FaultInjection",
     )
     yield engine

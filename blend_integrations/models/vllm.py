@@ -126,7 +126,7 @@ class VLLMDecoder:
         self.dtype = weight.dtype
         self.device = weight.device
         self.attn_modules = [block.self_attn.attn for block in self.layers]
-        self._builder = None  # the backend's metadata builder for the full-attention layers, made at first use
+        self._builders: dict = {}  # the backend's metadata builders per sliding window, made at first use
         self._kernel: bool | None = None  # whether connector jobs attend with the kernel, decided at first use
         self.attention_probe: dict[str, float] = {}  # what "auto" measured: ms for the kernel and for SDPA
 
@@ -167,11 +167,12 @@ class VLLMDecoder:
         assert isinstance(target, PagedCache), "a connector job's walk writes into a PagedCache"
         return PagedAttention(self, target, positions, start, end, dense)
 
-    def metadata_builder(self):
-        """vLLM's attention metadata builder for the layers without a sliding
-        window, as the model runner makes it, when connector jobs attend with
-        the backend's kernel (``attends_with_kernel``); else None."""
-        return self._builder if self.attends_with_kernel() else None
+    def kernel_builders(self) -> dict:
+        """vLLM's attention metadata builders, one per sliding window (None:
+        full attention), each for its layers as the model runner makes them,
+        when connector jobs attend with the backend's kernel
+        (``attends_with_kernel``); else none."""
+        return self._builders if self.attends_with_kernel() else {}
 
     def attends_with_kernel(self) -> bool:
         """Whether connector jobs attend with the backend's kernel rather than
@@ -179,22 +180,33 @@ class VLLMDecoder:
         ``walk_attention`` says, "auto" measuring both once."""
         if self._kernel is None:
             self._kernel = False
-            full = [m for m, w in zip(self.attn_modules, self.windows) if w is None]
-            backend = full[0].attn_backend if full and self.vllm_config is not None else None
+            backend = self.attn_modules[0].attn_backend if self.vllm_config is not None else None
             if backend is not None and backend.get_name() in KERNEL_BACKENDS and self.walk_attention != "sdpa":
-                spec = full[0].get_kv_cache_spec(self.vllm_config)
-                names = [m.layer_name for m in full]
-                self._builder = backend.get_builder_cls()(spec, names, self.vllm_config, self.device)
-                self._kernel = self.walk_attention == "kernel" or self._kernel_is_faster(
-                    full[0], self._builder, spec.block_size
-                )
+                groups: dict[int | None, list] = {}
+                for module, window in zip(self.attn_modules, self.windows):
+                    groups.setdefault(window, []).append(module)
+                make = backend.get_builder_cls()
+                self._builders = {
+                    window: make(
+                        modules[0].get_kv_cache_spec(self.vllm_config),
+                        [m.layer_name for m in modules],
+                        self.vllm_config,
+                        self.device,
+                    )
+                    for window, modules in groups.items()
+                }
+                self._kernel = self.walk_attention == "kernel" or self._kernel_is_faster(groups)
         return self._kernel
 
     @torch.inference_mode()
-    def _kernel_is_faster(self, module, builder, block_size: int) -> bool:
+    def _kernel_is_faster(self, groups: dict[int | None, list]) -> bool:
         """Time the kernel and SDPA on an active set like a blend's at 0.15
         (every 7th token of a 2048-token prompt after its first 256, and the
-        last 16), best of 3 each, in scratch blocks; log the outcome."""
+        last 16), best of 3 each, in scratch blocks, for a layer without a
+        window if there is one; log the outcome."""
+        window = None if None in groups else next(iter(groups))
+        module, builder = groups[window][0], self._builders[window]
+        block_size = builder.block_size
         n = 2048
         positions = torch.cat([torch.arange(256, n - 16, 7), torch.arange(n - 16, n)]).to(self.device)
         H, Hkv, D, A = self.num_heads, self.num_kv_heads, self.head_dim, positions.numel()
@@ -204,7 +216,7 @@ class VLLMDecoder:
         metadata = builder.build(0, kernel_runs(positions, target, target.slots(n, self.device)))
         q = torch.randn(H, A, D, dtype=self.dtype, device=self.device)
         K, V = (torch.randn(Hkv, n, D, dtype=self.dtype, device=self.device) for _ in range(2))
-        dense = DenseAttention(positions, 0, n, windows=[None], scaling=self.scaling, dtype=self.dtype)
+        dense = DenseAttention(positions, 0, n, windows=[window], scaling=self.scaling, dtype=self.dtype)
         query, out = q.transpose(0, 1).contiguous(), torch.empty(A, H, D, dtype=self.dtype, device=self.device)
 
         def kernel() -> None:
@@ -294,14 +306,16 @@ class PagedAttention:
     ``do_kv_cache_update``, as vLLM writes it. Then the active queries attend
     those blocks with the backend's kernel: each run of consecutive positions
     is one sequence of the kernel's batch, whose bottom-right causal mask is
-    then exact by absolute position. Layers with a sliding window, and
-    backends not in ``KERNEL_BACKENDS``, attend with ``dense`` instead."""
+    then exact by absolute position, and so is each layer's sliding window
+    (one metadata per window). Where the kernel is not used
+    (``VLLMDecoder.attends_with_kernel``) they attend with ``dense`` instead."""
 
     def __init__(self, decoder: VLLMDecoder, target: PagedCache, positions, start, end, dense) -> None:
         self.decoder, self.target, self.start, self.end, self.dense = decoder, target, start, end, dense
         self.slots = target.slots(end, decoder.device)
-        builder = decoder.metadata_builder()
-        self.metadata = None if builder is None else builder.build(0, kernel_runs(positions, target, self.slots))
+        builders = decoder.kernel_builders()
+        runs = kernel_runs(positions, target, self.slots) if builders else None
+        self.metadata = {window: builder.build(0, runs) for window, builder in builders.items()}
 
     def __call__(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
         module = self.decoder.attn_modules[layer]
@@ -311,9 +325,10 @@ class PagedAttention:
             key = K[:, rows].transpose(0, 1).contiguous()  # [n, kv_heads, head_dim], as vLLM writes it
             value = V[:, rows].transpose(0, 1).contiguous()
             module.impl.do_kv_cache_update(module, key, value, cache, self.slots[rows])
-        if self.metadata is None or self.decoder.windows[layer] is not None:
+        metadata = self.metadata.get(self.decoder.windows[layer])
+        if metadata is None:
             return self.dense(layer, q, K, V)
         query = q.transpose(0, 1).contiguous()  # [A, heads, head_dim]
         out = torch.empty_like(query)
-        module.impl.forward(module, query, None, None, cache, self.metadata, out)
+        module.impl.forward(module, query, None, None, cache, metadata, out)
         return out.transpose(0, 1)

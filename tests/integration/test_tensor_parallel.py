@@ -24,8 +24,8 @@ def tp2_engine(model_dir, store_path):
         max_model_len=2048,
         kv_cache_gib=1,
         tensor_parallel_size=2,
-        # The session's one-rank engine attends as "auto" chooses on this CPU; these
-        # ranks drive vLLM's kernel, so comparisons with it cover both ways on any CPU.
+        # vLLM's kernel: the session's one-rank engine attends with SDPA, so the
+        # comparisons with it cover both ways.
         walk_attention="kernel",
         worker_extension_cls="blend_faults.FaultInjection",  # tests/blend_faults.py
     )

@@ -287,17 +287,20 @@ def test_walk_attention_is_checked_and_reaches_the_connector(tmp_path, capsys):
     assert "--walk-attention: invalid choice: 'fast'" in capsys.readouterr().err
 
 
-def test_auto_walk_attention_keeps_what_it_measured_faster(vllm_engine):
-    """The session engine's walk_attention is "auto": its worker timed vLLM's
-    kernel and SDPA once, on a blend-like active set, and attends with the
-    kernel unless SDPA was faster by more than the margin."""
+def test_walk_attention_auto_keeps_what_it_measured_faster(vllm_engine):
+    """The session engine attends with SDPA (walk_attention="sdpa": nothing
+    timed); asked to choose as "auto" does, its worker times vLLM's kernel and
+    SDPA on a blend-like active set and keeps the kernel unless SDPA was
+    faster by more than the margin."""
     from blend_integrations.models.vllm import KERNEL_MARGIN
 
     [how] = vllm_engine.llm.collective_rpc("blend_attention")
-    assert how["backend"] == "CPU_ATTN"
-    probe = how["probe"]
+    assert (how["backend"], how["kernel"], how["probe"]) == ("CPU_ATTN", False, {})
+    [auto] = vllm_engine.llm.collective_rpc("blend_choose_attention")
+    probe = auto["probe"]
     assert probe["kernel_ms"] > 0 and probe["sdpa_ms"] > 0
-    assert how["kernel"] == (probe["kernel_ms"] <= probe["sdpa_ms"] * KERNEL_MARGIN)
+    assert auto["kernel"] == (probe["kernel_ms"] <= probe["sdpa_ms"] * KERNEL_MARGIN)
+    assert vllm_engine.llm.collective_rpc("blend_attention") == [how]  # the engine's own setting is back
 
 
 def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, capsys):
