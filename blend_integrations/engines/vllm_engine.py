@@ -75,7 +75,7 @@ class VLLMEngine(Engine):
         check_vllm_version(vllm.__version__)
         model_dir = resolve_model_dir(model)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        check_supported(hf_config, engine="vllm")
+        check_supported(hf_config)
         self.num_layers = int(hf_config.get_text_config().num_hidden_layers)
         check_tensor_parallel(hf_config, tensor_parallel_size)
         if device not in ("auto", "cpu", "cuda"):

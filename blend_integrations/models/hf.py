@@ -26,11 +26,8 @@ import torch
 from ..fusion.attention import DenseAttention
 from ..fusion.layers import TableRotary, TensorParallel
 
-# model types with an adapter on the transformers engine
+# model types with an adapter, on both engines
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite")
-# of those, the ones the vLLM engine's adapter (models/vllm.py) handles
-# (vLLM 0.32 runs OLMo 2 through its Transformers backend, whose modules it has no adapter for)
-VLLM_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "granite")
 
 
 class UnsupportedModelError(ValueError):
@@ -46,8 +43,8 @@ UNSUPPORTED_DESIGNS = {
 }
 
 
-def check_supported(config, engine: str = "transformers") -> None:
-    """Refuse, naming it, a model this engine has no adapter for."""
+def check_supported(config) -> None:
+    """Refuse, naming it, a model no adapter handles."""
     model_type = getattr(config, "model_type", None)
     archs = ", ".join(getattr(config, "architectures", None) or [str(model_type)])
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -56,12 +53,6 @@ def check_supported(config, engine: str = "transformers") -> None:
         raise UnsupportedModelError(
             f"model architecture {archs} (model_type {model_type!r}) is not supported{why}; "
             f"blend_integrations has adapters for model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if engine == "vllm" and model_type not in VLLM_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model architecture {archs} (model_type {model_type!r}) is supported on the transformers engine "
-            f'(backend="transformers") but not yet on the vLLM engine, which has adapters for model types: '
-            f"{', '.join(VLLM_MODEL_TYPES)}"
         )
 
 
@@ -80,6 +71,25 @@ def layer_windows(config) -> tuple[int | None, ...]:
     if types:
         return tuple(window if t == "sliding_attention" else None for t in types)
     return (window,) * n
+
+
+def table_rotary(rope, config, positions: torch.Tensor, dtype: torch.dtype, num_layers: int) -> TableRotary:
+    """RoPE from a Hugging Face model's rotary module (one for the model): its
+    cos, sin tables at ``positions``, with a rope per layer type (Gemma 3)."""
+    probe = torch.empty(0, dtype=dtype, device=positions.device)
+    types = getattr(config, "layer_types", None)
+    if types and "layer_type" in inspect.signature(rope.forward).parameters:
+        tables = {t: rope(probe, positions[None, :], layer_type=t) for t in set(types)}
+        return TableRotary([(tables[t][0][0], tables[t][1][0]) for t in types])
+    cos, sin = rope(probe, positions[None, :])
+    return TableRotary([(cos[0], sin[0])] * num_layers)
+
+
+def qk_norm_kind(attn, head_dim: int) -> str | None:
+    """How the attention norms q and k: per head ("head": Qwen3, Gemma 3),
+    over the whole projection ("all": OLMo 2), or not at all (None)."""
+    norm = getattr(attn, "q_norm", None)
+    return None if norm is None else ("head" if norm.weight.shape[-1] == head_dim else "all")
 
 
 def post_norm_finish(block, hidden: torch.Tensor, out: torch.Tensor, post_norms: bool) -> torch.Tensor:
@@ -118,9 +128,7 @@ class HFDecoder:
         self.softcaps = tuple(getattr(b.self_attn, "attn_logit_softcapping", None) for b in self.layers)
         self.windows = layer_windows(config)
         self.tp: TensorParallel | None = None  # one process computes every head
-        # q/k norms: per head ([D] weights) or over the whole projection (OLMo 2)
-        norm = getattr(attn, "q_norm", None)
-        self.qk_norm = None if norm is None else ("head" if norm.weight.shape[-1] == self.head_dim else "all")
+        self.qk_norm = qk_norm_kind(attn, self.head_dim)
         self._split = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
         block = self.layers[0]
         # Gemma norms the attention output, OLMo 2 has only post-norms; Llama's
@@ -137,14 +145,7 @@ class HFDecoder:
         return h if self.embedding_multiplier is None else h * self.embedding_multiplier
 
     def rotary(self, positions: torch.Tensor) -> TableRotary:
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        rope = self.inner.rotary_emb
-        types = getattr(self.config, "layer_types", None)
-        if types and "layer_type" in inspect.signature(rope.forward).parameters:  # a rope per layer type (Gemma 3)
-            tables = {t: rope(probe, positions[None, :], layer_type=t) for t in set(types)}
-            return TableRotary([(tables[t][0][0], tables[t][1][0]) for t in types])
-        cos, sin = rope(probe, positions[None, :])
-        return TableRotary([(cos[0], sin[0])] * self.num_layers)
+        return table_rotary(self.inner.rotary_emb, self.config, positions, self.dtype, self.num_layers)
 
     def qkv(self, layer: int, hidden: torch.Tensor):
         block = self.layers[layer]

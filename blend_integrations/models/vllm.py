@@ -1,10 +1,14 @@
-"""Models layer: ``LayerModel`` over vLLM's decoder modules (``VLLM_MODEL_TYPES``).
+"""Models layer: ``LayerModel`` over vLLM's decoder modules (``SUPPORTED_MODEL_TYPES``).
 
 vLLM fuses q/k/v into one projection; the adapter splits it, and rotates
 with each layer's vLLM rotary module (its fused kernel, ``FusedRotary``), so
 the walk sees exactly the same interface as with Hugging Face modules. The
 families' differences (norm placement, multipliers, soft-capping, windows)
-are read the same way as in ``hf.py``. Runs inside a vLLM worker process.
+are read the same way as in ``hf.py``. Families vLLM runs through its
+Transformers backend (OLMo 2 in vLLM 0.32) keep Hugging Face's decoder with
+vLLM's fused linear layers and attention in it, and one rotary module for
+the model: the adapter reads them the same way and rotates with Hugging
+Face's tables (``hf.table_rotary``). Runs inside a vLLM worker process.
 
 In a connector job the walk's KV goes into the request's blocks of vLLM's
 paged cache, layer by layer, through the attention backend's own
@@ -24,8 +28,8 @@ import torch
 from torch.profiler import record_function
 
 from ..fusion.attention import DenseAttention
-from ..fusion.layers import Attention, TensorParallel
-from .hf import check_supported, heads_first, layer_windows, post_norm_finish
+from ..fusion.layers import Attention, TableRotary, TensorParallel
+from .hf import check_supported, heads_first, layer_windows, post_norm_finish, qk_norm_kind, table_rotary
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +95,8 @@ class VLLMDecoder:
         config = model.config
         self.vllm_config = vllm_config  # for the attention metadata builder; None: attention with SDPA only
         self.walk_attention = walk_attention  # "auto", "kernel" or "sdpa" (``vllm_contract.WALK_ATTENTION``)
-        check_supported(config, engine="vllm")
+        check_supported(config)
+        self.config = config
         self.inner = model.model
         self.layers = list(self.inner.layers)
         from vllm.distributed.parallel_state import get_pp_group
@@ -102,26 +107,28 @@ class VLLMDecoder:
                 "worker; use tensor parallelism (tensor_parallel_size) instead"
             )
         attn = self.layers[0].self_attn
-        # Under tensor parallelism the modules hold this rank's heads only.
-        tp = VLLMTensorParallel(attn.num_kv_heads, config.num_key_value_heads or config.num_attention_heads)
+        kernel = attn.attn  # vLLM's attention layer; under tensor parallelism, this rank's heads only
+        tp = VLLMTensorParallel(kernel.num_kv_heads, config.num_key_value_heads or config.num_attention_heads)
         self.tp: TensorParallel | None = tp if tp.size > 1 else None
-        if not all(block.self_attn.rotary_emb.is_neox_style for block in self.layers):
+        # vLLM's own models rotate in each layer; its Transformers backend keeps the model's one rotary module
+        self.fused_rotary = hasattr(attn, "rotary_emb")
+        if self.fused_rotary and not all(block.self_attn.rotary_emb.is_neox_style for block in self.layers):
             raise NotImplementedError(
                 "blending needs neox-style (rotate-half) RoPE, the layout of the supported families"
             )
         self.num_layers = len(self.layers)
-        self.num_heads = attn.num_heads
-        self.num_kv_heads = attn.num_kv_heads
-        self.head_dim = attn.head_dim
+        self.num_heads = kernel.num_heads
+        self.num_kv_heads = kernel.num_kv_heads
+        self.head_dim = kernel.head_size
         self.scaling = attn.scaling
         self.windows = layer_windows(config)
         self.softcaps = (getattr(config, "attn_logit_softcapping", None),) * self.num_layers  # Gemma 2: every layer
-        self.has_qk_norm = hasattr(attn, "q_norm")
+        self.qk_norm = qk_norm_kind(attn, self.head_dim)
         self.post_norms = hasattr(self.layers[0], "post_feedforward_layernorm")
         self.embedding_multiplier = getattr(
             config, "embedding_multiplier", None
         )  # Granite; Gemma's is in embed_input_ids
-        self._split = [attn.q_size, attn.kv_size, attn.kv_size]
+        self._split = [self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2]
         weight = self.inner.embed_tokens.weight
         self.dtype = weight.dtype
         self.device = weight.device
@@ -131,24 +138,30 @@ class VLLMDecoder:
         self.attention_probe: dict[str, float] = {}  # what "auto" measured: ms for the kernel and for SDPA
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.inner.embed_input_ids(ids)
+        embed = getattr(self.inner, "embed_input_ids", self.inner.embed_tokens)  # Gemma's scales in the former
+        h = embed(ids)
         return h if self.embedding_multiplier is None else h * self.embedding_multiplier
 
-    def rotary(self, positions: torch.Tensor) -> FusedRotary:
+    def rotary(self, positions: torch.Tensor) -> FusedRotary | TableRotary:
+        if not self.fused_rotary:
+            return table_rotary(self.inner.rotary_emb, self.config, positions, self.dtype, self.num_layers)
         return FusedRotary([block.self_attn.rotary_emb for block in self.layers], positions)
 
     def qkv(self, layer: int, hidden: torch.Tensor):
         block = self.layers[layer]
         attn = block.self_attn
-        qkv, _ = attn.qkv_proj(block.input_layernorm(hidden))
-        T = qkv.shape[0]
-        q, k, v = (t.reshape(T, -1, self.head_dim) for t in qkv.split(self._split, dim=-1))
-        return heads_first(attn, q, k, v, qk_norm=self.has_qk_norm)
+        x = block.input_layernorm(hidden) if hasattr(block, "input_layernorm") else hidden  # OLMo 2 has none
+        q, k, v = _output(attn.qkv_proj(x)).split(self._split, dim=-1)
+        if self.qk_norm == "all":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        T = x.shape[0]
+        q, k, v = (t.reshape(T, -1, self.head_dim) for t in (q, k, v))
+        return heads_first(attn, q, k, v, qk_norm=self.qk_norm == "head")
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         block = self.layers[layer]
         T = attn_out.shape[1]
-        out, _ = block.self_attn.o_proj(attn_out.transpose(0, 1).reshape(T, -1))
+        out = _output(block.self_attn.o_proj(attn_out.transpose(0, 1).reshape(T, -1)))
         return post_norm_finish(block, hidden, out, self.post_norms)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -239,6 +252,12 @@ class VLLMDecoder:
             sdpa_s * 1e3,
         )
         return faster
+
+
+def _output(result) -> torch.Tensor:
+    """A vLLM linear layer's output: ``(output, bias)`` in vLLM's own models,
+    the output alone in its Transformers backend."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 class FusedRotary:

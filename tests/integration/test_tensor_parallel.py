@@ -141,6 +141,31 @@ def test_two_ranks_attending_with_vllms_kernel_keep_what_sdpa_keeps(vllm_tp2, do
         assert diff < 1e-3
 
 
+@pytest.mark.parametrize("name", ["olmo2", "gemma3_text"])
+def test_family_on_two_ranks(name, model_dirs, tmp_path, docs):
+    """Families whose layers read across heads or per layer: OLMo 2's q/k
+    norms span every head, so both ranks' statistics (through vLLM's
+    Transformers backend); Gemma 3's windows and rope per layer type. On two
+    ranks, blend at r=1 is vLLM's full prefill, and the chunks two ranks
+    stored are hits on the transformers engine with its own exact answer."""
+    store = ChunkStore(tmp_path / "store")
+    engine = tp2_engine(model_dirs(name), store.path)
+    try:
+        assert engine.warm(docs) == len(docs)
+        prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
+        full = engine.generate(prompt, max_tokens=10, mode="full", logprobs=1)
+        exact = engine.generate(prompt, max_tokens=10, recompute_ratio=1.0, logprobs=1)
+        assert (exact.usage.chunks_hit, exact.fallback) == (len(docs), None)
+        assert exact.token_ids == full.token_ids
+        assert chosen(exact) == pytest.approx(chosen(full), abs=1e-3)
+    finally:
+        engine.close()
+    transformers = load_engine(model_dirs(name), store=store, device="cpu")
+    again = transformers.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+    assert again.usage.chunks_hit == len(docs)
+    assert again.token_ids == transformers.generate(prompt, max_tokens=10, mode="full").token_ids
+
+
 def test_cpu_binding_and_head_checks(monkeypatch):
     monkeypatch.delenv(CPU_BINDING_ENV, raising=False)
     assert cpu_thread_binding(1) is None

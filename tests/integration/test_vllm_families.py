@@ -5,7 +5,8 @@ chunks computed by either engine are hits on the other.
 The small random models come from transformers' own configs
 (``tests/fixtures/local_models.py``): the Gemma ones with sliding windows
 shorter than the chunks and a rope base per layer type, Gemma 2 with
-soft-capping, Phi-3 with partial rotary, Granite with its four multipliers.
+soft-capping, Phi-3 with partial rotary, Granite with its four multipliers,
+OLMo 2 through vLLM's Transformers backend.
 One vLLM engine per family, started and closed in its own test (~45 s each).
 """
 
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from blend_integrations import BlendPrompt, ChunkStore, UnsupportedModelError, load_engine
-from blend_integrations.models.hf import SUPPORTED_MODEL_TYPES, VLLM_MODEL_TYPES
+from blend_integrations import BlendPrompt, ChunkStore, load_engine
+from blend_integrations.models.hf import SUPPORTED_MODEL_TYPES
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -24,7 +25,7 @@ def chosen(gen):
 
 
 # llama runs through every other vLLM test (the session's vllm_engine)
-@pytest.mark.parametrize("name", [t for t in VLLM_MODEL_TYPES if t != "llama"])
+@pytest.mark.parametrize("name", [t for t in SUPPORTED_MODEL_TYPES if t != "llama"])
 def test_family_on_vllm(name, model_dirs, tmp_path, docs):
     store = ChunkStore(tmp_path / "store")
     transformers = load_engine(model_dirs(name), store=store, device="cpu")
@@ -62,9 +63,3 @@ def test_family_on_vllm(name, model_dirs, tmp_path, docs):
         )
     finally:
         vllm.close()
-
-
-@pytest.mark.parametrize("name", sorted(set(SUPPORTED_MODEL_TYPES) - set(VLLM_MODEL_TYPES)))
-def test_family_without_a_vllm_adapter_is_named_before_vllm_starts(name, model_dirs, tmp_path):
-    with pytest.raises(UnsupportedModelError, match=f"model_type '{name}'.*supported on the transformers engine"):
-        load_engine(model_dirs(name), backend="vllm", store=ChunkStore(tmp_path / "store"))
