@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
+from tests.fixtures.exactness import chosen
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False"
@@ -35,10 +36,6 @@ def cuda_engines(model_dirs, tmp_path_factory):
 
     yield get
     store.close()
-
-
-def chosen(gen):
-    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
 
 
 def hf_logprobs(engine, prompt_ids, token_ids):

@@ -14,13 +14,10 @@ from blend_integrations.store import DEFAULT_READ_BANDWIDTH
 from blend_integrations.store.format import encode
 from blend_integrations.store.rate import Rate
 from tests.fixtures.entries import make_entry
+from tests.fixtures.exactness import chosen
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 CONTROLLED = BlendConfig(loading_controller=True, pipelined_loading=True)
-
-
-def chosen(gen):
-    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
 
 
 # -- the store: where a key is, and how fast each tier reads ------------------

@@ -16,12 +16,9 @@ from blend_integrations.fusion import Blender, KVCache
 from blend_integrations.store.format import encode
 from blend_integrations.store.layered import LayerReader, ReadFailed
 from blend_integrations.store.redis_tier import VALUE_PREFIX
+from tests.fixtures.exactness import chosen
 
 QUESTION = "Question: which city is named in the documents? Answer:"
-
-
-def chosen(gen):
-    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import pytest
 
 from blend_integrations import BlendPrompt, ChunkStore, load_engine
 from blend_integrations.engines.vllm_contract import CPU_BINDING_ENV, check_tensor_parallel, cpu_thread_binding
+from tests.fixtures.exactness import chosen, exact_at_ratio_one
 from tests.fixtures.local_models import build_model
 
 QUESTION = "Question: which city is named in the documents? Answer:"
@@ -40,10 +41,6 @@ def vllm_tp2(model_dirs, store):
     engine = tp2_engine(model_dirs("llama"), store.path)
     yield engine
     engine.close()
-
-
-def chosen(gen):
-    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
 
 
 def test_fewer_kv_heads_than_ranks(mqa_engines):
@@ -153,11 +150,7 @@ def test_family_on_two_ranks(name, model_dirs, tmp_path, docs):
     try:
         assert engine.warm(docs) == len(docs)
         prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
-        full = engine.generate(prompt, max_tokens=10, mode="full", logprobs=1)
-        exact = engine.generate(prompt, max_tokens=10, recompute_ratio=1.0, logprobs=1)
-        assert (exact.usage.chunks_hit, exact.fallback) == (len(docs), None)
-        assert exact.token_ids == full.token_ids
-        assert chosen(exact) == pytest.approx(chosen(full), abs=1e-3)
+        exact_at_ratio_one(engine, prompt, len(docs))
     finally:
         engine.close()
     transformers = load_engine(model_dirs(name), store=store, device="cpu")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
+from tests.fixtures.exactness import chosen
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -19,10 +20,6 @@ def hf_logprobs(engine, prompt_ids, token_ids):
         logp = torch.log_softmax(engine.hf_model(ids).logits[0].float(), dim=-1)
     n = len(prompt_ids)
     return [float(logp[n - 1 + i, t]) for i, t in enumerate(token_ids)]
-
-
-def chosen(gen):
-    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
 
 
 def test_full_matches_plain_hf_greedy(engine, docs):

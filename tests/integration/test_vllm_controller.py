@@ -16,13 +16,10 @@ import pytest
 from test_pipelined_loading import damage
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
+from tests.fixtures.exactness import chosen
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 CONTROLLED = BlendConfig(loading_controller=True, pipelined_loading=True)
-
-
-def chosen(gen):
-    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
 
 
 def tokens_of(engine, docs):

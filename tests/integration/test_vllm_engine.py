@@ -20,12 +20,9 @@ from blend_integrations.engines.vllm_contract import (
 from blend_integrations.fusion.plan import Planner
 from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.store import DEFAULT_READ_BANDWIDTH
+from tests.fixtures.exactness import chosen
 
 QUESTION = "Question: which city is named in the documents? Answer:"
-
-
-def chosen(gen):
-    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
 
 
 def test_blend_at_ratio_one_equals_plain_vllm_prefill(vllm_engine, docs):

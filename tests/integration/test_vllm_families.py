@@ -16,12 +16,9 @@ import pytest
 
 from blend_integrations import BlendPrompt, ChunkStore, load_engine
 from blend_integrations.models.hf import SUPPORTED_MODEL_TYPES
+from tests.fixtures.exactness import chosen, exact_at_ratio_one
 
 QUESTION = "Question: which city is named in the documents? Answer:"
-
-
-def chosen(gen):
-    return [lp[t] for lp, t in zip(gen.logprobs, gen.token_ids)]
 
 
 # llama runs through every other vLLM test (the session's vllm_engine)
@@ -37,11 +34,7 @@ def test_family_on_vllm(name, model_dirs, tmp_path, docs):
         # chunks the transformers engine computed are hits on vLLM ...
         transformers.warm(docs)
         prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
-        full = vllm.generate(prompt, max_tokens=10, mode="full", logprobs=1)
-        exact = vllm.generate(prompt, max_tokens=10, recompute_ratio=1.0, logprobs=1)
-        assert (exact.usage.chunks_hit, exact.fallback) == (len(docs), None)
-        assert exact.token_ids == full.token_ids
-        assert chosen(exact) == pytest.approx(chosen(full), abs=1e-3)
+        full = exact_at_ratio_one(vllm, prompt, len(docs))
         # ... vLLM's full prefill is the transformers engine's ...
         reference = transformers.generate(prompt, max_tokens=10, mode="full", logprobs=1)
         assert reference.token_ids == full.token_ids
