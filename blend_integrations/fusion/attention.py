@@ -58,21 +58,30 @@ class DenseAttention:
 QUERY_GROUP = 32
 
 
-def visible_keys(q_pos: torch.Tensor, k_end: int, window: int | None) -> torch.Tensor:
-    """``[Q, k_end]``: which of the keys ``0..k_end`` each query at ``q_pos``
-    sees (causal by absolute position, and within its sliding window)."""
-    k_pos = torch.arange(k_end, device=q_pos.device)
+def visible_keys(q_pos: torch.Tensor, k_end: int, window: int | None, k_start: int = 0) -> torch.Tensor:
+    """``[Q, k_end - k_start]``: which of the keys ``k_start..k_end`` each
+    query at ``q_pos`` sees (causal by absolute position, and within its
+    sliding window)."""
+    k_pos = torch.arange(k_start, k_end, device=q_pos.device)
     visible = q_pos[:, None] >= k_pos[None, :]
     if window is not None:
         visible &= q_pos[:, None] - k_pos[None, :] < window
     return visible
 
 
+def _first_key(pos: torch.Tensor, window: int | None) -> int:
+    """The first key a group of sorted queries at ``pos`` can see: 0, or with
+    a sliding window the first inside its first query's window."""
+    return 0 if window is None else max(0, int(pos[0]) - window + 1)
+
+
 def _plan(q_pos, start, end, T, window, dtype):
     """How active queries at sorted positions ``q_pos`` attend to keys
     0..end-1: None for ordinary causal attention (every new token in order,
-    or one query at the end), else ``[(lo, hi, k_end, additive_mask)]`` per
-    query group. Depends only on the active set, so layers share it."""
+    or one query at the end), else ``[(lo, hi, k_start, k_end, additive_mask)]``
+    per query group, whose keys ``k_start..k_end`` are all it can see (up to
+    its last query, from its first query's window on). Depends only on the
+    active set, so layers share it."""
     A = q_pos.shape[0]
     if window is None and ((start == 0 and A == T) or (A == 1 and int(q_pos[0]) == end - 1)):
         return None
@@ -80,10 +89,10 @@ def _plan(q_pos, start, end, T, window, dtype):
     plan = []
     for lo in range(0, A, group):
         pos = q_pos[lo : lo + group]
-        k_end = int(pos[-1]) + 1
-        visible = visible_keys(pos, k_end, window)
+        k_start, k_end = _first_key(pos, window), int(pos[-1]) + 1
+        visible = visible_keys(pos, k_end, window, k_start)
         mask = torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
-        plan.append((lo, lo + pos.shape[0], k_end, mask))
+        plan.append((lo, lo + pos.shape[0], k_start, k_end, mask))
     return plan
 
 
@@ -93,8 +102,8 @@ def _attend(q, K, V, plan, scale):
     if plan is None:
         return _sdpa(q, K, V, None, scale, gqa, causal=q.shape[1] > 1)
     outs = []
-    for lo, hi, k_end, mask in plan:
-        outs.append(_sdpa(q[:, lo:hi], K[:, :k_end], V[:, :k_end], mask, scale, gqa))
+    for lo, hi, k_start, k_end, mask in plan:
+        outs.append(_sdpa(q[:, lo:hi], K[:, k_start:k_end], V[:, k_start:k_end], mask, scale, gqa))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -107,17 +116,17 @@ def _sdpa(q, K, V, mask, scale, gqa, causal=False):
 
 def _capped(q, K, V, q_pos, window, scale, cap):
     """Attention with soft-capped scores, ``cap * tanh(scores / cap)`` (Gemma 2),
-    in groups of sorted queries, each reading keys up to its last position."""
+    in groups of sorted queries, each reading the keys it can see (as ``_plan``)."""
     H, A, D = q.shape
     Hkv = K.shape[0]
     q = q.reshape(Hkv, H // Hkv, A, D)  # query heads of one KV head side by side, as in GQA
     outs = []
     for lo in range(0, A, QUERY_GROUP):
         pos = q_pos[lo : lo + QUERY_GROUP]
-        k_end = int(pos[-1]) + 1
-        visible = visible_keys(pos, k_end, window)
-        scores = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP].float(), K[:, :k_end].float()) * scale
+        keys = slice(_first_key(pos, window), int(pos[-1]) + 1)
+        visible = visible_keys(pos, keys.stop, window, keys.start)
+        scores = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP].float(), K[:, keys].float()) * scale
         scores = torch.tanh(scores / cap) * cap
         weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        outs.append(torch.einsum("hgqk,hkd->hgqd", weights, V[:, :k_end].float()).to(q.dtype))
+        outs.append(torch.einsum("hgqk,hkd->hgqd", weights, V[:, keys].float()).to(q.dtype))
     return torch.cat(outs, dim=2).reshape(H, A, D)
