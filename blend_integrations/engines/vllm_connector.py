@@ -254,7 +254,7 @@ class ServedModel:
     num_layers: int
     config: BlendConfig
     store_args: dict  # ``ChunkStore`` arguments
-    walk_attention: str  # how the blend pass attends on a kernel backend (``models.vllm.WALK_ATTENTION``)
+    walk_attention: str  # how the blend pass attends on a kernel backend (``vllm_contract.WALK_ATTENTION``)
 
     @classmethod
     def of(cls, vllm_config) -> ServedModel:
@@ -576,14 +576,13 @@ class BlendWorkerExtension:
 
     def blend_attention(self) -> dict:
         """How this worker's blend pass attends: vLLM's attention backend,
-        whether the pass drives its kernel (else SDPA), what "auto" measured
-        to choose (``probe``, ms), and the dtype."""
+        whether the pass drives its kernel (else SDPA), and what "auto"
+        measured to choose (``probe``, ms)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         decoder = get_kv_transfer_group()._attach().model
         backend = decoder.attn_modules[0].attn_backend.get_name()
-        kernel = decoder.attends_with_kernel()
-        return {"backend": backend, "kernel": kernel, "probe": decoder.attention_probe, "dtype": str(decoder.dtype)}
+        return {"backend": backend, "kernel": decoder.attends_with_kernel(), "probe": decoder.attention_probe}
 
     def blend_flush(self) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group

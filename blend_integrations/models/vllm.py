@@ -229,7 +229,10 @@ class VLLMDecoder:
         metadata = builder.build(0, kernel_runs(positions, target, target.slots(n, self.device)))
         q = torch.randn(H, A, D, dtype=self.dtype, device=self.device)
         K, V = (torch.randn(Hkv, n, D, dtype=self.dtype, device=self.device) for _ in range(2))
-        dense = DenseAttention(positions, 0, n, windows=[window], scaling=self.scaling, dtype=self.dtype)
+        softcap = self.softcaps[self.attn_modules.index(module)]  # the kernel caps as that layer does
+        dense = DenseAttention(
+            positions, 0, n, windows=[window], scaling=self.scaling, dtype=self.dtype, softcaps=[softcap]
+        )
         query, out = q.transpose(0, 1).contiguous(), torch.empty(A, H, D, dtype=self.dtype, device=self.device)
 
         def kernel() -> None:
@@ -294,8 +297,9 @@ class FusedRotary:
 
 def kernel_runs(positions: torch.Tensor, target: PagedCache, slots: torch.Tensor):
     """The kernel's batch for active queries at sorted ``positions`` in
-    ``target``'s blocks (``slots``: their cache slots): each run of consecutive positions is one sequence,
-    whose bottom-right causal mask is then exact by absolute position."""
+    ``target``'s blocks (``slots``: their cache slots): each run of
+    consecutive positions is one sequence, whose bottom-right causal mask is
+    then exact by absolute position."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     pos = positions.to(device="cpu", dtype=torch.int32)
