@@ -10,7 +10,7 @@ each: agreement with full prefill's first ``tokens`` greedy tokens, whether
 the reply contains the answer, the mean ratio used, how often the guard raised
 it, and time to first token against full prefill's, measured side by side.
 
-    python -m benchmarks calibration [--model reader|smollm2|DIR] [--backend transformers|vllm]
+    python -m benchmarks calibration [--model reader|smollm2|gemma3-270m|DIR] [--backend transformers|vllm]
                                      [--prompts 48] [--questions 60] [--target 0.95]
 """
 
@@ -51,7 +51,14 @@ def run(args) -> dict:
 
     def asked(examples):
         return [
-            rag_prompt(e.documents, e.question, engine.tokenizer, engine.config.separator, system=task.system)
+            rag_prompt(
+                e.documents,
+                e.question,
+                engine.tokenizer,
+                engine.config.separator,
+                system=task.system,
+                question_template=task.question_template,
+            )
             for e in examples
         ]
 
@@ -221,7 +228,7 @@ def summary(out: Path) -> Path:
         )
     path = out / "calibration.md"
     path.write_text(
-        "\n".join(lines) + "\n\nCommand: `python -m benchmarks calibration --model reader|smollm2 "
+        "\n".join(lines) + "\n\nCommand: `python -m benchmarks calibration --model reader|smollm2|gemma3-270m "
         "--backend transformers|vllm` (each run rewrites this page from every result beside it).\n"
     )
     return path
@@ -229,7 +236,7 @@ def summary(out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks calibration", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="reader", help="reader, smollm2 or a checkpoint directory")
+    parser.add_argument("--model", default="reader", help="reader, smollm2, gemma3-270m or a checkpoint directory")
     parser.add_argument("--backend", default="transformers", choices=("transformers", "vllm"))
     parser.add_argument("--prompts", type=int, default=48, help="calibration probe prompts")
     parser.add_argument("--questions", type=int, default=60, help="held-out questions")
@@ -246,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    name = args.model if args.model in ("reader", "smollm2") else Path(args.model).name
+    name = args.model if args.model in ("reader", "smollm2", "gemma3-270m") else Path(args.model).name
     args.tag = (
         f"{name}-{args.backend}"
         + ("" if args.probes == "questions" else "-document-probes")

@@ -4,7 +4,7 @@ premise of blending, measured on a model.
 Blending reuses each chunk's KV computed alone and recomputes the tokens whose
 KV deviates most. That works when the deviation is small for most tokens and
 concentrated in a few. This bench measures both, per layer, on RAG prompts of
-the quality bench's kind (generated documents, the chat template) at several
+the quality bench's kind (generated documents, the model's prompt layout) at several
 document lengths:
 
 - drift: the relative L2 distance ``|v_prompt - v_alone| / |v_prompt|`` of the
@@ -15,10 +15,11 @@ document lengths:
   recompute set can repair only what it holds);
 
 for the standalone recipe as stored (``[BOS] + chunk`` when the tokenizer adds a
-BOS, else the chunk alone) and, for comparison, with the chat template's first
-token in front as a fixed attention sink.
+BOS, else the chunk alone) and, for comparison, where the model has a chat
+template whose first token is not the BOS, with that token in front as a fixed
+attention sink.
 
-    python -m benchmarks drift [--model reader|smollm2|DIR] [--questions 8] [--quick]
+    python -m benchmarks drift [--model reader|smollm2|gemma3-270m|DIR] [--questions 8] [--quick]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def layer_values(model, ids: list[int]) -> list[torch.Tensor]:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return [layer.values[0].float() for layer in cache.layers]
 
 
@@ -78,6 +79,8 @@ def recipes(tokenizer) -> dict[str, list[int]]:
     bos = bos_id_added(tokenizer)
     stored = [bos] if bos is not None else []
     out = {"as stored (BOS)" if stored else "as stored (no BOS)": stored}
+    if not getattr(tokenizer, "chat_template", None):
+        return out  # a base model's prompt is plain text: the stored recipe is the only one
     template = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True)
     template = template["input_ids"] if hasattr(template, "keys") else template
     if template and template[0] not in stored:
@@ -101,7 +104,14 @@ def run(args) -> dict:
         per_recipe = {name: [] for name in named}  # name -> per question, per layer drift of all chunk tokens
         tokens = []
         for example in examples:
-            tp = rag_prompt(example.documents, example.question, tokenizer, BlendConfig().separator, system=task.system)
+            tp = rag_prompt(
+                example.documents,
+                example.question,
+                tokenizer,
+                BlendConfig().separator,
+                system=task.system,
+                question_template=task.question_template,
+            )
             full = layer_values(model, tp.token_ids)
             head = torch.cat([torch.arange(e - s) < HEAD for s, e in tp.chunk_spans])
             tokens.append(statistics.fmean(e - s for s, e in tp.chunk_spans))
@@ -126,6 +136,7 @@ def run(args) -> dict:
         "questions_per_length": args.questions,
         "documents": 6,
         "system_prompt": task.system,
+        "prompt": "the chat template" if getattr(tokenizer, "chat_template", None) else "plain text (no chat template)",
         "seed": HELD_OUT_SEED + 1,
         "minutes": round((time.time() - started) / 60, 1),
         "date": time.strftime("%Y-%m-%d"),
@@ -138,7 +149,8 @@ def markdown(report: dict) -> str:
     layers = c["layers_shown"]
     lines = [
         f"Model {c['model']} ({c['layers']} layers); {c['questions_per_length']} held-out questions per length, "
-        f"{c['documents']} generated documents each, the chat template with the quality bench's system prompt; "
+        f"{c['documents']} generated documents each, {c.get('prompt', 'the chat template')} with the quality bench's "
+        "system prompt; "
         f"{c['date']}.",
         "",
         "Drift: the relative distance of a chunk's values computed alone from its values in the prompt, "
@@ -166,7 +178,7 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks drift", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="reader, smollm2 (the default) or a checkpoint directory")
+    parser.add_argument("--model", default="smollm2", help="reader, smollm2 (the default), gemma3-270m or a checkpoint directory")
     parser.add_argument("--questions", type=int, default=8, help="questions per document length")
     parser.add_argument("--quick", action="store_true", help="2 questions, the two shortest lengths, nothing written")
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
@@ -178,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(report)
     print(text)
     if not args.quick and args.out:
-        suffix = {"reader": "", "smollm2": "-smollm2"}.get(args.model, "-" + Path(args.model).name)
+        suffix = {"reader": "", "smollm2": "-smollm2", "gemma3-270m": "-gemma3-270m"}.get(
+            args.model, "-" + Path(args.model).name
+        )
         write_results(
             args.out,
             "drift" + suffix,

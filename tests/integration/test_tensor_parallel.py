@@ -11,6 +11,7 @@ import pytest
 
 from blend_integrations import BlendPrompt, ChunkStore, load_engine
 from blend_integrations.engines.vllm_contract import CPU_BINDING_ENV, check_tensor_parallel, cpu_thread_binding
+from blend_integrations.models.hf import SUPPORTED_MODEL_TYPES
 from tests.fixtures.exactness import chosen, exact_at_ratio_one
 from tests.fixtures.local_models import build_model
 
@@ -138,12 +139,14 @@ def test_two_ranks_attending_with_vllms_kernel_keep_what_sdpa_keeps(vllm_tp2, do
         assert diff < 1e-3
 
 
-@pytest.mark.parametrize("name", ["olmo2", "gemma3_text"])
+@pytest.mark.parametrize("name", [t for t in SUPPORTED_MODEL_TYPES if t != "llama"])
 def test_family_on_two_ranks(name, model_dirs, tmp_path, docs):
-    """Families whose layers read across heads or per layer: OLMo 2's q/k
-    norms span every head, so both ranks' statistics (through vLLM's
-    Transformers backend); Gemma 3's windows and rope per layer type. On two
-    ranks, blend at r=1 is vLLM's full prefill, and the chunks two ranks
+    """Every family but llama (the tests above) on two ranks, each with what
+    TP=2 splits in its own way: OLMo 2's q/k norms span every head, so both
+    ranks' statistics (through vLLM's Transformers backend); Gemma's windows,
+    rope per layer type and soft-caps; Phi-3's fused qkv and gate_up split
+    per rank; Granite's multipliers; Qwen's biases and q/k norms per head. On
+    two ranks, blend at r=1 is vLLM's full prefill, and the chunks two ranks
     stored are hits on the transformers engine with its own exact answer."""
     store = ChunkStore(tmp_path / "store")
     engine = tp2_engine(model_dirs(name), store.path)
