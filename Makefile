@@ -82,6 +82,7 @@ bench: install
 	$(PY) -m benchmarks store
 	$(PY) -m benchmarks vllm
 	$(PY) -m benchmarks profile
+	$(PY) -m benchmarks hma
 	$(PY) -m benchmarks quality
 	$(PY) -m benchmarks fuzz
 

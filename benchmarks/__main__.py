@@ -1,8 +1,8 @@
-"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration|profile] [options]``; no part runs them all."""
+"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration|profile|hma] [options]``; no part runs them all."""
 
 import sys
 
-from . import calibration, drift, fuzz, profile, quality, store, ttft, vllm_bench
+from . import calibration, drift, fuzz, hma, profile, quality, store, ttft, vllm_bench
 
 PARTS = {
     "ttft": ttft.main,
@@ -13,6 +13,7 @@ PARTS = {
     "drift": drift.main,
     "calibration": calibration.main,
     "profile": profile.main,
+    "hma": hma.main,
 }
 
 
