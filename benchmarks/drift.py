@@ -178,7 +178,9 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks drift", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="reader, smollm2 (the default), gemma3-270m or a checkpoint directory")
+    parser.add_argument(
+        "--model", default="smollm2", help="reader, smollm2 (the default), gemma3-270m or a checkpoint directory"
+    )
     parser.add_argument("--questions", type=int, default=8, help="questions per document length")
     parser.add_argument("--quick", action="store_true", help="2 questions, the two shortest lengths, nothing written")
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
