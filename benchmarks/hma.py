@@ -166,13 +166,8 @@ def render(report: dict) -> str:
     c, rows = report["config"], report["rows"]
     on, off, blend_budget, full, blend = rows.values()
     lines = [
-        f"Model: {c['model']}"
-        + (
-            ""
-            if "window" in c["model"]
-            else f" ({c['layers']} layers, {c['windowed_layers']} with a {c['window']}-token window)"
-        )
-        + f"; {c['dtype']}; {c['machine']}; vLLM attention {c['attention']}; {c['date']}.",
+        f"Model: {c['model']}; {c['windowed_layers']} of its {c['layers']} layers keep a {c['window']}-token "
+        f"window; {c['dtype']}; {c['machine']}; vLLM attention {c['attention']}; {c['date']}.",
         f"Every engine with a {c['kv_cache_gib']} GiB KV cache and max_model_len {c['max_model_len']}; one prompt "
         f"of {c['prompt_tokens']} tokens ({c['chunks']}); prefill: median of {c['repeats']} after a warm-up; "
         f"decode: per token over {c['decode_tokens']} more.",
