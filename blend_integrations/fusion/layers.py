@@ -33,6 +33,7 @@ class LayerModel(Protocol):
     head_dim: int
     scaling: float  # softmax scale of attention
     windows: tuple[int | None, ...]  # per layer sliding window; None: every earlier key is visible
+    softcaps: tuple[float | None, ...]  # per layer attention-logit soft-cap (Gemma 2); None: none
     dtype: torch.dtype
     device: torch.device
     tp: TensorParallel | None  # None: this process computes every head

@@ -227,7 +227,7 @@ def forward(
                 with record_function("walk.query_scoring"):
                     queries = torch.nonzero(is_query[active]).flatten().to(device)
                     relevance += _query_attention(
-                        q[:, queries], K, positions[act[queries]], model.windows[layer], model.scaling
+                        q[:, queries], K, positions[act[queries]], model.windows[layer], model.scaling, model.softcaps[layer]
                     )[start:]
             if layer in checks:
                 if query_attention is not None:
@@ -369,11 +369,11 @@ def _deviation(fresh, stored, start, act, rows):
     return (fresh[:, rows].float() - old.float()).pow(2).sum(dim=(0, 2))
 
 
-def _query_attention(q, K, q_pos, window, scale):
+def _query_attention(q, K, q_pos, window, scale, softcap=None):
     """Attention the queries ``q`` ``[H, Q, D]`` (at positions ``q_pos``) pay
     to each key of ``K`` ``[Hkv, N, D]``: softmax over every key each query
-    sees (causal, within its sliding window), summed over heads and queries;
-    ``[N]``."""
+    sees (causal, within its sliding window; scores soft-capped as the layer
+    caps them), summed over heads and queries; ``[N]``."""
     H, Q, D = q.shape
     keys = K.float()
     # Grouped-query attention: query head h reads KV head h // (H / Hkv), so the
@@ -383,6 +383,8 @@ def _query_attention(q, K, q_pos, window, scale):
     for lo in range(0, Q, QUERY_GROUP):  # bounded memory for long questions
         visible = visible_keys(q_pos[lo : lo + QUERY_GROUP], keys.shape[1], window)
         logits = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP], keys) * scale
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
         mass += logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).sum(dim=(0, 1, 2))
     return mass
 

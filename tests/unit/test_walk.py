@@ -142,3 +142,21 @@ def test_a_question_before_the_documents_still_has_a_query(model, ids):
     every, _ = walk(model, ids, reused=span, schedule=[(1, 1.0)], selection="query", query_start=first.stop)
     assert query.kept != deviation.kept
     torch.testing.assert_close(every, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3_text"])
+def test_query_attention_is_what_the_models_own_attention_pays(model_dirs, arch):
+    """The query's attention to each token, summed over heads and layers
+    (what query selection ranks by), equals the attention weights of the
+    model's own eager attention: sliding windows (Gemma 3, 32-token windows
+    in this 40-token prompt), soft-capped scores and a query scalar (Gemma 2)."""
+    own = AutoModelForCausalLM.from_pretrained(model_dirs(arch), dtype=torch.float32, attn_implementation="eager")
+    decoder = HFDecoder(own.eval())
+    ids = torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(1))
+    relevance = torch.zeros(len(ids))
+    walk(decoder, ids, query_start=QUERY, relevance=relevance)
+    with torch.inference_mode():
+        weights = own(ids[None], output_attentions=True).attentions  # per layer [1, heads, T, T]
+    # the query: tokens QUERY.. but the last (whose logits the walk returns)
+    expected = sum(w[0, :, QUERY:-1].sum(dim=(0, 1)) for w in weights)
+    torch.testing.assert_close(relevance, expected, atol=1e-4, rtol=1e-4)
