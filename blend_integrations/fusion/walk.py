@@ -181,7 +181,10 @@ def forward(
     h = model.embed(ids[act])
     attention = None  # how the active tokens attend: built for each active set, shared by its layers
     token_layers = 0
-    loads = _Loads(cache, start, reused, load_from, model.num_layers, device)
+    # A query-aware walk's first pass left every layer's reused KV in the cache,
+    # rotated, and no row of it has been written since: the blend walk reads it there.
+    to_load = () if query_attention is not None else reused
+    loads = _Loads(cache, start, to_load, load_from, model.num_layers, device)
     try:
         for layer in range(model.num_layers):
             with record_function("walk.qkv"):
@@ -194,7 +197,7 @@ def forward(
                 k = rotary(layer, k, act)
             K = cache.k[layer][:, :end]
             V = cache.v[layer][:, :end]
-            if reused and layer >= load_from:
+            if to_load and layer >= load_from:
                 with record_function("walk.load_kv"):
                     loads.load(layer)
                 # One rotation over all new rows; rows that are not reused hold

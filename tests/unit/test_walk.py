@@ -51,13 +51,17 @@ def test_full_walk_equals_the_models_own_forward(hf_model, model, ids):
     assert stats.token_layers == len(ids) * model.num_layers
 
 
-@pytest.mark.parametrize("schedule", [None, SCHEDULE], ids=["reuse", "blend"])
-def test_reused_kv_computed_in_place_gives_full_prefills_logits(model, ids, schedule):
+@pytest.mark.parametrize(
+    "schedule, selection", [(None, None), *((SCHEDULE, s) for s in SELECTIONS)], ids=["reuse", *SELECTIONS]
+)
+def test_reused_kv_computed_in_place_gives_full_prefills_logits(model, ids, schedule, selection):
     """KV that is exactly what full prefill computes leaves nothing to fix:
-    reuse and blend, whichever tokens blend picks, give full prefill's logits."""
+    reuse and blend, whichever tokens blend picks (the query's choice reads
+    the reused KV its first pass left in the cache), give full prefill's logits."""
     full, _ = walk(model, ids)
     kv = recorded(model, ids)[:, :, :, CHUNK].clone()
-    logits, stats = walk(model, ids, reused=[ReusedSpan(CHUNK.start, kv)], schedule=schedule)
+    options = dict(selection=selection, query_start=QUERY) if selection else {}
+    logits, stats = walk(model, ids, reused=[ReusedSpan(CHUNK.start, kv)], schedule=schedule, **options)
     torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
     n = CHUNK.stop - CHUNK.start
     assert stats.cached_tokens == n
