@@ -7,6 +7,7 @@ same walk with every token computed, so timings compare like with like.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ import torch
 
 from ..calibration import Calibrations
 from ..config import BlendConfig
-from ..fusion import Blender, KVCache, forward
+from ..fusion import Blender, forward
 from ..models import HFDecoder, check_supported
 from ..models.loading import dtype_name, resolve_device, resolve_dtype, resolve_model_dir
 from ..prompt import TextOrIds, bos_id_added
@@ -111,7 +112,7 @@ class TransformersEngine(Engine):
     # -- generation -----------------------------------------------------
     def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         tp = req.prompt
-        with self._lock:
+        with self._lock, contextlib.ExitStack() as held:
             generator = None
             if req.temperature > 0:
                 generator = torch.Generator(device=self.device)
@@ -120,7 +121,7 @@ class TransformersEngine(Engine):
                 )
             n_prompt = len(tp)
             max_tokens = min(req.max_tokens, self.context_length - n_prompt)
-            cache = KVCache.allocate(self.layers, n_prompt + max_tokens)
+            cache = held.enter_context(self.blender.request_caches.lease(n_prompt + max_tokens))
             plan = self.blender.plan(
                 tp.token_ids,
                 tp.chunk_spans,

@@ -87,7 +87,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from ..calibration import Calibrations
 from ..config import BlendConfig
-from ..fusion import Blender, ChunkKeys, KVCache, Planner, PrefillPlan, PrefillStats
+from ..fusion import Blender, ChunkKeys, Planner, PrefillPlan, PrefillStats
 from ..fusion.plan import in_full, measured_rates
 from ..models.vllm import PagedCache, VLLMDecoder
 from ..prompt import PromptError, bos_id_added, spans_from_separator
@@ -515,11 +515,9 @@ class BlendConnector(KVConnectorBase_V1):
     def _run(self, job: BlendJob) -> None:
         assert job.plan is not None  # a job without a plan has an error, and is failed without a run
         blender = self._attach()
-        n = len(job.token_ids)
-        cache = KVCache.allocate(blender.model, n)
         # The walk writes every layer into the request's blocks and attends there.
         paged = PagedCache([self._kv_caches[name] for name in self._layer_names], job.block_ids, self.block_size)
-        with record_function("blend.pass"):
+        with record_function("blend.pass"), blender.request_caches.lease(len(job.token_ids)) as cache:
             _, stats = blender.prefill(cache, job.token_ids, job.plan, logits=False, kv_target=paged)
         # Missed chunks are saved at the next step, after this step's first
         # token is out: off the time-to-first-token path.

@@ -7,7 +7,7 @@ the layers, and ``blender.py`` carries a plan out with the store and the walk.
 from .blender import Blender, PrefillStats
 from .layers import LayerModel, rotate
 from .plan import ChunkKeys, ChunkPlan, Planner, PrefillPlan
-from .walk import KVCache, ReusedSpan, WalkStats, forward
+from .walk import KVCache, ReusedSpan, ScratchCache, WalkStats, forward
 
 __all__ = [
     "Blender",
@@ -19,6 +19,7 @@ __all__ = [
     "PrefillPlan",
     "PrefillStats",
     "ReusedSpan",
+    "ScratchCache",
     "WalkStats",
     "forward",
     "rotate",

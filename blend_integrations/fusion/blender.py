@@ -26,7 +26,7 @@ from .controller import LoadingStats
 from .layers import LayerModel
 from .pipeline import LayerLoader, LoadFailed
 from .plan import COMPUTE, MISS, ChunkKeys, Planner, PrefillPlan, measured_rates
-from .walk import KVCache, ReusedSpan, WalkStats, forward
+from .walk import KVCache, ReusedSpan, ScratchCache, WalkStats, forward
 
 # Threads reading a prompt's chunks from the store at once (on a GPU machine).
 READ_THREADS = 8
@@ -73,6 +73,8 @@ class Blender:
         self.store = store
         # Token-layers per second of this model's walk, measured on every prefill.
         self.compute_rate = Rate()
+        # The dense KV cache of the engine's requests (it runs one at a time).
+        self.request_caches = ScratchCache(model)
 
     @property
     def keys(self) -> ChunkKeys:

@@ -27,7 +27,8 @@ Attention of active queries uses an exact causal mask by absolute position
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,39 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[1]
+
+
+class ScratchCache:
+    """The dense KV cache of an engine's requests, reused from one request to
+    the next on a CPU: there a fresh allocation is paged in by the kernel as
+    the walk first writes it (55 ms for SmolLM2's 3k-token prompt on 2 CPUs,
+    14% of its reuse TTFT). A GPU's caching allocator reuses memory by itself.
+    Keeps the largest request's cache (in steps of ``STEP`` tokens) for the
+    engine's life."""
+
+    STEP = 512
+
+    def __init__(self, model: LayerModel) -> None:
+        self.model = model
+        self._cache: KVCache | None = None
+        self._leased = False
+
+    @contextmanager
+    def lease(self, capacity: int) -> Iterator[KVCache]:
+        """An empty cache of ``capacity`` tokens for one request: on a CPU
+        the kept one's rows, unless a request still holds them (a stream not
+        yet finished), which gets a cache of its own."""
+        if self.model.device.type != "cpu" or self._leased:
+            yield KVCache.allocate(self.model, capacity)
+            return
+        if self._cache is None or self._cache.capacity < capacity:
+            self._cache = None  # the smaller one is freed before the larger one is made
+            self._cache = KVCache.allocate(self.model, -(-capacity // self.STEP) * self.STEP)
+        self._leased = True
+        try:
+            yield KVCache([k[:, :capacity] for k in self._cache.k], [v[:, :capacity] for v in self._cache.v])
+        finally:
+            self._leased = False
 
 
 @dataclass(frozen=True)
@@ -230,7 +264,12 @@ def forward(
                 with record_function("walk.query_scoring"):
                     queries = torch.nonzero(is_query[active]).flatten().to(device)
                     relevance += _query_attention(
-                        q[:, queries], K, positions[act[queries]], model.windows[layer], model.scaling, model.softcaps[layer]
+                        q[:, queries],
+                        K,
+                        positions[act[queries]],
+                        model.windows[layer],
+                        model.scaling,
+                        model.softcaps[layer],
                     )[start:]
             if layer in checks:
                 if query_attention is not None:

@@ -246,6 +246,21 @@ def test_stream_yields_the_generated_text(engine, docs):
     assert stream.generation.ttft_s > 0 and stream.generation.ttft_s <= stream.generation.total_s
 
 
+def test_interleaved_streams_each_keep_their_own_cache(engine, docs):
+    """A request's dense KV cache is reused by the next one on a CPU; a
+    stream still being read holds its own: another request started in
+    between (the same thread) gets a cache of its own."""
+    engine.warm(docs)
+    first, second = BlendPrompt("Read.", docs, QUESTION), BlendPrompt("Read.", docs[::-1], "Say a city.")
+    alone = [engine.generate(p, max_tokens=12, mode="full").token_ids for p in (first, second)]
+    held = engine.stream(first, max_tokens=12, mode="full")
+    next(held)  # its prefill is done and its cache in use
+    between = engine.generate(second, max_tokens=12, mode="full")
+    list(held)
+    assert [held.generation.token_ids, between.token_ids] == alone
+    assert engine.generate(first, max_tokens=12, mode="full").token_ids == alone[0]
+
+
 def test_stop_strings(engine, docs):
     engine.warm(docs)
     prompt = BlendPrompt("Read.", docs, QUESTION)

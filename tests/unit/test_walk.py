@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from blend_integrations.config import SELECTIONS
-from blend_integrations.fusion import KVCache, ReusedSpan, forward
+from blend_integrations.fusion import KVCache, ReusedSpan, ScratchCache, forward
 from blend_integrations.models import HFDecoder
 
 CHUNK = slice(5, 25)  # the reused tokens of a 40-token prompt
@@ -164,3 +164,16 @@ def test_query_attention_is_what_the_models_own_attention_pays(model_dirs, arch)
     # the query: tokens QUERY.. but the last (whose logits the walk returns)
     expected = sum(w[0, :, QUERY:-1].sum(dim=(0, 1)) for w in weights)
     torch.testing.assert_close(relevance, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_scratch_cache_is_reused_unless_held(model):
+    caches = ScratchCache(model)
+    with caches.lease(40) as first:
+        ptr = first.k[0].data_ptr()
+        assert first.capacity == 40 and first.length == 0
+        with caches.lease(40) as meanwhile:  # the first is still held: a cache of its own
+            assert meanwhile.k[0].data_ptr() != ptr
+    with caches.lease(30) as smaller:  # the same rows again
+        assert (smaller.k[0].data_ptr(), smaller.capacity) == (ptr, 30)
+    with caches.lease(ScratchCache.STEP + 1) as larger:
+        assert larger.k[0].data_ptr() != ptr and larger.capacity == ScratchCache.STEP + 1
