@@ -56,6 +56,28 @@ class DenseAttention:
 # kernel launch that leaves most of the GPU idle (a 16k-token prompt on an
 # H200, llama3-8b's shape: 9.9 s in groups of 32, 0.59 s in one group).
 QUERY_GROUP = 32
+# A CPU group also ends at a gap in the queries' positions where its queries so
+# far would read more than this many keys past their own position: reuse's
+# active set is the system prompt's tokens and, 3,000 positions later, the
+# question's; in one group the first would read every key (1.6x the pairs).
+# A blend's scattered queries (gaps of a few positions) are not split.
+GAP_PAIRS = 4096
+
+
+def query_groups(q_pos: torch.Tensor, device: torch.device) -> list[tuple[int, int]]:
+    """``[(lo, hi)]``: the runs of sorted query positions ``q_pos`` attended
+    in one call each (one run on a GPU)."""
+    A = q_pos.shape[0]
+    if device.type != "cpu":
+        return [(0, A)]
+    pos = q_pos.tolist()
+    groups, lo = [], 0
+    for i in range(1, A):
+        if i - lo == QUERY_GROUP or (i - lo) * (pos[i] - pos[i - 1]) > GAP_PAIRS:
+            groups.append((lo, i))
+            lo = i
+    groups.append((lo, A))
+    return groups
 
 
 def visible_keys(q_pos: torch.Tensor, k_end: int, window: int | None, k_start: int = 0) -> torch.Tensor:
@@ -85,14 +107,13 @@ def _plan(q_pos, start, end, T, window, dtype):
     A = q_pos.shape[0]
     if window is None and ((start == 0 and A == T) or (A == 1 and int(q_pos[0]) == end - 1)):
         return None
-    group = QUERY_GROUP if q_pos.device.type == "cpu" else max(A, 1)
     plan = []
-    for lo in range(0, A, group):
-        pos = q_pos[lo : lo + group]
+    for lo, hi in query_groups(q_pos, q_pos.device):
+        pos = q_pos[lo:hi]
         k_start, k_end = _first_key(pos, window), int(pos[-1]) + 1
         visible = visible_keys(pos, k_end, window, k_start)
         mask = torch.zeros(visible.shape, dtype=dtype, device=q_pos.device).masked_fill_(~visible, float("-inf"))
-        plan.append((lo, lo + pos.shape[0], k_start, k_end, mask))
+        plan.append((lo, hi, k_start, k_end, mask))
     return plan
 
 
@@ -121,11 +142,11 @@ def _capped(q, K, V, q_pos, window, scale, cap):
     Hkv = K.shape[0]
     q = q.reshape(Hkv, H // Hkv, A, D)  # query heads of one KV head side by side, as in GQA
     outs = []
-    for lo in range(0, A, QUERY_GROUP):
-        pos = q_pos[lo : lo + QUERY_GROUP]
+    for lo, hi in query_groups(q_pos, torch.device("cpu")):  # bounded memory on any device
+        pos = q_pos[lo:hi]
         keys = slice(_first_key(pos, window), int(pos[-1]) + 1)
         visible = visible_keys(pos, keys.stop, window, keys.start)
-        scores = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP].float(), K[:, keys].float()) * scale
+        scores = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo:hi].float(), K[:, keys].float()) * scale
         scores = torch.tanh(scores / cap) * cap
         weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         outs.append(torch.einsum("hgqk,hkd->hgqd", weights, V[:, keys].float()).to(q.dtype))

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from blend_integrations.config import SELECTIONS
 from blend_integrations.fusion import KVCache, ReusedSpan, ScratchCache, forward
+from blend_integrations.fusion.attention import QUERY_GROUP, DenseAttention, query_groups, visible_keys
 from blend_integrations.models import HFDecoder
 
 CHUNK = slice(5, 25)  # the reused tokens of a 40-token prompt
@@ -177,3 +178,27 @@ def test_a_scratch_cache_is_reused_unless_held(model):
         assert (smaller.k[0].data_ptr(), smaller.capacity) == (ptr, 30)
     with caches.lease(ScratchCache.STEP + 1) as larger:
         assert larger.k[0].data_ptr() != ptr and larger.capacity == ScratchCache.STEP + 1
+
+
+def test_queries_far_apart_attend_in_separate_groups():
+    """Reuse's active set on a CPU: a system prompt's 15 tokens and a question
+    3,000 positions later attend in separate calls, so the early queries do
+    not read the keys up to the question; a blend's scattered queries (a few
+    positions apart) still fill whole groups. Either way each query attends
+    exactly the keys up to its own position."""
+    cpu = torch.device("cpu")
+    reuse = torch.cat([torch.arange(15), torch.arange(3088, 3126)])
+    assert query_groups(reuse, cpu) == [(0, 15), (15, 15 + QUERY_GROUP), (15 + QUERY_GROUP, 53)]
+    scattered = torch.arange(15, 3000, 6)
+    assert {hi - lo for lo, hi in query_groups(scattered, cpu)[:-1]} == {QUERY_GROUP}
+    assert query_groups(reuse, torch.device("meta")) == [(0, 53)]  # a GPU: one call
+
+    gen = torch.Generator().manual_seed(0)
+    T, D = 3126, 16
+    q = torch.randn(4, len(reuse), D, generator=gen)  # 4 query heads over 2 KV heads
+    K, V = torch.randn(2, T, D, generator=gen), torch.randn(2, T, D, generator=gen)
+    attention = DenseAttention(reuse, 0, T, windows=[None], scaling=D**-0.5, dtype=torch.float32)
+    got = attention(0, q, K, V)
+    scores = torch.einsum("hqd,hkd->hqk", q, K.repeat_interleave(2, dim=0)) * D**-0.5
+    weights = scores.masked_fill(~visible_keys(reuse, T, None), float("-inf")).softmax(-1)
+    torch.testing.assert_close(got, weights @ V.repeat_interleave(2, dim=0), atol=1e-5, rtol=1e-5)
