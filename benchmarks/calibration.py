@@ -32,7 +32,7 @@ from blend_integrations.store import ChunkStore
 from training.data import make_examples
 
 from . import machine, write_results
-from .quality import HELD_OUT_SEED, TASKS, model_and_task
+from .quality import HELD_OUT_SEED, model_and_task, results_name
 
 PROBES = {
     "questions": "the calibration set's own questions",
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    name = args.model if args.model in TASKS else Path(args.model).name
+    name = results_name(args.model)
     args.tag = (
         f"{name}-{args.backend}"
         + ("" if args.probes == "questions" else "-document-probes")

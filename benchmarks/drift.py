@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -37,7 +36,7 @@ from blend_integrations.prompt import bos_id_added
 from training.data import make_examples
 
 from . import write_results
-from .quality import HELD_OUT_SEED, TASKS, model_and_task
+from .quality import HELD_OUT_SEED, model_and_task, results_name
 
 LENGTHS = ((20, 40), (80, 120), (230, 270), (450, 550))  # words per document, as the quality bench draws them
 HEAD = 4  # a chunk's first tokens: where its own attention sink sits when nothing comes before it
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(report)
     print(text)
     if not args.quick and args.out:
-        name = args.model if args.model in TASKS else Path(args.model).name
+        name = results_name(args.model)
         suffix = "" if name == "reader" else "-" + name
         write_results(
             args.out,

@@ -168,6 +168,12 @@ def model_and_task(model: str | None) -> tuple[Path, Task, str]:
     return Path(model), TASKS["reader"], str(model)
 
 
+def results_name(model: str) -> str:
+    """What a ``--model`` is called in the results' file names: a packaged
+    model's name, or a checkpoint directory's."""
+    return model if model in TASKS else Path(model).name
+
+
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 

@@ -68,6 +68,8 @@ def query_groups(q_pos: torch.Tensor, device: torch.device) -> list[tuple[int, i
     """``[(lo, hi)]``: the runs of sorted query positions ``q_pos`` attended
     in one call each (one run on a GPU)."""
     A = q_pos.shape[0]
+    if A == 0:
+        return []
     if device.type != "cpu":
         return [(0, A)]
     pos = q_pos.tolist()
@@ -136,18 +138,29 @@ def _sdpa(q, K, V, mask, scale, gqa, causal=False):
 
 
 def _capped(q, K, V, q_pos, window, scale, cap):
-    """Attention with soft-capped scores, ``cap * tanh(scores / cap)`` (Gemma 2),
-    in groups of sorted queries, each reading the keys it can see (as ``_plan``)."""
+    """Attention with soft-capped scores, ``cap * tanh(scores / cap)`` (Gemma 2)."""
+    H, A, D = q.shape
+    outs = [
+        torch.einsum("hgqk,hkd->hgqd", weights, V[:, keys].float()).to(q.dtype)
+        for keys, weights in attention_weights(q, K, q_pos, window, scale, cap)
+    ]
+    return torch.cat(outs, dim=2).reshape(H, A, D)
+
+
+def attention_weights(q, K, q_pos, window, scale, softcap):
+    """The softmax weights of queries ``q`` ``[H, A, D]`` at sorted positions
+    ``q_pos`` over ``K`` ``[Hkv, N, D]``, in float32, scores soft-capped where
+    the layer caps them: per group of queries (``query_groups`` as on a CPU,
+    bounded memory on any device), ``(keys, weights)`` with ``keys`` the slice
+    of keys the group can see and ``weights`` ``[Hkv, H / Hkv, group, keys]``."""
     H, A, D = q.shape
     Hkv = K.shape[0]
-    q = q.reshape(Hkv, H // Hkv, A, D)  # query heads of one KV head side by side, as in GQA
-    outs = []
-    for lo, hi in query_groups(q_pos, torch.device("cpu")):  # bounded memory on any device
+    q = q.reshape(Hkv, H // Hkv, A, D)  # query heads of one KV head side by side, as in GQA (no copy of K)
+    for lo, hi in query_groups(q_pos, torch.device("cpu")):
         pos = q_pos[lo:hi]
         keys = slice(_first_key(pos, window), int(pos[-1]) + 1)
         visible = visible_keys(pos, keys.stop, window, keys.start)
         scores = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo:hi].float(), K[:, keys].float()) * scale
-        scores = torch.tanh(scores / cap) * cap
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        outs.append(torch.einsum("hgqk,hkd->hgqd", weights, V[:, keys].float()).to(q.dtype))
-    return torch.cat(outs, dim=2).reshape(H, A, D)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        yield keys, scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)

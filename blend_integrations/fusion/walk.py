@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.profiler import record_function
 
-from .attention import QUERY_GROUP, visible_keys
+from .attention import attention_weights
 from .layers import LayerModel
 
 if TYPE_CHECKING:
@@ -412,22 +412,13 @@ def _deviation(fresh, stored, start, act, rows):
 
 
 def _query_attention(q, K, q_pos, window, scale, softcap=None):
-    """Attention the queries ``q`` ``[H, Q, D]`` (at positions ``q_pos``) pay
-    to each key of ``K`` ``[Hkv, N, D]``: softmax over every key each query
-    sees (causal, within its sliding window; scores soft-capped as the layer
-    caps them), summed over heads and queries; ``[N]``."""
-    H, Q, D = q.shape
-    keys = K.float()
-    # Grouped-query attention: query head h reads KV head h // (H / Hkv), so the
-    # query heads of one KV head stand side by side (no copy of K per query head).
-    q = q.float().reshape(keys.shape[0], H // keys.shape[0], Q, D)
-    mass = torch.zeros(keys.shape[1], device=q.device)
-    for lo in range(0, Q, QUERY_GROUP):  # bounded memory for long questions
-        visible = visible_keys(q_pos[lo : lo + QUERY_GROUP], keys.shape[1], window)
-        logits = torch.einsum("hgqd,hkd->hgqk", q[:, :, lo : lo + QUERY_GROUP], keys) * scale
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        mass += logits.masked_fill(~visible, float("-inf")).softmax(dim=-1).sum(dim=(0, 1, 2))
+    """Attention the queries ``q`` ``[H, Q, D]`` (at sorted positions
+    ``q_pos``) pay to each key of ``K`` ``[Hkv, N, D]``: softmax over every key
+    each query sees (causal, within its sliding window; scores soft-capped as
+    the layer caps them), summed over heads and queries; ``[N]``."""
+    mass = torch.zeros(K.shape[1], device=q.device)
+    for keys, weights in attention_weights(q, K, q_pos, window, scale, softcap):
+        mass[keys] += weights.sum(dim=(0, 1, 2))
     return mass
 
 
