@@ -47,6 +47,9 @@ class DenseAttention:
             self.plans[window] = _plan(self.positions, self.start, self.end, self.end - self.start, window, self.dtype)
         return _attend(q, K, V, self.plans[window], self.scaling)
 
+    def store(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
+        """Nothing to write: the queries read the walk's dense K, V."""
+
 
 # Queries per attention call on a CPU when an explicit mask is needed. A mask
 # makes the kernel compute every query-key score, so scattered recomputed

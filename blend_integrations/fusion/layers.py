@@ -69,7 +69,13 @@ class LayerModel(Protocol):
 class Attention(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
         """q ``[num_heads, A, D]`` (after RoPE) against the layer's complete
-        K (after RoPE) and V ``[num_kv_heads, end, D]`` -> ``[num_heads, A, D]``."""
+        K (after RoPE) and V ``[num_kv_heads, end, D]`` -> ``[num_heads, A, D]``;
+        first ``store``s the layer's KV."""
+
+    def store(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
+        """Write the layer's new KV where this attention reads it, when that is
+        not the walk's dense cache (which holds it already): for a layer whose
+        attention the walk does not need."""
 
 
 class Rotary(Protocol):

@@ -283,6 +283,19 @@ def forward(
                 q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
                 attention = None
             token_layers += act.numel()
+            if layer == model.num_layers - 1:
+                # Past its KV, the last layer only gives the logits, from the
+                # last token's hidden state: without logits (a vLLM blend pass,
+                # a chunk's KV) its attention and MLP are not run at all, with
+                # them only for that token (1/16 of a 16-layer prefill saved).
+                if not logits:
+                    with record_function("walk.attention"):
+                        if attention is None:
+                            attention = model.attention(positions[act], start, end, kv_target)
+                        attention.store(layer, K, V)
+                    break
+                if act.numel() > 1:
+                    q, h, act, attention = q[:, -1:], h[-1:], act[-1:], None
             with record_function("walk.attention"):
                 if attention is None:
                     attention = model.attention(positions[act], start, end, kv_target)

@@ -340,18 +340,21 @@ class PagedAttention:
         runs = kernel_runs(positions, target, self.slots) if builders else None
         self.metadata = {window: builder.build(0, runs) for window, builder in builders.items()}
 
-    def __call__(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    def store(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
         module = self.decoder.attn_modules[layer]
-        cache = self.target.kv_caches[layer]
         rows = slice(self.start, self.end)
         with record_function("walk.paged_write"):
             key = K[:, rows].transpose(0, 1).contiguous()  # [n, kv_heads, head_dim], as vLLM writes it
             value = V[:, rows].transpose(0, 1).contiguous()
-            module.impl.do_kv_cache_update(module, key, value, cache, self.slots[rows])
+            module.impl.do_kv_cache_update(module, key, value, self.target.kv_caches[layer], self.slots[rows])
+
+    def __call__(self, layer: int, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+        self.store(layer, K, V)
         metadata = self.metadata.get(self.decoder.windows[layer])
         if metadata is None:
             return self.dense(layer, q, K, V)
+        module = self.decoder.attn_modules[layer]
         query = q.transpose(0, 1).contiguous()  # [A, heads, head_dim]
         out = torch.empty_like(query)
-        module.impl.forward(module, query, None, None, cache, metadata, out)
+        module.impl.forward(module, query, None, None, self.target.kv_caches[layer], metadata, out)
         return out.transpose(0, 1)

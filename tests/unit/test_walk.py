@@ -92,6 +92,35 @@ def test_reuse_computes_only_the_fresh_tokens(model, ids):
     assert blend.token_layers == len(ids) * 1 + (fresh + blend.recomputed_tokens) * (model.num_layers - 1)
 
 
+class RowsFinished(HFDecoder):
+    """The model, noting how many rows each layer's attention output and MLP ran on."""
+
+    def __init__(self, hf_model) -> None:
+        super().__init__(hf_model)
+        self.rows: dict[int, int] = {}
+
+    def finish(self, layer, hidden, attn):
+        self.rows[layer] = hidden.shape[0]
+        return super().finish(layer, hidden, attn)
+
+
+def test_the_last_layer_runs_attention_and_mlp_only_for_the_logits(hf_model, ids):
+    """Past its KV the last layer only gives the logits: it attends and runs
+    its MLP for the last token alone, and not at all without logits; its KV
+    is written for every token all the same."""
+    model, last = RowsFinished(hf_model), hf_model.config.num_hidden_layers - 1
+    caches = [KVCache.allocate(model, len(ids)) for _ in range(2)]
+    with torch.inference_mode():
+        forward(model, caches[0], ids)
+        assert model.rows[last] == 1 and model.rows[last - 1] == len(ids)
+        model.rows.clear()
+        forward(model, caches[1], ids, logits=False)
+        assert last not in model.rows and model.rows[last - 1] == len(ids)
+    for layer in range(model.num_layers):
+        torch.testing.assert_close(caches[1].k[layer], caches[0].k[layer], atol=0, rtol=0)
+        torch.testing.assert_close(caches[1].v[layer], caches[0].v[layer], atol=0, rtol=0)
+
+
 def test_the_cache_must_hold_the_new_tokens(model, ids):
     with pytest.raises(ValueError, match="do not fit the KV cache"):
         forward(model, KVCache.allocate(model, len(ids) - 1), ids)
