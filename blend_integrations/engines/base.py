@@ -52,7 +52,7 @@ class Usage:
 @dataclass
 class Generation:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # the generated tokens, the end token that stopped them included (as vLLM returns them)
     prompt_token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     ttft_s: float  # call start to first token, tokenization and store reads included

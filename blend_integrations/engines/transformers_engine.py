@@ -142,10 +142,10 @@ class TransformersEngine(Engine):
                         ttft = time.perf_counter() - req.started
                     if out_logprobs is not None and req.logprobs is not None:  # the end step too, as vLLM has it
                         out_logprobs.append(top_logprobs(logits, req.logprobs, token))
+                    out_ids.append(token)  # an end token too, as vLLM returns it (its text is empty)
                     if token in self._eos:
                         finish = "stop"
                         break
-                    out_ids.append(token)
                     delta = text.add(token)
                     if delta:
                         yield delta

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import shutil
 
 import pytest
 import torch
@@ -31,6 +33,28 @@ def test_full_matches_plain_hf_greedy(engine, docs):
     assert len(gen.token_ids) == 16 or gen.finish_reason == "stop"
     assert chosen(gen) == pytest.approx(hf_logprobs(engine, gen.prompt_token_ids, gen.token_ids), abs=1e-4)
     assert gen.usage.cached_tokens == 0 and gen.usage.chunks_hit == 0
+
+
+def test_the_end_token_is_returned_as_vllm_returns_it(model_dirs, tmp_path, docs):
+    """A generation that the model's end token stops has it last in its
+    token_ids (counted, with its logprob, its text empty), as vLLM's engine
+    returns it: the two engines' tokens match however a generation ends."""
+    source = model_dirs("llama")
+    prompt = BlendPrompt("You answer questions.", docs, QUESTION)
+    ids = load_engine(source, store=ChunkStore(tmp_path / "a")).generate(prompt, max_tokens=8, mode="full").token_ids
+    stop = next(i for i, t in enumerate(ids) if t not in ids[:i] and i)  # a token not generated before it
+    model = tmp_path / "model"
+    shutil.copytree(source, model)
+    config = model / "generation_config.json"
+    settings = json.loads(config.read_text()) if config.exists() else {}
+    (model / "generation_config.json").write_text(json.dumps(settings | {"eos_token_id": ids[stop]}))
+    engine = load_engine(model, store=ChunkStore(tmp_path / "b"))
+    gen = engine.generate(prompt, max_tokens=8, mode="full", logprobs=1)
+    before = engine.generate(prompt, max_tokens=stop, mode="full")
+    assert gen.finish_reason == "stop"
+    assert gen.token_ids == ids[: stop + 1]
+    assert len(gen.logprobs) == gen.usage.completion_tokens == stop + 1
+    assert gen.text == before.text
 
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite"]
