@@ -46,9 +46,12 @@ class LayerModel(Protocol):
         module(s) (so every rope scaling it supports, and a rope base per
         layer where the model has one, is honoured)."""
 
-    def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, layer: int, hidden: torch.Tensor, queries: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Input norm and projections: q ``[num_heads, T, D]``, k and v
-        ``[num_kv_heads, T, D]``, before RoPE."""
+        ``[num_kv_heads, T, D]``, before RoPE. Without ``queries`` q may be
+        None (an adapter whose projection is fused returns it anyway)."""
 
     def finish(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residuals and MLP: hidden ``[T, hidden]`` and
@@ -110,10 +113,13 @@ class TableRotary:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply RoPE in the half-split layout (HF Llama family, vLLM neox style)
     to the first ``cos.shape[-1]`` dims of each head. x ``[heads, T, D]``,
-    cos/sin ``[T, R]``."""
+    cos/sin ``[T, R]``: ``x * cos + cat(-x2, x1) * sin``, in one new tensor
+    (on a CPU it is memory-bound: each temporary costs a pass)."""
     width = cos.shape[-1]
     if width < x.shape[-1]:
         return torch.cat((rotate(x[..., :width], cos, sin), x[..., width:]), dim=-1)
     half = width // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out

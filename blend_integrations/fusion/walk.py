@@ -221,13 +221,18 @@ def forward(
     loads = _Loads(cache, start, to_load, load_from, model.num_layers, device)
     try:
         for layer in range(model.num_layers):
+            # A check layer needs every token's K and V, but queries only for
+            # the tokens it keeps: they are made once it has chosen (a 16-layer
+            # blend at 0.15: 2% of the pass).
+            later_queries = layer in checks and relevance is None
             with record_function("walk.qkv"):
-                q, k, v = model.qkv(layer, h)
+                q, k, v = model.qkv(layer, h, queries=not later_queries)
             if record is not None:
                 record[layer, 0].copy_(k)
                 record[layer, 1].copy_(v)
             with record_function("walk.rope"):
-                q = rotary(layer, q, act)
+                if not later_queries:
+                    q = rotary(layer, q, act)
                 k = rotary(layer, k, act)
             K = cache.k[layer][:, :end]
             V = cache.v[layer][:, :end]
@@ -261,6 +266,7 @@ def forward(
                 K.index_copy_(1, start + act, k)
                 V.index_copy_(1, start + act, v)
             if relevance is not None:
+                assert q is not None  # made with K and V: a scoring pass does not defer queries
                 with record_function("walk.query_scoring"):
                     queries = torch.nonzero(is_query[active]).flatten().to(device)
                     relevance += _query_attention(
@@ -280,8 +286,18 @@ def forward(
                 recomputed = int((keep & reused_rows).sum())
             if keep is not None:
                 keep_dev = keep.to(device)
-                q, h, active, act = q[:, keep_dev], h[keep_dev], active[keep], act[keep_dev]
+                h, active, act = h[keep_dev], active[keep], act[keep_dev]
+                # token-major, as the projections make q: vLLM's fused RoPE and
+                # its kernel take it so, in one call for every head
+                q = None if q is None else q.transpose(0, 1)[keep_dev].transpose(0, 1)
                 attention = None
+            if later_queries:
+                with record_function("walk.qkv"):
+                    if q is None:
+                        q = model.qkv(layer, h)[0]
+                with record_function("walk.rope"):
+                    q = rotary(layer, q, act)
+            assert q is not None
             token_layers += act.numel()
             if layer == model.num_layers - 1:
                 # Past its KV, the last layer only gives the logits, from the

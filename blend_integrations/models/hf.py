@@ -58,10 +58,11 @@ def check_supported(config) -> None:
 
 def heads_first(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, qk_norm: bool):
     """``[T, heads, D]`` projections as the walk takes them, ``[heads, T, D]``,
-    after per-head q/k norms (Qwen3, Gemma 3) where the model has them."""
+    after per-head q/k norms (Qwen3, Gemma 3) where the model has them; q may
+    be None (not asked for)."""
     if qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        q, k = (None if q is None else attn.q_norm(q)), attn.k_norm(k)
+    return (None if q is None else q.transpose(0, 1)), k.transpose(0, 1), v.transpose(0, 1)
 
 
 def layer_windows(config) -> tuple[int | None, ...]:
@@ -147,18 +148,19 @@ class HFDecoder:
     def rotary(self, positions: torch.Tensor) -> TableRotary:
         return table_rotary(self.inner.rotary_emb, self.config, positions, self.dtype, self.num_layers)
 
-    def qkv(self, layer: int, hidden: torch.Tensor):
+    def qkv(self, layer: int, hidden: torch.Tensor, queries: bool = True):
         block = self.layers[layer]
         attn = block.self_attn
         x = block.input_layernorm(hidden) if hasattr(block, "input_layernorm") else hidden
         if hasattr(attn, "qkv_proj"):  # Phi-3
             q, k, v = attn.qkv_proj(x).split(self._split, dim=-1)
         else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = attn.q_proj(x) if queries else None
+            k, v = attn.k_proj(x), attn.v_proj(x)
         if self.qk_norm == "all":
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = (None if q is None else attn.q_norm(q)), attn.k_norm(k)
         T = x.shape[0]
-        q, k, v = (t.view(T, -1, self.head_dim) for t in (q, k, v))
+        q, k, v = (None if t is None else t.view(T, -1, self.head_dim) for t in (q, k, v))
         return heads_first(attn, q, k, v, qk_norm=self.qk_norm == "head")
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,8 @@ class VLLMDecoder:
             return table_rotary(self.inner.rotary_emb, self.config, positions, self.dtype, self.num_layers)
         return FusedRotary([block.self_attn.rotary_emb for block in self.layers], positions)
 
-    def qkv(self, layer: int, hidden: torch.Tensor):
+    def qkv(self, layer: int, hidden: torch.Tensor, queries: bool = True):
+        # one fused projection: q comes with k and v, asked for or not
         block = self.layers[layer]
         attn = block.self_attn
         x = block.input_layernorm(hidden) if hasattr(block, "input_layernorm") else hidden  # OLMo 2 has none

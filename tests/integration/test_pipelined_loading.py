@@ -184,11 +184,11 @@ def test_loads_overlap_the_walk(engines_pair, docs, tmp_path):
         def __getattr__(self, name):
             return getattr(model, name)
 
-        def qkv(self, layer, hidden):
+        def qkv(self, layer, hidden, queries=True):
             if layer == 0:
                 seen.append(sum(r.layers_read for r in readers))
                 layer0_done.set()
-            return model.qkv(layer, hidden)
+            return model.qkv(layer, hidden, queries)
 
     blender = Blender(
         Watched(),

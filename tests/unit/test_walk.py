@@ -121,6 +121,40 @@ def test_the_last_layer_runs_attention_and_mlp_only_for_the_logits(hf_model, ids
         torch.testing.assert_close(caches[1].v[layer], caches[0].v[layer], atol=0, rtol=0)
 
 
+class QueriesCounted(HFDecoder):
+    """The model, noting how many rows each layer's query projection ran on;
+    ``fused``: it makes q with k and v whether asked for or not (as vLLM's
+    fused projection does)."""
+
+    def __init__(self, hf_model, fused: bool = False) -> None:
+        super().__init__(hf_model)
+        self.fused = fused
+        self.q_rows: dict[int, int] = {}
+
+    def qkv(self, layer, hidden, queries=True):
+        q, k, v = super().qkv(layer, hidden, queries or self.fused)
+        if q is not None:
+            self.q_rows[layer] = self.q_rows.get(layer, 0) + q.shape[1]
+        return q, k, v
+
+
+def test_a_check_layer_makes_queries_only_for_the_tokens_it_keeps(hf_model, ids):
+    """K and V of every token, queries of the kept ones only; an adapter that
+    makes every query anyway gives the same logits and tokens."""
+    span = [ReusedSpan(CHUNK.start, recorded(QueriesCounted(hf_model), ids[CHUNK]))]
+    results = {}
+    for fused in (False, True):
+        model = QueriesCounted(hf_model, fused)
+        results[fused] = walk(model, ids, reused=span, schedule=SCHEDULE)
+        kept = len(ids) - (CHUNK.stop - CHUNK.start) + results[fused][1].recomputed_tokens
+        assert model.q_rows[0] == len(ids)
+        assert kept < len(ids) and model.q_rows[1] == (len(ids) if fused else kept)
+        assert model.q_rows[2] == kept
+    (split, split_stats), (fused, fused_stats) = results[False], results[True]
+    torch.testing.assert_close(split, fused, atol=1e-5, rtol=1e-5)
+    assert split_stats.kept == fused_stats.kept
+
+
 def test_the_cache_must_hold_the_new_tokens(model, ids):
     with pytest.raises(ValueError, match="do not fit the KV cache"):
         forward(model, KVCache.allocate(model, len(ids) - 1), ids)
