@@ -141,19 +141,31 @@ def compute_ceiling(
     layers: int,
     check_layer: int,
     selection: str = "deviation",
+    *,
+    full_layers: int,
 ) -> float:
     """The most a mode can gain over full prefill by computing less (DESIGN
-    section 5): ``1 / ((c + (L - c) * |R| / N) / L)`` for blend, with |R| the
-    tokens computed past the check layer; ``N / |R|`` for reuse; 1 for full.
+    section 5), in token-layers: a token's attention and MLP at one layer.
+
+    The walk runs its last layer's attention and MLP for the logits' token
+    alone, so blend and reuse compute ``layers - 1`` layers of their tokens.
+    Full prefill computes ``full_layers`` of every token: ``layers - 1`` on
+    the transformers engine (its full prefill is the walk too), ``layers`` in
+    vLLM's own forward. Blend: ``full_layers * N / (c * N + (layers - 1 - c) * |R|)``,
+    with |R| the tokens computed past the check layer; reuse:
+    ``full_layers * N / ((layers - 1) * F)``, F the fresh tokens; 1 for full.
     A query-aware blend (``selection`` "query" or "mixed") first runs a reuse
-    pass: ``L * F / N`` more, with F the fresh tokens."""
-    computed = prompt_tokens - cached + recomputed
+    pass: ``(layers - 1) * F`` more. The last layer's q/k/v, which every mode
+    computes for the KV (under a tenth of a layer), are not counted."""
     if mode == "full":
         return 1.0
+    walked = layers - 1
+    full = full_layers * prompt_tokens
+    fresh = prompt_tokens - cached
     if mode == "reuse":
-        return prompt_tokens / computed
-    first_pass = 0.0 if selection == "deviation" else layers * (prompt_tokens - cached) / prompt_tokens
-    return layers / (check_layer + (layers - check_layer) * computed / prompt_tokens + first_pass)
+        return full / (walked * fresh)
+    first_pass = 0 if selection == "deviation" else walked * fresh
+    return full / (check_layer * prompt_tokens + (walked - check_layer) * (fresh + recomputed) + first_pass)
 
 
 def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendPrompt]:

@@ -5,7 +5,7 @@ property of the architecture, not of the weights), a prompt of 6 retrieved
 chunks of 512 tokens each in a new order every run, chunks warmed in the
 store beforehand. Prints each mode's median TTFT, the speedup over full
 prefill, and the compute ceiling of DESIGN section 5 for the recompute set
-actually used: ``1 / ((c + (L - c) * |R| / N) / L)``.
+actually used (``compute_ceiling``: token-layers of full prefill over the mode's).
 """
 
 from __future__ import annotations
@@ -142,7 +142,10 @@ def summarize(gens, L: int, c: int, mode: str, selection: str) -> dict:
         "cached_tokens": g.usage.cached_tokens,
         "recomputed_tokens": g.usage.recomputed_tokens,
         "computed_share": computed / N,
-        "ceiling": compute_ceiling(mode, N, g.usage.cached_tokens, g.usage.recomputed_tokens, L, c, selection),
+        # this engine's full prefill is the walk: the last layer's attention and MLP for the logits' token alone
+        "ceiling": compute_ceiling(
+            mode, N, g.usage.cached_tokens, g.usage.recomputed_tokens, L, c, selection, full_layers=L - 1
+        ),
     }
 
 
