@@ -50,9 +50,9 @@ def setup_line(cfg: dict) -> str:
     )
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, *, repeats: int = 7) -> None:
     """The options of the benchmarks that time a random-weight model: its
-    shape, the prompt's chunks, the rounds, dtype and device."""
+    shape, the prompt's chunks, the rounds (``repeats`` by default), dtype and device."""
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
@@ -64,7 +64,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="a named model shape instead of --layers/--hidden/--heads/--kv-heads/--intermediate",
     )
     parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
 

@@ -107,7 +107,10 @@ def measure(args, engine, chunks, memory: ChunkStore, disk: ChunkStore, check_la
     # Paired ratios cancel the slow swings in machine speed that a shared VM
     # shows (seen here: the same prefill varying by 30% between minutes).
     for name, row in results.items():
-        row["speedup"] = statistics.median(f.ttft_s / g.ttft_s for f, g in zip(gens["full"], gens[name]))
+        paired = [f.ttft_s / g.ttft_s for f, g in zip(gens["full"], gens[name])]
+        row["speedup"] = statistics.median(paired)
+        # the middle half of the rounds' ratios: how far one round strays
+        row["speedup_quartiles"] = _quartiles(paired)
         row["of_ceiling"] = row["speedup"] / row["ceiling"]
         # What the engine's own full and reuse times predict: reuse, plus the
         # computed share (1 / ceiling) of what full prefill adds to it.
@@ -128,6 +131,14 @@ def measure(args, engine, chunks, memory: ChunkStore, disk: ChunkStore, check_la
         },
         "results": results,
     }
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles (both the value itself for one value)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
 
 
 def summarize(gens, L: int, c: int, mode: str, selection: str) -> dict:
@@ -155,14 +166,16 @@ def render(report: dict) -> str:
         setup_line(cfg) + f"check layer {cfg['check_layer']}; "
         f"{cfg['repeats']} rounds, every mode once per round; {cfg['date']}.",
         "",
-        "| mode | TTFT median (ms) | TTFT min-max (ms) | full / mode (median of paired rounds) | computed share \\|R\\|/N | compute ceiling | share of ceiling | predicted (ms) | mode / predicted |",
+        "| mode | TTFT median (ms) | TTFT min-max (ms) | full / mode: median of paired rounds (middle half) | computed share \\|R\\|/N | compute ceiling | share of ceiling | predicted (ms) | mode / predicted |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in report["results"].items():
         share = f"{100 * r['of_ceiling']:.0f}%"
+        q1, q3 = r["speedup_quartiles"]
+        speedup = f"{r['speedup']:.2f}x" + ("" if name == "full" else f" ({q1:.2f}-{q3:.2f})")
         predicted = f"{r['predicted_ms']:.0f} | {r['of_predicted']:.2f}x" if name.startswith("blend") else "- | -"
         lines.append(
-            f"| {name} | {r['ttft_ms']:.0f} | {r['ttft_min_ms']:.0f}-{r['ttft_max_ms']:.0f} | {r['speedup']:.2f}x | {r['computed_share']:.3f} | {r['ceiling']:.2f}x | {share} | {predicted} |"
+            f"| {name} | {r['ttft_ms']:.0f} | {r['ttft_min_ms']:.0f}-{r['ttft_max_ms']:.0f} | {speedup} | {r['computed_share']:.3f} | {r['ceiling']:.2f}x | {share} | {predicted} |"
         )
     lines.append(
         "\npredicted = reuse + (full - reuse) / compute ceiling: the time this engine's own full prefill and "
@@ -220,7 +233,9 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks ttft", description=__doc__.splitlines()[0])
-    add_model_arguments(p)
+    # 15 rounds: on a shared 2-CPU machine one round's full / blend strays by
+    # up to 15% either way; the median of 7 moved by 5-10% from run to run.
+    add_model_arguments(p, repeats=15)
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument(
         "--chunks",
