@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from blend_integrations.engines.vllm_contract import process_allocator
 from blend_integrations.prompt import BlendPrompt
 
 
@@ -22,13 +23,16 @@ def machine() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
-        return f"CPU {platform.processor() or platform.machine()}"
+        return f"CPU {platform.processor() or platform.machine()}, malloc {process_allocator()}"
     fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
     flags = fields.get("Flags", "").split()
     ext = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags]
     family = f"family {fields['CPU family']} model {fields['Model']}" if "CPU family" in fields else ""
     cpus = len(os.sched_getaffinity(0))
-    return f"CPU {fields.get('Model name', '?')} ({', '.join(ext + [family]) or 'no AVX2'}), {cpus} CPUs"
+    return (
+        f"CPU {fields.get('Model name', '?')} ({', '.join(ext + [family]) or 'no AVX2'}), {cpus} CPUs, "
+        f"malloc {process_allocator()}"
+    )
 
 
 def walk_attention(engine) -> str:
@@ -38,7 +42,8 @@ def walk_attention(engine) -> str:
     how = "its kernel" if a["kernel"] else "SDPA"
     if a["probe"]:
         how += f", measured {a['probe']['kernel_ms']:.1f} ms kernel against {a['probe']['sdpa_ms']:.1f} ms SDPA"
-    return f"{a['backend']} (blend pass: {how})"
+    malloc = engine.llm.collective_rpc("blend_allocator")[0]
+    return f"{a['backend']} (blend pass: {how}); workers on malloc {malloc}"
 
 
 def setup_line(cfg: dict) -> str:

@@ -1,6 +1,9 @@
 """``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration|profile|hma] [options]``; no part runs them all."""
 
+import os
 import sys
+
+from blend_integrations.engines.vllm_contract import tcmalloc_preload
 
 from . import calibration, drift, fuzz, hma, profile, quality, store, ttft, vllm_bench
 
@@ -19,6 +22,12 @@ PARTS = {
 
 def main() -> None:  # vLLM starts processes: keep the entry under the __main__ guard below
     args = sys.argv[1:]
+    # Every engine is timed on the malloc the vLLM engine gives its own
+    # processes (glibc's page faults cost full prefill 6-11%): this process,
+    # where the transformers engine runs, starts again with it preloaded.
+    preload = tcmalloc_preload()
+    if preload is not None:
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *args], {**os.environ, "LD_PRELOAD": preload})
     if args and args[0] in ("-h", "--help"):
         print(f"usage: python -m benchmarks [{'|'.join(PARTS)}] [options]")
         return

@@ -94,7 +94,14 @@ from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
 from . import stream_usage, vllm_plugin
 from .blend_metrics import RATIO_BUCKETS, REASONS, TIERS, BlendCounters, store_reads
-from .vllm_contract import BlendParams, blend_params_of, check_walk_attention, connector_store_args, not_blended
+from .vllm_contract import (
+    BlendParams,
+    blend_params_of,
+    check_walk_attention,
+    connector_store_args,
+    not_blended,
+    process_allocator,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -581,6 +588,10 @@ class BlendWorkerExtension:
         decoder = get_kv_transfer_group()._attach().model
         backend = decoder.attn_modules[0].attn_backend.get_name()
         return {"backend": backend, "kernel": decoder.attends_with_kernel(), "probe": decoder.attention_probe}
+
+    def blend_allocator(self) -> str:
+        """The malloc this worker runs on ("tcmalloc", "jemalloc" or "system")."""
+        return process_allocator()
 
     def blend_flush(self) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group

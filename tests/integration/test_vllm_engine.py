@@ -300,6 +300,16 @@ def test_walk_attention_auto_keeps_what_it_measured_faster(vllm_engine):
     assert vllm_engine.llm.collective_rpc("blend_attention") == [how]  # the engine's own setting is back
 
 
+def test_vllm_workers_run_on_tcmalloc_where_it_is_installed(vllm_engine):
+    """On a CPU the engine starts vLLM's processes with tcmalloc preloaded, as
+    vLLM's CPU guide asks (.ci/run installs it); where it is not installed
+    they run on the system's malloc."""
+    import ctypes.util
+
+    installed = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    assert vllm_engine.llm.collective_rpc("blend_allocator") == ["tcmalloc" if installed else "system"]
+
+
 def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, capsys):
     from blend_integrations import serve
 
