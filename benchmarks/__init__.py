@@ -13,13 +13,16 @@ from blend_integrations.engines.vllm_contract import process_allocator
 from blend_integrations.prompt import BlendPrompt
 
 
-def machine() -> str:
+def machine(vllm_engine=None) -> str:
     """What the numbers were measured on: the GPU, or the CPU with its vector
-    extensions (vLLM's and torch's CPU speed depend on them) and its count."""
+    extensions (vLLM's and torch's CPU speed depend on them), its count and
+    the malloc this process runs on, and ``vllm_engine``'s workers'."""
     import torch
 
     if torch.cuda.is_available():
         return f"GPU {torch.cuda.get_device_name()}"
+    if vllm_engine is not None:
+        return f"{machine()}, vLLM's workers on malloc {vllm_engine.llm.collective_rpc('blend_allocator')[0]}"
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
@@ -42,8 +45,7 @@ def walk_attention(engine) -> str:
     how = "its kernel" if a["kernel"] else "SDPA"
     if a["probe"]:
         how += f", measured {a['probe']['kernel_ms']:.1f} ms kernel against {a['probe']['sdpa_ms']:.1f} ms SDPA"
-    malloc = engine.llm.collective_rpc("blend_allocator")[0]
-    return f"{a['backend']} (blend pass: {how}); workers on malloc {malloc}"
+    return f"{a['backend']} (blend pass: {how})"
 
 
 def setup_line(cfg: dict) -> str:

@@ -143,7 +143,7 @@ def run(args) -> dict:
     return {
         "config": {
             "model": label,
-            "machine": machine(),
+            "machine": machine(engine),
             "dtype": engine.dtype_name,
             "attention": walk_attention(engine),
             "layers": int(text_config.num_hidden_layers),

@@ -196,6 +196,7 @@ def run(args) -> dict:
         profiled[name] = {"scopes": {s: dict(v) for s, v in by_scope.items()}, "totals_ms": dict(totals)}
     layer = model.model.layers[0].self_attn.attn
     attention = walk_attention(engine) + (f", ISA {layer.isa}" if hasattr(layer, "isa") else "")
+    measured_on = machine(engine)  # while its workers run
     dtype = str(engine.llm.llm_engine.model_config.dtype).replace("torch.", "")
     prompt_tokens = usage["full"].prompt_tokens
     engine.close()
@@ -217,7 +218,7 @@ def run(args) -> dict:
             + suffix
             + ("" if args.dtype == "float32" else f"-{args.dtype}")
             + ("" if args.walk_attention == "auto" else f"-{args.walk_attention}"),
-            "machine": machine(),
+            "machine": measured_on,
             "vllm": vllm.__version__,
             "attention": attention,
             "dtype": dtype,

@@ -47,6 +47,7 @@ def run(args) -> dict:
         walk_attention=args.walk_attention,
     )
     attention = walk_attention(engine)
+    measured_on = machine(engine)  # while its workers run
     corpus = make_chunks(engine.tokenizer, args.corpus, args.chunk_tokens)
     engine.warm(corpus, progress=True)
 
@@ -160,7 +161,7 @@ def run(args) -> dict:
     return {
         "config": {
             "model": label,
-            "machine": machine(),
+            "machine": measured_on,
             "dtype": engine.dtype_name,
             "attention": attention,
             "results": "vllm" + suffix + ("" if args.walk_attention == "auto" else f"-{args.walk_attention}"),
