@@ -16,6 +16,7 @@ from blend_integrations.engines.vllm_contract import (
     blend_engine_env,
     check_vllm_version,
     connector_store_args,
+    tcmalloc_preload,
 )
 from blend_integrations.fusion.plan import Planner
 from blend_integrations.prompt import TokenizedPrompt
@@ -219,7 +220,10 @@ def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeyp
     assert "hunter2" not in json.dumps(args)
     assert extra["store_remote"] == "redis://blend:***@cache-host:6380/3" and extra["store_remote_in_env"] is True
     assert (extra["store_remote_size_limit_bytes"], extra["store_remote_timeout_s"]) == (2**20, 0.5)
-    assert blend_engine_env(store) == {"BLEND_STORE_REMOTE": url}
+    # on a CPU, with tcmalloc preloaded for vLLM's processes where it is installed
+    preload = tcmalloc_preload()
+    assert blend_engine_env(store) == {"BLEND_STORE_REMOTE": url} | ({"LD_PRELOAD": preload} if preload else {})
+    assert blend_engine_env(store, on_gpu=True) == {"BLEND_STORE_REMOTE": url}
 
     # the connector's side: the full URL from the environment vLLM's processes inherit
     with pytest.raises(
@@ -247,7 +251,7 @@ def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeyp
     extra = blend_engine_args(store=plain, config=BlendConfig(), max_model_len=2048, on_gpu=False)[
         "kv_transfer_config"
     ]["kv_connector_extra_config"]
-    assert (extra["store_remote"], extra["store_remote_in_env"], blend_engine_env(plain)) == (
+    assert (extra["store_remote"], extra["store_remote_in_env"], blend_engine_env(plain, on_gpu=True)) == (
         "redis://cache-host:6380/3",
         False,
         {},
