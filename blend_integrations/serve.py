@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         try:
             engine_env = blend_engine_env(store, tensor_parallel_size=tp, on_gpu=not cpu)
-        except ValueError as exc:  # more CPU ranks than CPUs
+        except ValueError as exc:  # more CPU ranks than CPUs, or a $BLEND_CPU_ALLOCATOR that is neither choice
             parser.error(str(exc))
         env = {
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib)),

@@ -194,10 +194,15 @@ def tcmalloc_preload(environ: Mapping[str, str] = os.environ) -> str | None:
     current = environ.get("LD_PRELOAD", "")
     if choice == "system" or not sys.platform.startswith("linux") or "tcmalloc" in current or "jemalloc" in current:
         return None
-    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    lib = tcmalloc_library()
     if lib is None:
         return None
     return f"{lib}:{current}" if current else lib
+
+
+def tcmalloc_library() -> str | None:
+    """The installed tcmalloc's library name (as ``LD_PRELOAD`` takes it), or None."""
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
 
 
 def process_allocator() -> str:

@@ -16,6 +16,7 @@ from blend_integrations.engines.vllm_contract import (
     blend_engine_env,
     check_vllm_version,
     connector_store_args,
+    tcmalloc_library,
     tcmalloc_preload,
 )
 from blend_integrations.fusion.plan import Planner
@@ -308,10 +309,8 @@ def test_vllm_workers_run_on_tcmalloc_where_it_is_installed(vllm_engine):
     """On a CPU the engine starts vLLM's processes with tcmalloc preloaded, as
     vLLM's CPU guide asks (.ci/run installs it); where it is not installed
     they run on the system's malloc."""
-    import ctypes.util
-
-    installed = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
-    assert vllm_engine.llm.collective_rpc("blend_allocator") == ["tcmalloc" if installed else "system"]
+    expected = "tcmalloc" if tcmalloc_library() is not None else "system"
+    assert vllm_engine.llm.collective_rpc("blend_allocator") == [expected]
 
 
 def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, capsys):

@@ -3,15 +3,14 @@ and how a process tells which one it runs on."""
 
 from __future__ import annotations
 
-import ctypes.util
 import subprocess
 import sys
 
 import pytest
 
-from blend_integrations.engines.vllm_contract import ALLOCATOR_ENV, tcmalloc_preload
+from blend_integrations.engines.vllm_contract import ALLOCATOR_ENV, tcmalloc_library, tcmalloc_preload
 
-INSTALLED = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+INSTALLED = tcmalloc_library()
 
 
 def test_tcmalloc_goes_first_and_keeps_what_was_preloaded():
