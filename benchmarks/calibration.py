@@ -11,19 +11,29 @@ the reply contains the answer, the mean ratio used, how often the guard raised
 it, and time to first token against full prefill's, measured side by side.
 
     python -m benchmarks calibration [--model reader|smollm2|gemma3-270m|DIR] [--backend transformers|vllm]
-                                     [--prompts 48] [--questions 60] [--target 0.95]
+                                     [--prompts 48] [--questions 60] [--target 0.95] [--package]
+
+``--package`` also writes the record, with its held-out numbers, as the
+calibration the package ships for that model and engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from blend_integrations.calibration import curve_table, settings_label
+from blend_integrations.calibration import (
+    PACKAGED_DIR,
+    PackagedCalibration,
+    curve_table,
+    packaged_name,
+    settings_label,
+)
 from blend_integrations.chat import rag_prompt
 from blend_integrations.config import FALLBACK_RATIO
 from blend_integrations.engines import load_engine
@@ -38,6 +48,8 @@ PROBES = {
     "questions": "the calibration set's own questions",
     "documents": "built by calibrate() from the documents alone",
 }
+# The models whose calibrations ship with the package (``--package``), by the name a user knows them by.
+SHIPPED = {"reader": "the bundled reader", "smollm2": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
 CALIBRATION_SEED = 30_000  # the documents calibration probes; the held-out questions use HELD_OUT_SEED
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -114,6 +126,8 @@ def run(args) -> dict:
             "ttft_s": round(statistics.fmean(r["ttft"] for r in rs), 4),
             "ttft_speedup": round(full_ttft / statistics.fmean(r["ttft"] for r in rs), 3),
         }
+    if args.package:
+        write_packaged(record, table, args)
     return {
         "config": {
             "model": label,
@@ -143,6 +157,26 @@ def run(args) -> dict:
         },
         "held_out": table,
     }
+
+
+def write_packaged(record, table: dict, args) -> Path:
+    """The calibration this package ships for a model it ships (``calibration.PACKAGED_DIR``): the record,
+    named for the model, with the held-out measurements that say what its ratio means."""
+    fallback = next(v for k, v in table.items() if k.startswith("fallback"))
+    held_out = {
+        "questions": args.questions,
+        "tokens": record.tokens,
+        "full_right": table["full"]["right"],
+        "calibrated": {**table["default (calibrated)"], "ratio": table["default (calibrated)"]["mean_ratio"]},
+        "fallback": {**fallback, "ratio": FALLBACK_RATIO},
+    }
+    name = results_name(args.model)
+    packaged = PackagedCalibration(dataclasses.replace(record, model=SHIPPED[name]), held_out, machine(), Path())
+    path = PACKAGED_DIR / packaged_name(name, args.backend)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(packaged.to_bytes())
+    print(f"packaged calibration written: {path}")
+    return path
 
 
 def markdown(report: dict) -> str:
@@ -252,8 +286,16 @@ def main(argv: list[str] | None = None) -> None:
         "or on probes built from its documents alone",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--package",
+        action="store_true",
+        help="also write the record as the calibration the package ships for this model and engine "
+        "(blend_integrations/data/calibrations/; a shipped model, the default target and probes only)",
+    )
     args = parser.parse_args(argv)
     name = results_name(args.model)
+    if args.package and (name not in SHIPPED or args.target != 0.95 or args.probes != "questions"):
+        parser.error(f"--package is for the shipped models ({', '.join(SHIPPED)}) at the default target and probes")
     args.tag = (
         f"{name}-{args.backend}"
         + ("" if args.probes == "questions" else "-document-probes")

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -206,27 +207,143 @@ class CalibrationRecord:
             raise CalibrationError(f"the calibration record is damaged: {type(e).__name__}: {e}") from None
         return record
 
-    def choice(self, *, guard: bool = True) -> RatioChoice:
+    def choice(self, *, guard: bool = True, source: str = "calibrated") -> RatioChoice:
         if guard and self.guard is not None and self.meets_target:
-            return RatioChoice(self.guard.base, "calibrated", self.guard, self.guard_settings)
-        return RatioChoice(self.ratio, "calibrated", settings=self.settings)
+            return RatioChoice(self.guard.base, source, self.guard, self.guard_settings)
+        return RatioChoice(self.ratio, source, settings=self.settings)
+
+
+PACKAGED_KIND = "blend-packaged-calibration"
+PACKAGED_VERSION = 1
+# The calibrations shipped with the package: one file per shipped model and engine.
+PACKAGED_DIR = Path(__file__).parent / "data" / "calibrations"
+
+
+def packaged_name(label: str, engine: str) -> str:
+    return f"{label}-{engine}.json"
+
+
+@dataclass(frozen=True)
+class PackagedCalibration:
+    """A calibration this package ships for a model it ships (``PACKAGED_DIR``),
+    measured by ``python -m benchmarks calibration --package`` on one engine,
+    with what the benchmark measured on held-out questions (``held_out``:
+    ``questions``, ``tokens``, and for ``"calibrated"`` and ``"fallback"`` the
+    ``ratio``, ``agreement`` with full prefill, share answered ``right`` and
+    ``ttft_speedup``; ``full_right``)."""
+
+    record: CalibrationRecord
+    held_out: dict
+    cpu: str
+    path: Path
+
+    def to_bytes(self) -> bytes:
+        data = {
+            "kind": PACKAGED_KIND,
+            "version": PACKAGED_VERSION,
+            "record": json.loads(self.record.to_bytes()),
+            "held_out": self.held_out,
+            "cpu": self.cpu,
+        }
+        return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, path: Path) -> PackagedCalibration:
+        """Parse and check a packaged file; raises CalibrationError naming what is wrong."""
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CalibrationError(f"{path.name} is not JSON ({e})") from None
+        if not isinstance(data, dict) or data.get("kind") != PACKAGED_KIND:
+            raise CalibrationError(f"{path.name} is not a packaged blend calibration")
+        if data.get("version") != PACKAGED_VERSION:
+            raise CalibrationError(
+                f"{path.name}: version {data.get('version')!r}; this package reads {PACKAGED_VERSION}"
+            )
+        record = data.get("record")
+        held = data.get("held_out")
+        if not isinstance(record, dict) or not isinstance(held, dict):
+            raise CalibrationError(f"{path.name} is damaged: it needs a record and held_out")
+        parsed = CalibrationRecord.from_bytes(
+            json.dumps(record).encode(), fingerprint=str(record.get("fingerprint")), dtype=str(record.get("dtype"))
+        )
+        try:
+            for part in ("calibrated", "fallback"):
+                row = held[part]
+                for field in ("ratio", "agreement", "right", "ttft_speedup"):
+                    value = row[field]
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                        raise ValueError(f"held_out.{part}.{field} must be a finite number")
+            if not isinstance(held["questions"], int) or not isinstance(held["tokens"], int):
+                raise ValueError("held_out.questions and held_out.tokens must be integers")
+        except (KeyError, TypeError, ValueError) as e:
+            raise CalibrationError(f"{path.name} is damaged: {type(e).__name__}: {e}") from None
+        return cls(parsed, held, str(data.get("cpu", "")), path)
+
+    def meaning(self) -> str:
+        """What the packaged ratio means for this model, in one plain sentence of measured numbers."""
+        r, held = self.record, self.held_out
+        cal, fb = held["calibrated"], held["fallback"]
+        n, tokens = held["questions"], held["tokens"]
+        if r.ratio >= 1.0 and r.guard is None:
+            head = (
+                f"{r.model} needs full recompute to keep full prefill's first {tokens} tokens on "
+                f"{r.target:.0%} of prompts"
+            )
+        else:
+            head = (
+                f"{r.model} keeps full prefill's first {tokens} tokens on {cal['agreement']:.0%} of {n} held-out "
+                f"questions at ratio {cal['ratio']:g}, {cal['ttft_speedup']:.2f}x sooner"
+            )
+        changed = 1.0 - fb["agreement"]
+        return (
+            f"{head}; at ratio {fb['ratio']:g} it is {fb['ttft_speedup']:.2f}x sooner but changes "
+            f"{changed:.0%} of those answers' first {tokens} tokens (measured on the {r.engine} engine, {n} "
+            f"held-out questions, {self.cpu})."
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def packaged_calibrations() -> dict[tuple[str, str, str], PackagedCalibration]:
+    """Every packaged calibration by (fingerprint, dtype, engine); a damaged file is refused with a warning."""
+    found: dict[tuple[str, str, str], PackagedCalibration] = {}
+    for path in sorted(PACKAGED_DIR.glob("*.json")):
+        try:
+            packaged = PackagedCalibration.from_bytes(path.read_bytes(), path)
+        except (OSError, CalibrationError) as e:
+            logger.warning("the packaged calibration %s is refused: %s", path.name, e)
+            continue
+        r = packaged.record
+        found[(r.fingerprint, r.dtype, r.engine)] = packaged
+    return found
 
 
 class Calibrations:
-    """One model's calibration as its engine sees it: the store's record,
-    read again at most every ``RELOAD_S`` seconds (another process may have
-    calibrated), and checked. Says once per problem why it is not used."""
+    """One model's calibration as its engine sees it: the store's record (the
+    user's own calibration), read again at most every ``RELOAD_S`` seconds
+    (another process may have calibrated), and checked; else the calibration
+    this package ships for the model on this ``engine``, if any. Says once
+    per problem why a record is not used."""
 
     def __init__(
-        self, store: ChunkStore, fingerprint: str, dtype: Any, *, num_layers: int | None = None, label: str = ""
+        self,
+        store: ChunkStore,
+        fingerprint: str,
+        dtype: Any,
+        *,
+        engine: str,
+        num_layers: int | None = None,
+        label: str = "",
     ) -> None:
         self.store = store
         self.fingerprint = fingerprint
         self.dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        self.engine = engine
         self.num_layers = num_layers
         self.label = label or fingerprint[:12]
         self.name = record_name(fingerprint, self.dtype)
         self._record: CalibrationRecord | None = None
+        self._source = "fallback"
         self._read_at = -math.inf
         self._said: set[str] = set()
         self._lock = threading.Lock()
@@ -236,18 +353,52 @@ class Calibrations:
             self.store, self._record, self._read_at = store, None, -math.inf
 
     def record(self) -> CalibrationRecord | None:
+        return self.current()[0]
+
+    def source(self) -> str:
+        """Where the record in use comes from: "calibrated" (the store), "packaged", or "fallback" (none)."""
+        return self.current()[1]
+
+    def current(self) -> tuple[CalibrationRecord | None, str]:
         with self._lock:
             if time.monotonic() - self._read_at >= RELOAD_S:
                 self._read_at = time.monotonic()
-                self._record = self._read()
-            return self._record
+                self._record, self._source = self._read()
+            return self._record, self._source
+
+    def packaged(self) -> PackagedCalibration | None:
+        """The calibration this package ships for this model and engine, if any."""
+        packaged = packaged_calibrations().get((self.fingerprint, self.dtype, self.engine))
+        if packaged is not None and self.num_layers is not None:
+            try:  # its settings must fit this model (a record of the same fingerprint always does)
+                BlendConfig().with_settings(packaged.record.settings, num_layers=self.num_layers)
+            except (TypeError, ValueError) as e:
+                self._say(f"the packaged calibration {packaged.path.name} is refused: {e}")
+                return None
+        return packaged
+
+    def choice(self, *, guard: bool = True) -> RatioChoice:
+        """The ratio ``"auto"`` gives a request now: the user's calibration, else the packaged one, else the fallback."""
+        record, source = self.current()
+        if record is None:
+            return self.fallback()
+        return record.choice(guard=guard, source=source)
 
     def set(self, record: CalibrationRecord) -> None:
         """Use ``record`` now (just written by ``calibrate``)."""
         with self._lock:
-            self._record, self._read_at = record, time.monotonic()
+            self._record, self._source, self._read_at = record, "calibrated", time.monotonic()
 
-    def _read(self) -> CalibrationRecord | None:
+    def _read(self) -> tuple[CalibrationRecord | None, str]:
+        own = self._read_store()
+        if own is not None:
+            return own, "calibrated"
+        packaged = self.packaged()
+        if packaged is not None:
+            return packaged.record, "packaged"
+        return None, "fallback"
+
+    def _read_store(self) -> CalibrationRecord | None:
         try:
             raw = self.store.get_record(self.name)
         except Exception as e:  # a store problem is a miss, never a failed request
@@ -270,7 +421,8 @@ class Calibrations:
 
     def fallback(self) -> RatioChoice:
         self._say(
-            f"no calibration for this model in the store {self.store.path}: blending at the fallback ratio "
+            f"no calibration for this model in the store {self.store.path}, and none ships with this package "
+            f"for it on the {self.engine} engine: blending at the fallback ratio "
             f"{FALLBACK_RATIO}, which may cost answers on small models. Calibrate once: "
             f"engine.calibrate(documents) or `python -m blend_integrations.calibrate MODEL --store "
             f"{self.store.path} --documents DIR`"
@@ -288,11 +440,8 @@ def choose_ratio(
         return RatioChoice(float(request_ratio), "request")
     if request_ratio is None and config.recompute_ratio != "auto":
         return RatioChoice(float(config.recompute_ratio), "config")
-    record = calibrations.record() if calibrations is not None else None
-    if record is not None:
-        return record.choice(guard=guard)
     if calibrations is not None:
-        return calibrations.fallback()
+        return calibrations.choice(guard=guard)
     return RatioChoice(FALLBACK_RATIO, "fallback")
 
 

@@ -8,11 +8,14 @@ from typing import Any, Literal
 
 Deviation = Literal["k", "v"]
 # Where a request's recompute ratio came from (``Usage.ratio_source``): the
-# store's calibration for this model, the documented fallback (``"auto"``
-# without a calibration), the request's own, the engine config's, or the
+# store's calibration for this model (the user's own), the calibration the
+# package ships for it, the documented fallback (``"auto"`` without either),
+# the request's own, the engine config's, or the
 # per-request guard, which raised the calibrated ratio for this request.
-RatioSource = Literal["calibrated", "fallback", "request", "config", "guard"]
-RATIO_SOURCES: tuple[str, ...] = ("calibrated", "fallback", "request", "config", "guard")
+RatioSource = Literal["calibrated", "packaged", "fallback", "request", "config", "guard"]
+RATIO_SOURCES: tuple[str, ...] = ("calibrated", "packaged", "fallback", "request", "config", "guard")
+# The sources that are a measured calibration: one that chose ratio 1.0 is run as full prefill.
+CALIBRATION_SOURCES: tuple[str, ...] = ("calibrated", "packaged")
 # The ratio ``"auto"`` uses for a model the store holds no calibration for:
 # what the answer-quality benchmark picks on the bundled reader
 # (docs/results/quality.md). It is too low for small chat models (SmolLM2

@@ -167,11 +167,12 @@ def warm(
     """Compute and store the chunk KV of every non-empty text (what both
     frameworks' warmers do at ingestion). ``show_progress=None``: a bar for
     more than 8 texts. ``calibrate``: then, if the store holds no calibration
-    of this model yet, calibrate it on these texts (``Engine.calibrate`` with
-    ``options``), so that ``recompute_ratio="auto"`` uses a measured ratio."""
+    of this model on the user's documents yet (a packaged one does not count),
+    calibrate it on these texts (``Engine.calibrate`` with ``options``), so
+    that ``recompute_ratio="auto"`` uses a ratio measured on them."""
     texts = [t for t in texts if t]
     engine.warm(texts, progress=show_progress)
-    if calibrate and engine.calibration() is None:
+    if calibrate and engine.calibration_source() != "calibrated":
         engine.calibrate(texts, **{"progress": show_progress is not False, **options})
 
 

@@ -362,8 +362,11 @@ class CalibrationRoute(_ApiKeyAware):
             return
         calibrations = served.calibrations(store)
         if method == "GET":
-            record = await asyncio.to_thread(calibrations.record)
+            record, source = await asyncio.to_thread(calibrations.current)
+            packaged = calibrations.packaged()
             body = {
+                "source": source,
+                "meaning": None if packaged is None else packaged.meaning(),
                 "model": served.name,
                 "fingerprint": served.fingerprint,
                 "dtype": calibrations.dtype,

@@ -36,6 +36,12 @@ def main() -> None:
     exact = engine.generate(prompt, max_tokens=24, recompute_ratio=1.0)
     print(f"question: {question} (expected: {expected})")
     print("blend:", repr(blend.text), blend.usage)
+    # recompute_ratio="auto": your calibration in the store, else the one the package ships for this model
+    why = {"calibrated": "your calibration in the store", "packaged": "the calibration shipped for this model"}
+    print(f"ratio used: {blend.usage.recompute_ratio} ({why.get(blend.usage.ratio_source, blend.usage.ratio_source)})")
+    meaning = engine.calibration_meaning()
+    if meaning:
+        print("what it means:", meaning)
     print("full: ", repr(full.text))
     print("ratio 1.0 reproduces full prefill:", exact.token_ids == full.token_ids)
     print(f"TTFT full {full.ttft_s * 1000:.1f} ms, blend {blend.ttft_s * 1000:.1f} ms")

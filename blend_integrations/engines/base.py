@@ -34,7 +34,8 @@ class Usage:
     chunks_missed: int = 0  # chunks not in the store (computed, and stored after the answer)
     chunks_computed: int = 0  # chunks in the store that the loading controller computed instead of loading
     # The ratio blending used and where it came from: "calibrated" (the store's calibration, for
-    # recompute_ratio="auto"), "fallback" ("auto" without one), "request", "config", or "guard" (the
+    # recompute_ratio="auto"), "packaged" (the calibration shipped for this model and engine), "fallback"
+    # ("auto" without either), "request", "config", or "guard" (the
     # per-request guard raised the calibrated ratio); None when the prompt was not blended.
     recompute_ratio: float | None = None
     ratio_source: str | None = None
@@ -318,9 +319,22 @@ class Engine(ABC):
         return [self.tokenizer.decode(ids) for ids in self.store.chunk_token_ids(self.chunk_key, limit=limit)]
 
     def calibration(self) -> CalibrationRecord | None:
-        """The calibration record ``recompute_ratio="auto"`` uses now; None: none
-        (or a refused one), so the fallback ratio."""
+        """The calibration record ``recompute_ratio="auto"`` uses now (the user's
+        own in the store, else the one the package ships for this model); None:
+        neither (or a refused one), so the fallback ratio."""
         return self.calibrations.record()
+
+    def calibration_source(self) -> str:
+        """Where ``calibration()`` comes from: "calibrated" (the user's own, in
+        the store), "packaged" (shipped with the package), or "fallback" (none)."""
+        return self.calibrations.source()
+
+    def calibration_meaning(self) -> str | None:
+        """What the packaged calibration of this model on this engine measured,
+        in one plain sentence (``PackagedCalibration.meaning``); None where the
+        package ships none for it."""
+        packaged = self.calibrations.packaged()
+        return None if packaged is None else packaged.meaning()
 
     def calibration_lock(self, name: str) -> contextlib.AbstractContextManager:
         """Held while ``calibrate`` measures: one calibration of a model per store at a time."""
@@ -350,3 +364,12 @@ class Engine(ABC):
         from ..calibration import calibrate
 
         return calibrate(self, documents, prompts=prompts, target=target, **options)
+
+    def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds processes
+        """Release what the engine holds (the vLLM engine's processes); closing twice is harmless."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -21,13 +21,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import CALIBRATION_SOURCES
 from ..store.chunk_store import TIERS
 from ..store.stats import StoreStats
 
 # Why a request was computed in full instead of blended.
 REASONS = (
     "not_requested",  # no blend parameters, or mode "full"
-    "calibrated",  # the model's calibration chose full prefill
+    "calibrated",  # the model's calibration (the user's or the packaged one) chose full prefill
     "invalid_params",  # its blend parameters broke a rule (the connector's check)
     "planning_failed",  # the scheduler could not plan the blend pass
     "blend_pass_failed",  # the worker's blend pass failed; vLLM recomputed the prompt
@@ -71,7 +72,7 @@ class BlendCounters:
             self.requests["full/not_requested"] += 1
             return
         ratio = usage.get("recompute_ratio")
-        if usage.get("ratio_source") == "calibrated" and ratio is not None and ratio >= 1.0:
+        if usage.get("ratio_source") in CALIBRATION_SOURCES and ratio is not None and ratio >= 1.0:
             self.requests["full/calibrated"] += 1  # the calibration chose full prefill (``plan.in_full``)
             return
         self.requests["blend/" if ratio is not None else "reuse/"] += 1

@@ -109,6 +109,17 @@ class ServerEngine(Engine):
             num_layers=info["num_layers"],
         )
 
+    def calibration_source(self) -> str:
+        """Where the server's calibration comes from ("calibrated", "packaged" or "fallback")."""
+        source = self.served_model().get("source")
+        if source not in ("calibrated", "packaged", "fallback"):
+            raise ServerError(f"GET {CALIBRATION_PATH}: the answer lacks or mistypes source")
+        return source
+
+    def calibration_meaning(self) -> str | None:
+        meaning = self.served_model().get("meaning")
+        return meaning if isinstance(meaning, str) else None
+
     def calibrate(self, documents: Sequence[str] | None = None, **options) -> CalibrationRecord:
         """Calibrate the served model over HTTP (``Engine.calibrate``) from the
         server's own blend settings, and store the record in the server's

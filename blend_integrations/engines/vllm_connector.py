@@ -280,7 +280,9 @@ class ServedModel:
         )
 
     def calibrations(self, store: ChunkStore) -> Calibrations:
-        return Calibrations(store, self.fingerprint, self.dtype, num_layers=self.num_layers, label=self.name)
+        return Calibrations(
+            store, self.fingerprint, self.dtype, engine="vllm", num_layers=self.num_layers, label=self.name
+        )
 
 
 class BlendConnector(KVConnectorBase_V1):
@@ -306,7 +308,8 @@ class BlendConnector(KVConnectorBase_V1):
         self._fallbacks: dict[str, tuple[str, str]] = {}  # req_id -> (why, REASONS' name), until it finishes
         self._counters = BlendCounters()  # finished requests since vLLM last asked (get_kv_connector_stats)
         self._reads_told: Counter = Counter()  # worker side: the store reads already handed to vLLM
-        self._in_full: set[str] = set()  # requests the calibration computes in full, until they finish
+        # requests the calibration computes in full, until they finish: the calibration's source
+        self._in_full: dict[str, str] = {}
         # worker side
         self.blender: Blender | None = None
         # The worker's measured rates: on the worker as last sent, on the scheduler as last received.
@@ -370,13 +373,14 @@ class BlendConnector(KVConnectorBase_V1):
         """Whether the calibration recomputes every token for this request
         (``plan.in_full``): then no blend pass runs, and the usage says why."""
         try:
-            full = params.mode == "blend" and in_full(self.planner.choose(params.ratio))
+            choice = self.planner.choose(params.ratio) if params.mode == "blend" else None
         except Exception:  # never raise on the scheduler side: blend as asked
             logger.exception("reading the calibration failed; blending request %s", req_id)
             return False
-        if full:
-            self._in_full.add(req_id)
-        return full
+        if choice is None or not in_full(choice):
+            return False
+        self._in_full[req_id] = choice.source
+        return True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -437,12 +441,11 @@ class BlendConnector(KVConnectorBase_V1):
         self._to_load.pop(rid, None)
         fallback = self._fallbacks.pop(rid, None)
         plan = self._planned.pop(rid, None)
-        in_full_by_calibration = rid in self._in_full
-        self._in_full.discard(rid)
+        calibration = self._in_full.pop(rid, None)
         if fallback is not None:
             return not_blended(*fallback)
-        if plan is None and in_full_by_calibration:
-            return {"blend": PrefillPlan("full", 1.0, (), 0, ratio_source="calibrated").usage()}
+        if plan is None and calibration is not None:
+            return {"blend": PrefillPlan("full", 1.0, (), 0, ratio_source=calibration).usage()}
         if plan is None:
             return None
         loading = {"blend_loading": dataclasses.asdict(plan.loading)} if plan.loading else {}

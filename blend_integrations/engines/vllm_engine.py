@@ -102,7 +102,12 @@ class VLLMEngine(Engine):
         # What "auto" resolves to is decided by the connector's scheduler side, which reads the same
         # record from the store (within calibration.RELOAD_S of a write); this copy is for callers.
         self._calibrations = Calibrations(
-            self.store, self.fingerprint, self.dtype_name, num_layers=self.num_layers, label=self.model_name
+            self.store,
+            self.fingerprint,
+            self.dtype_name,
+            engine="vllm",
+            num_layers=self.num_layers,
+            label=self.model_name,
         )
         kwargs = dict(
             args,

@@ -66,7 +66,9 @@ class Blender:
             raise ValueError(f"check_layers {config.check_layers} must be below the model's {model.num_layers} layers")
         self.model = model
         self.config = config
-        self.calibrations = Calibrations(store, fingerprint, model.dtype, num_layers=model.num_layers)
+        self.calibrations = Calibrations(
+            store, fingerprint, model.dtype, engine="transformers", num_layers=model.num_layers
+        )
         self.planner = Planner(
             config, ChunkKeys(fingerprint, model.dtype, bos_token_id), model.num_layers, self.calibrations
         )

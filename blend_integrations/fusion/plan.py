@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..calibration import Calibrations, Guard, RatioChoice, choose_ratio
-from ..config import BlendConfig, check_schedule
+from ..config import CALIBRATION_SOURCES, BlendConfig, check_schedule
 from ..store import ChunkStore, chunk_key
 from ..store.rate import Rate
 from .controller import LoadingStats, decide
@@ -81,7 +81,7 @@ class PrefillPlan:
     def reports_ratio(self) -> bool:
         """Its usage names a recompute ratio: a blend plan, or one computed in
         full because the calibrated ratio is 1.0 (``in_full``)."""
-        return self.mode == "blend" or self.ratio_source == "calibrated"
+        return self.mode == "blend" or self.ratio_source in CALIBRATION_SOURCES
 
     def usage(self) -> dict[str, Any]:
         """The usage the prefill reports (``Usage`` fields), when every chunk
@@ -106,7 +106,7 @@ def in_full(choice: RatioChoice) -> bool:
     """A calibration that recomputes every token (no ratio below 1.0 held
     its target) is run as full prefill: the same KV, without the blend
     pass's extra work. An explicit ratio of 1.0 still blends."""
-    return choice.source == "calibrated" and choice.ratio >= 1.0 and choice.guard is None
+    return choice.source in CALIBRATION_SOURCES and choice.ratio >= 1.0 and choice.guard is None
 
 
 def measured_rates(store: ChunkStore, compute: Rate | None) -> dict[str, float | None]:

@@ -1,5 +1,6 @@
 """The demo and the examples run as a user runs them, on their default model,
-SmolLM2-135M-Instruct (converted once per machine by the ``smollm2_gguf`` fixture)."""
+SmolLM2-135M-Instruct (converted once per machine by the ``smollm2_gguf`` fixture),
+from any working directory, with the calibration the package ships for it."""
 
 from __future__ import annotations
 
@@ -10,16 +11,27 @@ import shlex
 
 import pytest
 
+from blend_integrations.calibration import PACKAGED_DIR, PackagedCalibration
 from tests.fixtures.commands import ROOT, run_python
+
+BACKEND = "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
 @pytest.fixture
-def run(smollm2_gguf, examples_store):
+def run(smollm2_gguf, examples_store, tmp_path):
     def run(args, **env_vars):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **env_vars}
-        return run_python(*args, "--store", str(examples_store), env=env, timeout=900).stdout
+        script, *rest = args
+        # from another working directory than the checkout's, as a user may run them
+        return run_python(str(ROOT / script), *rest, "--store", str(examples_store), env=env, cwd=tmp_path,
+                          timeout=900).stdout  # fmt: skip
 
     return run
+
+
+def packaged(backend: str) -> PackagedCalibration:
+    path = PACKAGED_DIR / f"smollm2-{backend}.json"
+    return PackagedCalibration.from_bytes(path.read_bytes(), path)
 
 
 def demo_command() -> tuple[dict[str, str], list[str]]:
@@ -30,54 +42,77 @@ def demo_command() -> tuple[dict[str, str], list[str]]:
     return dict(v.split("=", 1) for v in shlex.split(variables)), shlex.split(args)
 
 
+def verdict(out: str) -> str:
+    return out.rstrip().splitlines()[-1]
+
+
 def test_langchain_rag_example_is_the_demo(run):
     variables, command = demo_command()
     assert command == ["examples/langchain_rag.py", "--backend", "vllm"]  # LangChain on the embedded vLLM engine
-    if importlib.util.find_spec("vllm") is None:  # the environment without vLLM: the reference engine
-        command[-1] = "transformers"
+    command[-1] = BACKEND  # the environment without vLLM runs the reference engine
     out = run(command, **variables)
-    assert f"starting the {command[-1]} engine ..." in out and re.search(r"\nengine started in \d+\.\d s\n", out)
-    assert "retrieved: ['ada_okafor.txt'" in out and ("(4/4 chunks)" in out or "(ratio 1.0, calibrated)" in out)
-    assert "time to first token: full" in out and "x sooner" in out
-    # calibrated at ingestion, blend with the defaults answers right where full prefill does
-    assert "calibrated on 48 probe prompts" in out and "target 0.95 agreement with full prefill" in out
-    assert "(ratio " in out and ("calibrated)" in out or "guard)" in out)
-    assert out.splitlines()[-1] == "expected answer: 'Brimford'; blend right: True, full right: True"
+    assert f"starting the {BACKEND} engine ..." in out and re.search(r"\nengine started in \d+\.\d s\n", out)
+    assert "calibrating" not in out  # nothing measured at run time: the packaged calibration
+    shipped = packaged(BACKEND)
+    ratio = shipped.record.ratio
+    assert f'recompute_ratio="auto": {ratio}' in out
+    assert f"(the calibration shipped with the package for this model on the {BACKEND} engine)" in out
+    assert f"\nwhat it means: {shipped.meaning()}\n" in out
+    assert "retrieved: ['ada_okafor.txt'" in out
+    assert re.search(r"\nfull +TTFT +\d+ ms: ", out) and re.search(r"\nblend +TTFT +\d+ ms, \d+\.\d\dx sooner: ", out)
+    assert f"ratio {ratio} (packaged): of " in out
+    if ratio != 0.15:  # the fallback ratio beside it, to show what speed costs
+        assert re.search(r"\nblend@0\.15 +TTFT +\d+ ms, \d+\.\d\dx sooner: ", out)
+        assert "ratio 0.15 (request): of " in out and "(4/4 chunks)" in out
+    # blend with the packaged calibration answers right, as full prefill does
+    assert verdict(out).startswith("expected answer: 'Brimford'; full right: True, blend right: True")
 
 
 def test_langchain_rag_example_answers_right_blended_at_a_high_ratio(run):
     # on SmolLM2 blend answers the example questions as full prefill does only near 0.9 (docs/tuning.md)
     out = run(["examples/langchain_rag.py", "--recompute-ratio", "0.9"])
-    assert "(4/4 chunks), recomputed 368 (ratio 0.9, request)" in out  # round(0.9 * 409) of the 409 read
-    assert out.rstrip().endswith("expected answer: 'Brimford'; blend right: True, full right: True")
+    # round(0.9 * 409) of the 409 read
+    assert "ratio 0.9 (request): of 455 prompt tokens, 409 read from the chunk cache (4/4 chunks), 368 of them" in out
+    assert verdict(out).startswith("expected answer: 'Brimford'; full right: True, blend right: True")
 
 
-def test_examples_refuse_a_ratio_outside_0_to_1_before_loading_a_model():
+def test_examples_refuse_bad_arguments_before_loading_a_model(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("  \n")
     for example in ("examples/langchain_rag.py", "examples/llamaindex_rag.py"):
         out = run_python(example, "--recompute-ratio", "1.5", timeout=120, returncode=2)
         assert 'argument --recompute-ratio: recompute_ratio must be a number in [0, 1] or "auto", got 1.5' in out.stderr
+        out = run_python(example, "--documents", str(empty), timeout=120, returncode=2)
+        assert f"argument --documents: {str(empty)!r} holds no non-empty .txt document to answer from" in out.stderr
+        out = run_python(example, "--documents", str(tmp_path / "missing"), timeout=120, returncode=2)
+        assert "is not a folder" in out.stderr
 
 
 def test_llamaindex_rag_example(run):
     out = run(["examples/llamaindex_rag.py"])
-    # (0/0 chunks) when the calibration chose full prefill for SmolLM2
-    assert "retrieved: ['ada_okafor.txt'" in out and ("(4/4 chunks)" in out or "(ratio 1.0, calibrated)" in out)
-    assert "time to first token: full" in out and "x sooner" in out
-    assert "calibrated on 48 probe prompts" in out  # the store's calibration, whichever example made it
+    ratio = packaged("transformers").record.ratio
+    assert f'recompute_ratio="auto": {ratio}' in out and f"ratio {ratio} (packaged): of " in out
+    assert "retrieved: ['ada_okafor.txt'" in out and "x sooner: " in out
     # blend is right wherever full prefill is (SmolLM2's full prefill misses this one through LlamaIndex's prompt)
-    verdict = out.rstrip().splitlines()[-1]
-    assert verdict.startswith("expected answer: 'Brimford'; blend right: ")
-    assert verdict.endswith("full right: False") or verdict.endswith("blend right: True, full right: True")
+    line = verdict(out)
+    assert line.startswith("expected answer: 'Brimford'; full right: ")
+    assert (
+        line.startswith("expected answer: 'Brimford'; full right: False")
+        or "full right: True, blend right: True" in line
+    )
 
 
 def test_quickstart_example(run):
     out = run(["examples/quickstart.py"])
     assert "computed at warm-up: 5 chunks" in out
     assert "ratio 1.0 reproduces full prefill: True" in out
-    # blend with the defaults, in the examples' store: SmolLM2's calibration there (the first example
-    # made it) either blends, reading the five chunks, or chose full prefill, reading none
+    shipped = packaged("transformers")
+    assert f"ratio used: {shipped.record.ratio} (the calibration shipped for this model)" in out
+    assert f"what it means: {shipped.meaning()}" in out
+    # blend with the packaged calibration either blends, reading the five chunks, or chose full prefill, reading none
     assert "chunks_hit=5, chunks_missed=0" in out or (
-        "chunks_hit=0, chunks_missed=0" in out and "recompute_ratio=1.0, ratio_source='calibrated'" in out
+        "chunks_hit=0, chunks_missed=0" in out and "recompute_ratio=1.0, ratio_source='packaged'" in out
     )
     blend, full = (line for line in out.splitlines() if line.startswith(("blend:", "full:")))
     assert "Brimford" in full and "Brimford" in blend
