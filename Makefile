@@ -13,8 +13,7 @@ FPY := $(FRAMEWORKS_VENV)/bin/python
 FRAMEWORKS_TORCH ?= torch==2.13.0
 # The LangChain and LlamaIndex tests that need no vLLM: their test files, examples, notebook and
 # documentation pages (the quickstart example and the other pages use neither framework), and the
-# LangChain warmer calibrating at ingestion (under `make test` the examples find the calibration the
-# first run made).
+# LangChain warmer calibrating at ingestion.
 FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_langchain_standard.py \
 	tests/integration/test_langchain_retriever.py tests/integration/test_tool_calls.py \
 	tests/integration/test_llama_index.py tests/integration/test_integration_core.py \
@@ -62,7 +61,7 @@ lint: install
 # tests/unit (the walk, the plan, the store tiers, the validators) and tests/integration,
 # then the LangChain and LlamaIndex tests again on their newest releases
 test: install lint
-	@# one examples' store for both runs: SmolLM2 is calibrated at ingestion once (tests/conftest.py)
+	@# one examples' store for both runs, as a user's: the examples' chunk KV is computed once (tests/conftest.py)
 	store=$$(mktemp -d); export BLEND_TEST_EXAMPLES_STORE=$$store/store; \
 	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS) && $(MAKE) --no-print-directory test-frameworks; \
 	status=$$?; rm -rf $$store; exit $$status

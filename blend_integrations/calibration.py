@@ -285,21 +285,25 @@ class PackagedCalibration:
         r, held = self.record, self.held_out
         cal, fb = held["calibrated"], held["fallback"]
         n, tokens = held["questions"], held["tokens"]
+        label = settings_label(r.settings)
+        settings = "" if label == "default" else f" ({label})"
         if r.ratio >= 1.0 and r.guard is None:
             head = (
-                f"{r.model} needs full recompute to keep full prefill's first {tokens} tokens on "
-                f"{r.target:.0%} of prompts"
+                f"{r.model} needs full recompute to keep full prefill's first {tokens} tokens on {r.target:.0%} "
+                f"of prompts (calibrated on {r.n} prompts)"
             )
         else:
             head = (
                 f"{r.model} keeps full prefill's first {tokens} tokens on {cal['agreement']:.0%} of {n} held-out "
-                f"questions at ratio {cal['ratio']:g}, {cal['ttft_speedup']:.2f}x sooner"
+                f"questions at ratio {cal['ratio']:g}{settings}, {cal['ttft_speedup']:.2f}x sooner"
             )
+        if r.guard is None and r.ratio == fb["ratio"] and not settings:
+            return f"{head} ({r.engine} engine, {self.cpu})."
         changed = 1.0 - fb["agreement"]
+        plain = " with the default settings" if settings else ""
         return (
-            f"{head}; at ratio {fb['ratio']:g} it is {fb['ttft_speedup']:.2f}x sooner but changes "
-            f"{changed:.0%} of those answers' first {tokens} tokens (measured on the {r.engine} engine, {n} "
-            f"held-out questions, {self.cpu})."
+            f"{head}; at ratio {fb['ratio']:g}{plain} it is {fb['ttft_speedup']:.2f}x sooner but changes {changed:.0%} "
+            f"of {n} held-out answers' first {tokens} tokens ({r.engine} engine, {self.cpu})."
         )
 
 

@@ -71,9 +71,10 @@ def gemma3_gguf():
 
 @pytest.fixture(scope="session")
 def examples_store(tmp_path_factory):
-    """One store for the examples and the notebook, as a user's: the first of them to run
-    calibrates SmolLM2 in it at ingestion (minutes on 2 CPUs), the others find the calibration.
-    ``make test`` gives both of its runs the same one ($BLEND_TEST_EXAMPLES_STORE)."""
+    """One store for the examples, the notebook and the quickstart page, as a user's: the first
+    of them to run computes the examples' chunk KV in it, the others read it. Nothing calibrates
+    in it, so "auto" is the packaged calibration throughout. ``make test`` gives both of its runs
+    the same one ($BLEND_TEST_EXAMPLES_STORE)."""
     shared = os.environ.get("BLEND_TEST_EXAMPLES_STORE")
     return Path(shared) if shared else tmp_path_factory.mktemp("examples") / "store"
 

@@ -23,8 +23,10 @@ def run(smollm2_gguf, examples_store, tmp_path):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **env_vars}
         script, *rest = args
         # from another working directory than the checkout's, as a user may run them
-        return run_python(str(ROOT / script), *rest, "--store", str(examples_store), env=env, cwd=tmp_path,
-                          timeout=900).stdout  # fmt: skip
+        out = run_python(str(ROOT / script), *rest, "--store", str(examples_store), env=env, cwd=tmp_path,
+                         timeout=900)  # fmt: skip
+        assert "leaked semaphore" not in out.stderr  # the engine's processes end with the example, not after
+        return out.stdout
 
     return run
 
