@@ -75,11 +75,11 @@ def render_commands(results: Path) -> str:
             )
     setup = minutes(steps["install"]["seconds"])
     where = hardware(cfg["cpu"], cfg.get("cpus"))
+    tests = f"({minutes(steps['test']['seconds'])})" if "test" in steps else "(not timed yet)"
     return (
         f"- `make demo`: sets up `.venv` ({setup} the first time) and answers a question through a LangChain\n"
         f"  RAG chain with blending and with full prefill ({minutes(steps['demo']['seconds'])}).\n"
-        "- `make test`: sets up the same `.venv` and runs the tests"
-        + (f" ({minutes(steps['test']['seconds'])}).\n" if "test" in steps else " (not timed yet).\n")
+        f"- `make test`: sets up the same `.venv` and runs the tests {tests}.\n"
         f"\nTimes on {where}, {cfg['date']} ([newcomer.json](docs/results/newcomer.json)).\n"
     )
 
