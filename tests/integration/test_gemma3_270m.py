@@ -50,8 +50,19 @@ def test_gemma3_on_the_transformers_engine(gemma3_full):
     engine.warm(DOCS)
     exact = engine.generate(PROMPT, max_tokens=8, recompute_ratio=1.0)
     assert (exact.usage.chunks_hit, exact.token_ids) == (4, full.token_ids)
-    blend = engine.generate(BlendPrompt(PROMPT.prefix, DOCS[::-1], PROMPT.suffix), max_tokens=8)
+    reordered = BlendPrompt(PROMPT.prefix, DOCS[::-1], PROMPT.suffix)
+    blend = engine.generate(reordered, max_tokens=8, recompute_ratio=0.15)
     assert blend.usage.chunks_hit == 4 and blend.usage.recomputed_tokens > 0
+    # "auto": the calibration the package ships for Gemma 3 270M on this engine (full prefill: the
+    # model needs every token recomputed to keep its answers)
+    auto = engine.generate(reordered, max_tokens=8)
+    assert engine.calibration_source() == "packaged"
+    assert (auto.usage.ratio_source, auto.usage.recompute_ratio) == ("packaged", engine.calibration().ratio)
+    if engine.calibration().ratio == 1.0:
+        assert (
+            auto.usage.chunks_hit == 0
+            and auto.token_ids == engine.generate(reordered, max_tokens=8, mode="full").token_ids
+        )
 
 
 def test_gemma3_on_the_vllm_engine(gemma3_gguf, gemma3_full, tmp_path):
