@@ -77,6 +77,47 @@ class FaultInjection(BlendWorkerExtension):
 
         store.get = get
 
+    def blend_break_on_rank(self, rank: int, where: str | None) -> None:
+        """From now on, tensor-parallel rank ``rank`` alone fails, in the
+        blend pass or in saving missed chunks: "lease" (no memory for the
+        pass's dense cache), "read" (the store raises on a read) or "save"
+        (no memory for a missed chunk's buffers). None: no more faults."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from blend_integrations.fusion import blender as blender_module
+        from blend_integrations.fusion.walk import KVCache
+
+        connector = get_kv_transfer_group()
+        blender = connector._attach()
+        blender.request_caches.__dict__.pop("lease", None)
+        connector.store.__dict__.pop("get", None)
+        blender_module.KVCache = KVCache
+        if where is None or get_tp_group().rank_in_group != rank:
+            return
+        if where == "lease":
+
+            def lease(capacity):
+                raise torch.OutOfMemoryError(f"injected fault: no memory for a {capacity}-token cache")
+
+            blender.request_caches.lease = lease
+        elif where == "read":
+
+            def get(key, **kwargs):
+                raise OSError(5, "injected fault: input/output error reading a chunk")
+
+            connector.store.get = get
+        elif where == "save":
+
+            class NoMemory(KVCache):
+                @classmethod
+                def allocate(cls, model, capacity):
+                    raise torch.OutOfMemoryError("injected fault: no memory for a chunk's buffers")
+
+            blender_module.KVCache = NoMemory
+        else:
+            raise ValueError(f"unknown fault {where!r}")
+
     def blend_choose_attention(self) -> dict:
         """Make this worker choose how connector jobs attend as
         walk_attention="auto" does (timing the kernel and SDPA), then restore

@@ -31,6 +31,7 @@ REASONS = (
     "calibrated",  # the model's calibration (the user's or the packaged one) chose full prefill
     "invalid_params",  # its blend parameters broke a rule (the connector's check)
     "planning_failed",  # the scheduler could not plan the blend pass
+    "prompt_logprobs",  # prompt logprobs were asked for: vLLM computes every prompt token
     "blend_pass_failed",  # the worker's blend pass failed; vLLM recomputed the prompt
 )
 # Histogram buckets of the recompute ratio.

@@ -67,9 +67,11 @@ at the same addresses), ``unregister_kv_caches`` / ``restore_kv_caches``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,12 +90,14 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..fusion import Blender, ChunkKeys, Planner, PrefillPlan, PrefillStats
+from ..fusion.layers import RanksFailed, agreed
 from ..fusion.plan import in_full, measured_rates
-from ..models.vllm import PagedCache, VLLMDecoder
+from ..models.vllm import PagedCache, VLLMDecoder, VLLMRanks
 from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
 from . import stream_usage, vllm_plugin
 from .blend_metrics import RATIO_BUCKETS, REASONS, TIERS, BlendCounters, store_reads
+from .vllm_limits import check_vllm_config
 from .vllm_contract import (
     BlendParams,
     blend_params_of,
@@ -104,6 +108,8 @@ from .vllm_contract import (
 )
 
 logger = logging.getLogger(__name__)
+# This process's connectors (a worker's, and with one worker, the scheduler's beside it): ``blend_pending``.
+_CONNECTORS: weakref.WeakSet[BlendConnector] = weakref.WeakSet()
 
 
 @dataclass
@@ -287,6 +293,7 @@ class ServedModel:
 
 class BlendConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        check_vllm_config(vllm_config)  # settings that would hand out wrong KV: refused by name
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         served = ServedModel.of(vllm_config)
         self.config = served.config
@@ -319,6 +326,17 @@ class BlendConnector(KVConnectorBase_V1):
         self._unsaved: list[PrefillStats] = []
         self._failed: dict[str, str] = {}  # req_id -> cause, of blend passes that failed, until reported
         self._invalid_blocks: set[int] = set()  # their blocks, until reported
+        _CONNECTORS.add(self)
+
+    def pending(self) -> dict[str, int]:
+        """How many entries each of this side's per-request maps holds: all 0
+        once no request is in flight (nothing outlives a request)."""
+        if self._role == KVConnectorRole.SCHEDULER:
+            maps = {"to_load": self._to_load, "planned": self._planned, "fallbacks": self._fallbacks}
+            maps |= {"in_full": self._in_full}
+        else:
+            maps = {"failed": self._failed, "invalid_blocks": self._invalid_blocks, "unsaved": self._unsaved}
+        return {name: len(m) for name, m in maps.items()}
 
     # -- scheduler side -------------------------------------------------
     # vLLM treats an exception here as fatal for the engine: nothing below raises on request data.
@@ -362,6 +380,11 @@ class BlendConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = self.blend_params(request)
         if params is None or num_computed_tokens:
+            return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM computes every prompt token itself (and ignores a match) to return their logprobs.
+            why = "prompt logprobs were asked for: vLLM computes every prompt token to return their logprobs"
+            self._fall_back(request.request_id, why, "prompt_logprobs")
             return 0, False
         if self._computes_in_full(request.request_id, params):
             return 0, False  # vLLM's own prefill computes every token
@@ -426,9 +449,12 @@ class BlendConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, BlendWorkerMetadata):
             self._rates = meta.rates
-            # vLLM recomputes these requests in full (their blocks failed to load).
+            # vLLM recomputes these requests in full (their blocks failed to load). Only a
+            # planned request's pass ran: a report on one that has finished (aborted while its
+            # step ran) or that the scheduler could not plan (its reason stays) changes nothing.
             for req_id, why in meta.failed.items():
-                self._fall_back(req_id, why, "blend_pass_failed", logged=True)
+                if req_id in self._planned:
+                    self._fall_back(req_id, why, "blend_pass_failed", logged=True)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         answer = self._answer(request.request_id)
@@ -508,14 +534,35 @@ class BlendConnector(KVConnectorBase_V1):
                 try:
                     self._run(job)
                 except Exception as exc:
+                    self._survive(exc, f"the blend pass of request {job.req_id}")
                     why = f"the blend pass failed: {type(exc).__name__}: {exc}"
-                    logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
-                    self._fail(job, why)
+                    if not (isinstance(exc, RanksFailed) and exc.cause is None):
+                        logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
+                    # a rank that stopped for another's tells no cause: the rank that failed tells it
+                    self._fail(job, why if not isinstance(exc, RanksFailed) or exc.cause is not None else None)
 
-    def _fail(self, job: BlendJob, why: str) -> None:
+    @functools.cached_property
+    def _ranks(self) -> VLLMRanks | None:
+        """This worker's tensor-parallel group, or None without tensor parallelism."""
+        ranks = VLLMRanks()
+        return ranks if ranks.size > 1 else None
+
+    def _survive(self, exc: Exception, what: str) -> None:
+        """Re-raise ``exc`` unless every rank surely stopped where this one
+        did: without tensor parallelism, or where the ranks agreed
+        (``RanksFailed``). A failure inside the walk, between its collectives,
+        is this rank's alone: going on would leave the other ranks' collectives
+        out of step with this one's, summing unrelated tensors. vLLM stops
+        the engine on it instead, loudly."""
+        if self._ranks is not None and not isinstance(exc, RanksFailed):
+            logger.critical("%s failed on tensor-parallel rank %d between collectives", what, self._ranks.rank)
+            raise exc
+
+    def _fail(self, job: BlendJob, why: str | None) -> None:
         """Report the job's blocks as failed to load (vLLM then computes the
-        request in full), and tell the scheduler why."""
-        self._failed[job.req_id] = why
+        request in full), and tell the scheduler why (None: another rank does)."""
+        if why is not None:
+            self._failed[job.req_id] = why
         self._invalid_blocks.update(job.block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -523,15 +570,24 @@ class BlendConnector(KVConnectorBase_V1):
         return invalid
 
     def _run(self, job: BlendJob) -> None:
+        """One blend pass. Under tensor parallelism the ranks agree before
+        the walk's collectives (what each rank prepares alone, and the
+        entries it reads: ``Blender.prefill``) and after them, so that a
+        failure on one rank there stops every rank's pass, not its own alone."""
         assert job.plan is not None  # a job without a plan has an error, and is failed without a run
-        blender = self._attach()
-        # The walk writes every layer into the request's blocks and attends there.
-        paged = PagedCache([self._kv_caches[name] for name in self._layer_names], job.block_ids, self.block_size)
-        with record_function("blend.pass"), blender.request_caches.lease(len(job.token_ids)) as cache:
-            _, stats = blender.prefill(cache, job.token_ids, job.plan, logits=False, kv_target=paged)
-        # Missed chunks are saved at the next step, after this step's first
-        # token is out: off the time-to-first-token path.
-        self._unsaved.append(stats)
+        with contextlib.ExitStack() as stack:
+            with agreed(self._ranks):
+                blender = self._attach()
+                # The walk writes every layer into the request's blocks and attends there.
+                layers = [self._kv_caches[name] for name in self._layer_names]
+                paged = PagedCache(layers, job.block_ids, self.block_size)
+                cache = stack.enter_context(blender.request_caches.lease(len(job.token_ids)))
+            with record_function("blend.pass"):
+                _, stats = blender.prefill(cache, job.token_ids, job.plan, logits=False, kv_target=paged)
+        with agreed(self._ranks):
+            # Missed chunks are saved at the next step, after this step's first
+            # token is out: off the time-to-first-token path.
+            self._unsaved.append(stats)
 
     def _measured_rates(self) -> dict[str, float | None]:
         return measured_rates(self.store, self.blender.compute_rate if self.blender is not None else None)
@@ -549,12 +605,12 @@ class BlendConnector(KVConnectorBase_V1):
         logged and dropped: it is computed again when it next misses."""
         while self._unsaved and self.blender is not None:
             stats = self._unsaved.pop()
+            count = len(stats.missed)
             try:
                 self.blender.save_missed(stats)
-            except Exception:
-                logger.exception(
-                    "saving %d missed chunk(s) failed; they are computed again when next used", len(stats.missed)
-                )
+            except Exception as exc:
+                self._survive(exc, "computing missed chunks to save")
+                logger.exception("saving %d missed chunk(s) failed; they are computed again when next used", count)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # the blend pass is synchronous
@@ -595,6 +651,12 @@ class BlendWorkerExtension:
     def blend_allocator(self) -> str:
         """The malloc this worker runs on ("tcmalloc", "jemalloc" or "system")."""
         return process_allocator()
+
+    def blend_pending(self) -> list[dict]:
+        """``BlendConnector.pending`` of each connector in this worker's
+        process, with its side: the scheduler's is there too when vLLM runs
+        one worker in its engine process (tensor_parallel_size 1)."""
+        return [{"side": c._role.name.lower(), **c.pending()} for c in list(_CONNECTORS)]
 
     def blend_flush(self) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group

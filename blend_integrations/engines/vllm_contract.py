@@ -135,6 +135,9 @@ def blend_engine_args(
         # prompt must be prefilled in one step (no chunked prefill split).
         "enable_prefix_caching": False,
         "max_num_batched_tokens": max(max_model_len, 2048),
+        # A request's next step must not be scheduled before its blend pass is known to have
+        # worked (vllm_limits; vLLM's CPU backend never schedules asynchronously).
+        "async_scheduling": False,
     }
     if not on_gpu:
         args |= {"enforce_eager": True, "block_size": 32}  # the CPU backend needs blocks of a multiple of 32

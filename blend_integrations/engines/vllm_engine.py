@@ -33,6 +33,7 @@ from .vllm_contract import (
     check_vllm_version,
     kv_transfer_params,
 )
+from .vllm_limits import UnsupportedSetting, refused_settings
 
 
 @contextlib.contextmanager
@@ -48,6 +49,20 @@ def _environ(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _refusal(kwargs: dict) -> UnsupportedSetting | None:
+    """The connector's refusal of these engine arguments (``vllm_limits``),
+    if that is why vLLM did not start: vLLM's own error only points at its
+    engine process's log. Checked once vLLM has failed, which costs a
+    successful start nothing."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        problems = refused_settings(EngineArgs(**kwargs).create_engine_config())
+    except Exception:  # vLLM refused the arguments itself: its error stands
+        return None
+    return UnsupportedSetting(problems) if problems else None
 
 
 class VLLMEngine(Engine):
@@ -122,7 +137,13 @@ class VLLMEngine(Engine):
         # vLLM starts its processes (and their connectors) in LLM(); they keep
         # the variables, this process gets its own back.
         with _environ(blend_engine_env(self.store, tensor_parallel_size=tensor_parallel_size, on_gpu=on_gpu)):
-            self.llm = vllm.LLM(**kwargs)
+            try:
+                self.llm = vllm.LLM(**kwargs)
+            except Exception as exc:
+                refusal = _refusal(kwargs)
+                if refusal is not None:
+                    raise refusal from exc
+                raise
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._ids = itertools.count()
         self._counters = BlendCounters()  # every finished request's blend outcome: ``stats()``

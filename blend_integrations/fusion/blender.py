@@ -9,6 +9,7 @@ standalone recipe.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,10 +24,12 @@ from ..store import ChunkKV, ChunkStore
 from ..store.layered import LayerReader
 from ..store.rate import Rate
 from .controller import LoadingStats
-from .layers import LayerModel
+from .layers import LayerModel, agreed
 from .pipeline import LayerLoader, LoadFailed
 from .plan import COMPUTE, MISS, ChunkKeys, Planner, PrefillPlan, measured_rates
 from .walk import KVCache, ReusedSpan, ScratchCache, WalkStats, forward
+
+logger = logging.getLogger(__name__)
 
 # Threads reading a prompt's chunks from the store at once (on a GPU machine).
 READ_THREADS = 8
@@ -135,8 +138,11 @@ class Blender:
         m = self.model
         bos = self.keys.bos_token_id
         ids = ([bos] if bos is not None else []) + list(token_ids)
-        record = torch.empty((m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim), dtype=m.dtype, device=m.device)
-        self._forward(KVCache.allocate(m, len(ids)), ids, record=record, logits=False)
+        with agreed(m.tp):  # the buffers, on every rank before the walk's collectives
+            shape = (m.num_layers, 2, m.num_kv_heads, len(ids), m.head_dim)
+            record = torch.empty(shape, dtype=m.dtype, device=m.device)
+            cache = KVCache.allocate(m, len(ids))
+        self._forward(cache, ids, record=record, logits=False)
         if m.tp is not None:  # a stored chunk holds every head, so any group size can read it
             record = m.tp.gather_kv_heads(record)
         skip = 1 if bos is not None else 0
@@ -147,10 +153,14 @@ class Blender:
     def ensure(self, token_ids: Sequence[int]) -> bool:
         """Compute and store a chunk unless the store has it; True if computed."""
         key = self.keys(token_ids)
-        [missing] = self._missing_anywhere([self.store.get(key, expect=self._expect(len(token_ids))) is None])
+        with agreed(self.model.tp):
+            found = self.store.get(key, expect=self._expect(len(token_ids)))
+        [missing] = self._missing_anywhere([found is None])
         if not missing:
             return False
-        self.store.put(self.compute_chunk(token_ids, key))
+        entry = self.compute_chunk(token_ids, key)
+        with agreed(self.model.tp):  # a rank that cannot store it fails the warm-up with the others
+            self.store.put(entry)
         return True
 
     def prefill(
@@ -175,8 +185,10 @@ class Blender:
                 stats.chunks_computed += 1
             else:
                 to_open.append((chunk, ids))
+        with agreed(self.model.tp):  # a read that raised on one rank stops every rank before the walk
+            sources = self._open_all(to_open)
         # (chunk, ids, ChunkKV or LayerReader or None) of the chunks to load
-        opened = [(chunk, ids, source) for (chunk, ids), source in zip(to_open, self._open_all(to_open))]
+        opened = [(chunk, ids, source) for (chunk, ids), source in zip(to_open, sources)]
         missing = self._missing_anywhere([source is None for *_, source in opened])
         loaded = []  # (start, end, key, ids, ChunkKV or LayerReader) of the chunks reused
         for (chunk, ids, source), gone in zip(opened, missing):
@@ -283,8 +295,17 @@ class Blender:
         if not promised:
             return None
         entry = self.compute_chunk(ids, key)
-        self.store.put(entry)
+        self._put(entry)
         return entry
+
+    def _put(self, entry: ChunkKV) -> None:
+        """Store a computed chunk. One that cannot be stored is logged and
+        dropped (it is computed again when next used); the ranks of a
+        tensor-parallel group go on in step either way."""
+        try:
+            self.store.put(entry)
+        except Exception:
+            logger.exception("storing chunk %s failed; it is computed again when next used", entry.key[:16])
 
     def _forward(
         self, cache: KVCache, token_ids: Sequence[int], *, loader: LayerLoader | None = None, **options
@@ -302,7 +323,9 @@ class Blender:
         return out, walk
 
     def save_missed(self, stats: PrefillStats) -> None:
-        """Store missed chunks with the standalone recipe so the next request hits."""
-        for key, ids in stats.missed.items():
-            self.store.put(self.compute_chunk(ids, key))
-        stats.missed = {}
+        """Store missed chunks with the standalone recipe so the next request
+        hits. A chunk that cannot be computed raises (on every rank
+        together, under tensor parallelism); one that cannot be stored is logged."""
+        missed, stats.missed = stats.missed, {}
+        for key, ids in missed.items():
+            self._put(self.compute_chunk(ids, key))

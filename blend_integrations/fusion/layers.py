@@ -7,20 +7,76 @@ are batch-free: hidden ``[T, hidden]``, per-head tensors ``[heads, T, head_dim]`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 
 
-class TensorParallel(Protocol):
+class Ranks(Protocol):
+    """The ranks of a tensor-parallel group, as agreeing on failure needs them."""
+
+    rank: int  # this process's rank in the group
+    size: int
+    device: torch.device  # where the group's collectives take tensors
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the group's ranks; the same tensor on every rank."""
+
+
+class RanksFailed(RuntimeError):
+    """Every rank of a tensor-parallel group stopped at the same point,
+    because one or more of them failed there (``agreed``). ``cause``: this
+    rank's own failure; None on a rank that stopped for another's."""
+
+    def __init__(self, message: str, cause: BaseException | None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def agree(ranks: Ranks | None, failure: BaseException | None) -> None:
+    """Before the next collective: every rank learns whether any rank failed
+    since the last agreement, and if one did, every rank raises
+    ``RanksFailed`` (with the cause on the ranks that failed), so no rank is
+    left waiting in a collective the others never join. One all-reduce of a
+    flag per rank. Without tensor parallelism, ``failure`` is raised as is."""
+    if ranks is None:
+        if failure is not None:
+            raise failure
+        return
+    flags = torch.zeros(ranks.size, dtype=torch.float32, device=ranks.device)
+    flags[ranks.rank] = float(failure is not None)
+    failed = [r for r, flag in enumerate(ranks.sum(flags).tolist()) if flag]
+    if not failed:
+        return
+    if failure is not None:
+        raise RanksFailed(
+            f"tensor-parallel rank {ranks.rank}: {type(failure).__name__}: {failure}", failure
+        ) from failure
+    raise RanksFailed(f"tensor-parallel rank(s) {', '.join(map(str, failed))} failed", None)
+
+
+@contextmanager
+def agreed(ranks: Ranks | None) -> Iterator[None]:
+    """Run a stretch of rank-local work (no collective inside), then
+    ``agree``: a failure in it on any rank stops every rank together."""
+    failure = None
+    try:
+        yield
+    except Exception as exc:
+        if ranks is None:
+            raise
+        failure = exc
+    agree(ranks, failure)
+
+
+class TensorParallel(Ranks, Protocol):
     """A model split over a tensor-parallel group: every rank computes its own
     heads, and the walk on every rank must choose the same tokens."""
 
     kv_heads: slice  # this rank's KV heads among the model's (a stored chunk holds them all)
     total_kv_heads: int  # the model's KV heads, over every rank
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the group's ranks; the same tensor on every rank."""
 
     def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[layers, 2, kv_heads, T, D]`` of this rank's KV heads -> of all the model's."""

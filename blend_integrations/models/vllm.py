@@ -61,9 +61,23 @@ class PagedCache:
         return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
 
-class VLLMTensorParallel:
-    """``TensorParallel`` over vLLM's tensor-parallel group (its own
-    communicator, as the model's layers use it).
+class VLLMRanks:
+    """``Ranks`` of vLLM's tensor-parallel group in this worker (its own
+    communicator, as the model's layers use it)."""
+
+    def __init__(self) -> None:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        self.group = get_tp_group()
+        self.size, self.rank = self.group.world_size, self.group.rank_in_group
+        self.device = self.group.device
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(x)
+
+
+class VLLMTensorParallel(VLLMRanks):
+    """``TensorParallel`` over vLLM's tensor-parallel group.
 
     vLLM gives rank r the KV heads ``r * n / size`` up to the next rank's when
     the model has n >= size KV heads; with fewer, each head is copied to
@@ -71,17 +85,11 @@ class VLLMTensorParallel:
     """
 
     def __init__(self, local_kv_heads: int, total_kv_heads: int) -> None:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        self.group = get_tp_group()
-        self.size, rank = self.group.world_size, self.group.rank_in_group
+        super().__init__()
         self.total_kv_heads = total_kv_heads
         self.replicas = max(1, self.size // total_kv_heads)  # ranks holding each KV head
-        first = rank // self.replicas * local_kv_heads
+        first = self.rank // self.replicas * local_kv_heads
         self.kv_heads = slice(first, first + local_kv_heads)
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(x)
 
     def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
         every = self.group.all_gather(x.contiguous(), dim=2)
@@ -99,13 +107,6 @@ class VLLMDecoder:
         self.config = config
         self.inner = model.model
         self.layers = list(self.inner.layers)
-        from vllm.distributed.parallel_state import get_pp_group
-
-        if get_pp_group().world_size > 1:
-            raise NotImplementedError(
-                "blending with pipeline parallelism is not supported: the blend pass walks every layer in one "
-                "worker; use tensor parallelism (tensor_parallel_size) instead"
-            )
         attn = self.layers[0].self_attn
         kernel = attn.attn  # vLLM's attention layer; under tensor parallelism, this rank's heads only
         tp = VLLMTensorParallel(kernel.num_kv_heads, config.num_key_value_heads or config.num_attention_heads)

@@ -312,3 +312,53 @@ def test_metrics_equal_the_usage_the_responses_reported(client, blend_server, do
         used |= set(re.findall(r"vllm:[a-z_]+", source.read_text()))
     assert {"vllm:blend_store_hits_total", "vllm:prompt_tokens_total"} <= used
     assert used - {"vllm:blend_recompute_ratio"} <= served  # a histogram's samples: _bucket, _count, _sum
+
+
+def test_prompt_logprobs_are_vllms_own_and_the_response_says_the_prompt_was_not_blended(client, docs):
+    """vLLM computes every prompt token of a request that asks for prompt
+    logprobs (it ignores a connector's match then): the connector does not
+    blend it, says why, and the logprobs are full prefill's."""
+    client.warm(docs)
+    tp = client.tokenize(BlendPrompt("Read.", docs[::-1], QUESTION))
+
+    def complete(blend: dict | None) -> dict:
+        body = {"model": client.model_name, "prompt": list(tp.token_ids), "max_tokens": 4, "temperature": 0}
+        body |= {"prompt_logprobs": 1} | ({"kv_transfer_params": {"blend": blend}} if blend else {})
+        req = urllib.request.Request(
+            client.base_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {client._api_key}"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read())
+
+    spans = [list(s) for s in tp.chunk_spans]
+    blended = complete({"mode": "blend", "ratio": 0.15, "chunk_spans": spans, "num_tokens": len(tp) - 1})
+    full = complete(None)
+    answer = blended["kv_transfer_params"]
+    assert answer["blend_fallback_reason"] == "prompt_logprobs" and "prompt logprobs" in answer["blend_fallback"]
+    assert answer["blend"]["cached_tokens"] == 0
+    (choice,), (full_choice,) = blended["choices"], full["choices"]
+    assert len(choice["prompt_logprobs"]) == len(tp) and choice["prompt_logprobs"][0] is None
+    assert all(lp is not None for lp in choice["prompt_logprobs"][1:])
+
+    def chosen(logprobs: list) -> list:
+        return [{k: round(v["logprob"], 4) for k, v in step.items()} for step in logprobs[1:]]
+
+    assert chosen(choice["prompt_logprobs"]) == chosen(full_choice["prompt_logprobs"])
+    assert choice["text"] == full_choice["text"]
+
+
+def test_the_server_refuses_prefix_caching_by_name(model_dirs, tmp_path):
+    """``--enable-prefix-caching`` passed through to vLLM: the connector
+    refuses to start (it would serve blended KV from vLLM's prefix cache),
+    naming the setting, and the server exits."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "blend_integrations.serve", model_dirs("llama"), "--store", str(tmp_path)]
+    cmd += ["--max-model-len", "2048", "--kv-cache-gib", "1", "--enable-prefix-caching"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode != 0
+    assert "the blend connector refuses enable_prefix_caching" in done.stderr + done.stdout
+    assert "--no-enable-prefix-caching" in done.stderr + done.stdout

@@ -114,6 +114,54 @@ def test_a_chunk_one_rank_cannot_read_is_computed_on_every_rank(vllm_tp2, docs):
     assert blend.token_ids == vllm_tp2.generate(prompt, max_tokens=10, mode="full").token_ids
 
 
+@pytest.mark.timeout(600)  # ranks that disagreed would wait for each other forever
+@pytest.mark.parametrize(
+    "where, cause",
+    [("lease", "OutOfMemoryError: injected fault: no memory"), ("read", "OSError: [Errno 5] injected fault")],
+)
+def test_a_pass_that_fails_on_one_rank_falls_back_on_every_rank(vllm_tp2, docs, where, cause):
+    """Rank 1 alone fails before the walk's collectives: the ranks agree on
+    it, so neither waits for the other; vLLM computes the prompt in full and
+    the response says why, naming the rank."""
+    vllm_tp2.warm(docs)
+    prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+    full = vllm_tp2.generate(prompt, max_tokens=10, mode="full")
+    vllm_tp2.llm.collective_rpc("blend_break_on_rank", args=(1, where))
+    try:
+        broken = vllm_tp2.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+    finally:
+        vllm_tp2.llm.collective_rpc("blend_break_on_rank", args=(1, None))
+    assert broken.fallback is not None and broken.usage.cached_tokens == 0
+    assert f"the blend pass failed: RanksFailed: tensor-parallel rank 1: {cause}" in broken.fallback
+    assert broken.token_ids == full.token_ids
+    again = vllm_tp2.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+    assert (again.fallback, again.usage.chunks_hit) == (None, len(docs))
+    assert again.token_ids == full.token_ids
+
+
+@pytest.mark.timeout(600)
+def test_saving_chunks_that_fails_on_one_rank_stops_both_ranks_together(vllm_tp2, docs):
+    """Rank 1 alone cannot compute a missed chunk to save it: both ranks drop
+    the save at the same point, the request that missed is answered right,
+    and the next one misses the chunks again, computes them, and is right."""
+    fresh = [f"{d} Kept in the archive {i}." for i, d in enumerate(docs)]
+    prompt = BlendPrompt("Read.", fresh, QUESTION)
+    full = vllm_tp2.generate(prompt, max_tokens=6, mode="full")
+    vllm_tp2.llm.collective_rpc("blend_break_on_rank", args=(1, "save"))
+    try:
+        missed = vllm_tp2.generate(prompt, max_tokens=6, recompute_ratio=1.0)  # saved at its second step
+    finally:
+        vllm_tp2.llm.collective_rpc("blend_break_on_rank", args=(1, None))
+    assert (missed.fallback, missed.usage.chunks_missed) == (None, len(fresh))
+    assert missed.token_ids == full.token_ids
+    again = vllm_tp2.generate(prompt, max_tokens=6, recompute_ratio=1.0)
+    assert (again.fallback, again.usage.chunks_missed) == (None, len(fresh))  # nothing was saved
+    assert again.token_ids == full.token_ids
+    hit = vllm_tp2.generate(prompt, max_tokens=6, recompute_ratio=1.0)
+    assert (hit.fallback, hit.usage.chunks_hit) == (None, len(fresh))
+    assert hit.token_ids == full.token_ids
+
+
 @pytest.mark.parametrize("selection", ["deviation", "query", "mixed"])
 def test_two_ranks_choose_what_one_rank_chooses(vllm_tp2, vllm_engine, docs, selection):
     """Each rank scores its own heads; the scores summed over both ranks pick

@@ -1,0 +1,96 @@
+"""Engines layer: the vLLM settings the blend connector refuses, and why.
+
+vLLM lets a user combine a KV connector with settings that break what the
+blend connector relies on: that a blended block stays with the request that
+asked for it, that the worker's blend pass fills every KV layer the model
+reads, that it has the model to walk. Any of them would make the connector
+hand out wrong KV without a word, so the connector refuses to start with
+them (both of its sides, in every vLLM process), and the embedded engine
+says which one before anything else (``VLLMEngine``). docs/limits.md lists
+them, with the settings shown safe instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class UnsupportedSetting(ValueError):
+    """A vLLM setting the blend connector cannot run with; ``settings`` names each by vLLM's engine argument."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.settings = [name for name, _ in problems]
+        reasons = "; ".join(why for _, why in problems)
+        super().__init__(f"the blend connector refuses {', '.join(self.settings)}: {reasons} (see docs/limits.md)")
+
+
+def refused_settings(vllm_config: Any) -> list[tuple[str, str]]:
+    """``(setting, why)`` for each setting of a ``VllmConfig`` the connector refuses."""
+    problems = []
+    if vllm_config.cache_config.enable_prefix_caching:
+        problems.append(
+            (
+                "enable_prefix_caching",
+                "vLLM's prefix cache would keep blocks of blended, approximate KV under the plain tokens' hash and "
+                "hand them to later requests, blended or not; start vLLM with --no-enable-prefix-caching "
+                "(enable_prefix_caching=False)",
+            )
+        )
+    role = vllm_config.kv_transfer_config.kv_role
+    if role != "kv_both":
+        problems.append(
+            (
+                "kv_role",
+                f"kv_role is {role!r}: the connector both reads and writes the chunk store in one engine, "
+                "so kv_transfer_config needs kv_role='kv_both'",
+            )
+        )
+    if vllm_config.speculative_config is not None:
+        problems.append(
+            (
+                "speculative_config",
+                "the blend pass fills the target model's KV layers only, so a draft model or head would read "
+                "no KV for the blended tokens; start vLLM without --speculative-config",
+            )
+        )
+    load_format = vllm_config.load_config.load_format
+    if load_format != "blend":
+        problems.append(
+            (
+                "load_format",
+                f"load_format is {load_format!r}: the blend pass runs in the worker with the model the 'blend' "
+                "loader hands it; start vLLM with --load-format blend",
+            )
+        )
+    if vllm_config.lora_config is not None:
+        problems.append(
+            (
+                "enable_lora",
+                "chunk KV is keyed by the base model, and the blend pass walks the base model's layers outside "
+                "vLLM's forward, where no adapter applies; start vLLM without --enable-lora",
+            )
+        )
+    if vllm_config.scheduler_config.async_scheduling:
+        problems.append(
+            (
+                "async_scheduling",
+                "with asynchronous scheduling vLLM schedules a request's next step before it learns that its "
+                "blend pass failed, and a token sampled from the failed pass's KV could be delivered (not yet "
+                "checked on a GPU); start vLLM with --no-async-scheduling",
+            )
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        problems.append(
+            (
+                "pipeline_parallel_size",
+                "the blend pass walks every layer in one worker; split the model with tensor_parallel_size instead",
+            )
+        )
+    return problems
+
+
+def check_vllm_config(vllm_config: Any) -> None:
+    """Raise ``UnsupportedSetting`` naming every refused setting of ``vllm_config``."""
+    problems = refused_settings(vllm_config)
+    if problems:
+        raise UnsupportedSetting(problems)
