@@ -97,7 +97,6 @@ from ..prompt import PromptError, bos_id_added, spans_from_separator
 from ..store import ChunkStore, model_fingerprint
 from . import stream_usage, vllm_plugin
 from .blend_metrics import RATIO_BUCKETS, REASONS, TIERS, BlendCounters, store_reads
-from .vllm_limits import check_vllm_config
 from .vllm_contract import (
     BlendParams,
     blend_params_of,
@@ -106,6 +105,7 @@ from .vllm_contract import (
     not_blended,
     process_allocator,
 )
+from .vllm_limits import check_vllm_config
 
 logger = logging.getLogger(__name__)
 # This process's connectors (a worker's, and with one worker, the scheduler's beside it): ``blend_pending``.
@@ -332,11 +332,10 @@ class BlendConnector(KVConnectorBase_V1):
         """How many entries each of this side's per-request maps holds: all 0
         once no request is in flight (nothing outlives a request)."""
         if self._role == KVConnectorRole.SCHEDULER:
-            maps = {"to_load": self._to_load, "planned": self._planned, "fallbacks": self._fallbacks}
-            maps |= {"in_full": self._in_full}
-        else:
-            maps = {"failed": self._failed, "invalid_blocks": self._invalid_blocks, "unsaved": self._unsaved}
-        return {name: len(m) for name, m in maps.items()}
+            sizes = [len(self._to_load), len(self._planned), len(self._fallbacks), len(self._in_full)]
+            return dict(zip(("to_load", "planned", "fallbacks", "in_full"), sizes))
+        sizes = [len(self._failed), len(self._invalid_blocks), len(self._unsaved)]
+        return dict(zip(("failed", "invalid_blocks", "unsaved"), sizes))
 
     # -- scheduler side -------------------------------------------------
     # vLLM treats an exception here as fatal for the engine: nothing below raises on request data.

@@ -29,7 +29,9 @@ def vllm_config(model_dir: str, store_path, *, kv_role: str = "kv_both", **overr
 REFUSED = {
     "enable_prefix_caching": {"enable_prefix_caching": True},
     "kv_role": {"kv_role": "kv_consumer"},
-    "speculative_config": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+    "speculative_config": {
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    },
     "load_format": {"load_format": "auto"},
     "enable_lora": {"enable_lora": True},
     "pipeline_parallel_size": {"pipeline_parallel_size": 2},
