@@ -108,7 +108,8 @@ from .vllm_contract import (
 from .vllm_limits import check_vllm_config
 
 logger = logging.getLogger(__name__)
-# This process's connectors (a worker's, and with one worker, the scheduler's beside it): ``blend_pending``.
+# This process's connectors, for ``blend_pending``: a worker's, and the scheduler's too where vLLM
+# runs its engine core and worker in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor).
 _CONNECTORS: weakref.WeakSet[BlendConnector] = weakref.WeakSet()
 
 
@@ -535,10 +536,10 @@ class BlendConnector(KVConnectorBase_V1):
                 except Exception as exc:
                     self._survive(exc, f"the blend pass of request {job.req_id}")
                     why = f"the blend pass failed: {type(exc).__name__}: {exc}"
-                    if not (isinstance(exc, RanksFailed) and exc.cause is None):
+                    peer = isinstance(exc, RanksFailed) and exc.cause is None  # the rank that failed tells why
+                    if not peer:
                         logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
-                    # a rank that stopped for another's tells no cause: the rank that failed tells it
-                    self._fail(job, why if not isinstance(exc, RanksFailed) or exc.cause is not None else None)
+                    self._fail(job, None if peer else why)
 
     @functools.cached_property
     def _ranks(self) -> VLLMRanks | None:
@@ -654,7 +655,7 @@ class BlendWorkerExtension:
     def blend_pending(self) -> list[dict]:
         """``BlendConnector.pending`` of each connector in this worker's
         process, with its side: the scheduler's is there too when vLLM runs
-        one worker in its engine process (tensor_parallel_size 1)."""
+        its engine core and worker in one process (``_CONNECTORS``)."""
         return [{"side": c._role.name.lower(), **c.pending()} for c in list(_CONNECTORS)]
 
     def blend_flush(self) -> None:
