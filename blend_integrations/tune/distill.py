@@ -1,0 +1,343 @@
+"""Tuning layer: make a model blend-ready by self-distillation.
+
+The teacher is the unchanged model reading a blend prompt with full
+attention; the student is the same model with LoRA adapters (``peft``). On
+the teacher's own greedy reply, teacher-forced, the student reads each prompt
+both ways (``readings.py``): with every chunk read alone, as the chunk store
+holds it, and with full attention; the loss is the KL divergence from the
+teacher for each. Reading alone is what reuse and blending ask of the model;
+keeping the full reading next to the teacher keeps the tuned model's full
+prefill where the untuned one's was, so a partial recompute mixes two
+readings the model knows (Block-Attention trains both the same way).
+
+The result is a model directory (merged weights, tokenizer, chat template,
+``tuning.json``) that either engine loads like any checkpoint; its weights,
+and so its fingerprint, chunk keys and calibrations, are its own.
+
+Work goes into ``OUT.partial`` (checkpoints every ``checkpoint_every``
+steps, resumable) and is renamed to ``OUT`` at the end, so an ``OUT`` that
+exists is always complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import BlendConfig
+from ..models import check_supported
+from ..models.loading import dtype_name, resolve_device, resolve_model_dir
+from ..prompt import TokenizedPrompt, bos_id_added
+from ..store import model_fingerprint
+from .prompts import make_prompts, read_documents
+from .readings import block_reading, full_reading, kl, reply_logprobs
+
+logger = logging.getLogger(__name__)
+
+RECORD = "tuning.json"
+CHECKPOINT = "checkpoint"
+# the projections LoRA adapts in every supported family (peft finds them by name)
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    steps: int = 300
+    rank: int = 16
+    alpha: int = 32
+    learning_rate: float = 2e-4
+    batch_size: int = 4
+    seq_len: int = 1024  # the longest prompt plus reply, in tokens
+    chunks_per_prompt: int = 4
+    chunk_tokens: int = 128
+    reply_tokens: int = 8  # the teacher's greedy reply, on which the KL is taken
+    full_weight: float = 1.0  # the full reading's share of the loss, beside the block reading's 1
+    prompts: int = 400  # training prompts made from the documents
+    held_out: int = 24  # held-out prompts for the KL reported while training
+    eval_every: int = 25
+    checkpoint_every: int = 25
+    target: float | None = None  # stop once the held-out block KL is at most this
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA and on CPUs with bfloat16 instructions, else float32
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "rank", "alpha", "batch_size", "seq_len", "chunks_per_prompt", "chunk_tokens"):
+            _positive_int(name, getattr(self, name))
+        for name in ("reply_tokens", "prompts", "held_out", "eval_every", "checkpoint_every"):
+            _positive_int(name, getattr(self, name))
+        for name in ("learning_rate", "full_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.learning_rate == 0:
+            raise ValueError("learning_rate must be above 0")
+        if self.target is not None and (
+            isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not self.target >= 0
+        ):
+            raise ValueError(f"target must be a number >= 0 (a held-out KL), got {self.target!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.seq_len <= self.reply_tokens + 16:
+            raise ValueError(f"seq_len must leave room for a prompt beside the reply, got {self.seq_len}")
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_tune_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or cpu_has_bfloat16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+@dataclass
+class TuneResult:
+    out: Path
+    steps: int
+    held_out_kl: list[tuple[int, float, float]] = field(default_factory=list)  # (step, block KL, full KL)
+    seconds: float = 0.0
+
+
+class TuneError(ValueError):
+    """Tuning cannot start as asked; nothing was written."""
+
+
+def tune(
+    model: str | os.PathLike,
+    documents: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    options: TuneOptions | None = None,
+    questions: Sequence[str] = (),
+    resume: bool = False,
+    progress: bool = True,
+    on_eval: Callable[[int, float, float], None] | None = None,
+) -> TuneResult:
+    """Tune ``model`` on prompts made from ``documents`` and write the tuned
+    model directory to ``out`` (see the module's docstring). ``resume``:
+    continue from the checkpoint in ``out + ".partial"``."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    options = options or TuneOptions()
+    out = Path(out)
+    work = out.with_name(out.name + ".partial")
+    if out.exists():
+        raise TuneError(f"{str(out)!r} exists: choose a new --out (a finished tuning is never overwritten)")
+    model_dir = resolve_model_dir(model)
+    check_supported(AutoConfig.from_pretrained(model_dir))
+    fingerprint = model_fingerprint(model_dir)
+    checkpoint = work / CHECKPOINT
+    if resume:
+        meta = _read_meta(checkpoint)
+        if meta["base_fingerprint"] != fingerprint:
+            raise TuneError(
+                f"--resume: the checkpoint in {str(checkpoint)!r} was made from {meta['base_model']!r} "
+                f"(fingerprint {meta['base_fingerprint'][:12]}), not from {str(model)!r} ({fingerprint[:12]})"
+            )
+        options = TuneOptions(**meta["options"])
+    elif work.exists():
+        raise TuneError(f"{str(work)!r} holds an unfinished tuning: pass --resume to continue it, or remove it")
+    texts = read_documents(documents)
+    device = resolve_device(options.device)
+    dtype = resolve_tune_dtype(options.dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    bos = bos_id_added(tokenizer)
+    prompts = make_prompts(
+        texts,
+        tokenizer,
+        BlendConfig().separator,
+        chunk_tokens=options.chunk_tokens,
+        chunks_per_prompt=options.chunks_per_prompt,
+        max_prompt_tokens=options.seq_len - options.reply_tokens,
+        count=options.prompts,
+        held_out=options.held_out,
+        seed=options.seed,
+        questions=questions,
+    )
+    torch.manual_seed(options.seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
+    base.config.use_cache = False
+    if resume:
+        model_ = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=True)
+    else:
+        lora = LoraConfig(
+            r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0, target_modules=TARGET_MODULES, bias="none"
+        )
+        model_ = get_peft_model(base, lora)
+    params = [p for p in model_.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=options.learning_rate, weight_decay=0.0)
+    result = TuneResult(out, 0)  # the progress so far, checkpointed
+    if resume:
+        saved = torch.load(checkpoint / "state.pt", weights_only=True)
+        optimizer.load_state_dict(saved["optimizer"])
+        result = TuneResult(out, **saved["progress"])
+        random.setstate(saved["python_rng"])
+        torch.set_rng_state(saved["torch_rng"])
+
+    teacher = _Teacher(model_, tokenizer, options.reply_tokens)
+    held_out = [(tp, *teacher(tp)) for tp in prompts.held_out]
+    order = random.Random(options.seed + 1)
+    started = time.perf_counter() - result.seconds
+
+    def evaluate() -> tuple[float, float]:
+        model_.eval()
+        with torch.no_grad():
+            block = full = 0.0
+            for tp, reply, target in held_out:
+                target = target.to(device)
+                block += kl(target, reply_logprobs(model_, [block_reading(tp, reply, bos)], dtype)).item()
+                full += kl(target, reply_logprobs(model_, [full_reading(tp, reply)], dtype)).item()
+        model_.train()
+        return block / len(held_out), full / len(held_out)
+
+    if not result.held_out_kl:
+        result.held_out_kl.append((0, *evaluate()))
+    bar = tqdm(total=options.steps, initial=result.steps, desc="tuning", unit="step", disable=not progress)
+    last = result.held_out_kl[-1]
+    bar.set_postfix(held_out_kl=f"{last[1]:.4f}")
+    model_.train()
+    while result.steps < options.steps:
+        # the same batches after a resume: the order is drawn from the seed and the step
+        order.seed(options.seed * 1_000_003 + result.steps)
+        batch = [prompts.train[order.randrange(len(prompts.train))] for _ in range(options.batch_size)]
+        taught = [(tp, *teacher(tp)) for tp in batch]
+        target = torch.cat([lp for *_, lp in taught]).to(device)
+        block = kl(target, reply_logprobs(model_, [block_reading(tp, r, bos) for tp, r, _ in taught], dtype))
+        full = kl(target, reply_logprobs(model_, [full_reading(tp, r) for tp, r, _ in taught], dtype))
+        loss = block + options.full_weight * full
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        result.steps += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", held_out_kl=f"{result.held_out_kl[-1][1]:.4f}")
+        done = result.steps == options.steps
+        if result.steps % options.eval_every == 0 or done:
+            result.held_out_kl.append((result.steps, *evaluate()))
+            if on_eval is not None:
+                on_eval(*result.held_out_kl[-1])
+            if options.target is not None and result.held_out_kl[-1][1] <= options.target:
+                done = True
+        if result.steps % options.checkpoint_every == 0 or done:
+            result.seconds = time.perf_counter() - started
+            _save_checkpoint(model_, optimizer, result, checkpoint, model, fingerprint, options)
+        if done:
+            break
+    bar.close()
+    result.seconds = time.perf_counter() - started
+    _write_model(model_, tokenizer, work / "model", model, fingerprint, options, result, dtype, len(prompts.train))
+    (work / "model").rename(out)
+    shutil.rmtree(work)
+    return result
+
+
+class _Teacher:
+    """The untuned model's greedy reply to each prompt, read with full
+    attention and no adapters, and its log-probabilities at each reply
+    token: made once per prompt and kept."""
+
+    def __init__(self, model, tokenizer, tokens: int) -> None:
+        self.model, self.tokens = model, tokens
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._made: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
+
+    def __call__(self, tp: TokenizedPrompt) -> tuple[list[int], torch.Tensor]:
+        key = tuple(tp.token_ids)
+        if key not in self._made:
+            device = next(self.model.parameters()).device
+            ids = torch.tensor([list(tp.token_ids)], device=device)
+            with torch.no_grad(), self.model.disable_adapter():
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=self.tokens,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=self.pad,
+                )
+            reply = out.sequences[0, ids.shape[1] :].tolist()
+            logits = torch.cat(out.logits)[: len(reply)]
+            self._made[key] = (reply, torch.log_softmax(logits.float(), dim=-1).cpu())
+        return self._made[key]
+
+
+def _save_checkpoint(model, optimizer, result: TuneResult, checkpoint: Path, base_model, fingerprint, options) -> None:
+    """The adapters, the optimizer and the progress, written beside the old
+    checkpoint and swapped in, so a stop at any moment leaves one whole."""
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)  # the work folder, made at the first checkpoint
+    new = checkpoint.with_name(CHECKPOINT + ".new")
+    shutil.rmtree(new, ignore_errors=True)
+    model.save_pretrained(str(new))
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "progress": {"steps": result.steps, "held_out_kl": result.held_out_kl, "seconds": result.seconds},
+            "python_rng": random.getstate(),
+            "torch_rng": torch.get_rng_state(),
+        },
+        new / "state.pt",
+    )
+    meta = {"base_model": str(base_model), "base_fingerprint": fingerprint, "options": dataclasses.asdict(options)}
+    (new / "meta.json").write_text(json.dumps(meta, indent=1))
+    old = checkpoint.with_name(CHECKPOINT + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if checkpoint.exists():
+        checkpoint.rename(old)
+    new.rename(checkpoint)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_meta(checkpoint: Path) -> dict:
+    try:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        if not {"base_model", "base_fingerprint", "options"} <= set(meta) or not (checkpoint / "state.pt").is_file():
+            raise ValueError("fields are missing")
+        return meta
+    except (OSError, ValueError) as exc:
+        raise TuneError(f"--resume: no readable checkpoint in {str(checkpoint)!r} ({exc})") from exc
+
+
+def _write_model(model, tokenizer, path: Path, base_model, fingerprint, options, result, dtype, train_prompts) -> None:
+    """Merged weights, tokenizer and chat template, and ``tuning.json``."""
+    merged = model.merge_and_unload()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    record = {
+        "base_model": str(base_model),
+        "base_fingerprint": fingerprint,
+        "method": "LoRA self-distillation: block and full readings against the untuned model's full reading",
+        "options": dataclasses.asdict(options),
+        "dtype": dtype_name(dtype),
+        "steps": result.steps,
+        "train_prompts": train_prompts,
+        "held_out_kl": [{"step": s, "block": b, "full": f} for s, b, f in result.held_out_kl],
+        "seconds": round(result.seconds, 1),
+    }
+    (path / RECORD).write_text(json.dumps(record, indent=1) + "\n")

@@ -1,0 +1,162 @@
+"""Tuning layer: blend prompts from a user's documents, as the engines build them.
+
+The documents (text files, or folders of ``.txt``, ``.md`` and ``.rst``
+files) are cut into chunks at paragraph and sentence ends, each about
+``chunk_tokens`` tokens. A prompt is ``rag_prompt``'s layout, the one the
+LangChain chain and the LlamaIndex synthesizer send: the model's chat
+template, a system turn, the chunks (each tokenized alone, with the engine's
+separator), and a question.
+
+The questions are the user's, or made from the chunks by this recipe: pick
+one of the prompt's chunks, a sentence of at least eight words in it, and
+ask how the sentence that begins with its first six words goes on. Tuning
+needs no right answers: the untuned model's own reply, read with full
+attention, is what the tuned model learns to give when it reads the chunks alone.
+
+Documents are split into training and held-out ones before any prompt is
+made, so the held-out KL is measured on text the tuning never saw.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..chat import rag_prompt
+from ..prompt import TokenizedPrompt
+
+SUFFIXES = (".txt", ".md", ".rst")
+MIN_CHUNK_TOKENS = 16  # shorter pieces are dropped: a chunk this short has nothing to read alone
+QUESTION_WORDS = 6
+
+
+class DocumentsError(ValueError):
+    """Documents that cannot make tuning prompts; the message says what is missing."""
+
+
+def read_documents(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """The text of each file in ``paths`` (folders: their ``.txt``, ``.md``
+    and ``.rst`` files, sorted, recursively)."""
+    if not paths:
+        raise DocumentsError("no documents: pass at least one text file or folder (--documents PATH ...)")
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise DocumentsError(f"no documents: {str(path)!r} is neither a file nor a folder")
+    texts = []
+    for file in files:
+        try:
+            texts.append(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DocumentsError(f"cannot read {str(file)!r} as UTF-8 text: {exc}") from exc
+    if not any(t.strip() for t in texts):
+        raise DocumentsError(f"no documents: found no text in {', '.join(map(str, paths))}")
+    return texts
+
+
+def split_chunks(texts: Sequence[str], tokenizer, chunk_tokens: int) -> list[str]:
+    """Pieces of about ``chunk_tokens`` tokens, cut at paragraph ends, and at
+    sentence ends inside a longer paragraph; pieces under
+    ``MIN_CHUNK_TOKENS`` are dropped."""
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    chunks: list[str] = []
+    for text in texts:
+        sentences = []
+        for paragraph in re.split(r"\n\s*\n", text):
+            paragraph = " ".join(paragraph.split())
+            if paragraph:
+                sentences += [(s, count(s)) for s in re.split(r"(?<=[.!?])\s+", paragraph)]
+                sentences.append(("\n\n", 0))  # a paragraph end: a preferred place to cut
+        piece: list[str] = []
+        size = 0
+        for sentence, n in sentences:
+            if piece and size + n > chunk_tokens:
+                chunks.append(" ".join(piece).replace(" \n\n ", "\n\n").strip())
+                piece, size = [], 0
+            if sentence != "\n\n" or piece:
+                piece.append(sentence)
+                size += n
+        if piece:
+            chunks.append(" ".join(piece).replace(" \n\n ", "\n\n").strip())
+    return [c for c in chunks if count(c) >= MIN_CHUNK_TOKENS]
+
+
+def recipe_question(chunk: str, rng: random.Random) -> str | None:
+    """The recipe's question about ``chunk`` (see the module's docstring), or
+    None when it has no sentence of eight words or more."""
+    sentences = [s.split() for s in re.split(r"(?<=[.!?])\s+", " ".join(chunk.split()))]
+    long = [s for s in sentences if len(s) >= 8]
+    if not long:
+        return None
+    words = rng.choice(long)[:QUESTION_WORDS]
+    return f'How does the sentence that begins "{" ".join(words)}" go on?'
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    train: list[TokenizedPrompt]
+    held_out: list[TokenizedPrompt]
+
+
+def make_prompts(
+    texts: Sequence[str],
+    tokenizer,
+    separator: str,
+    *,
+    chunk_tokens: int,
+    chunks_per_prompt: int,
+    max_prompt_tokens: int,
+    count: int,
+    held_out: int,
+    seed: int,
+    questions: Sequence[str] = (),
+) -> PromptSet:
+    """``count`` training and ``held_out`` held-out prompts, each of up to
+    ``chunks_per_prompt`` chunks and at most ``max_prompt_tokens`` tokens."""
+    rng = random.Random(seed)
+    chunks = split_chunks(texts, tokenizer, chunk_tokens)
+    need = 2 * chunks_per_prompt
+    if len(chunks) < need:
+        raise DocumentsError(
+            f"documents too short: they make {len(chunks)} chunk(s) of {MIN_CHUNK_TOKENS} to {chunk_tokens} tokens, "
+            f"and tuning needs at least {need} ({chunks_per_prompt} per prompt, for training and held-out prompts)"
+        )
+    rng.shuffle(chunks)
+    # held-out chunks come from their own share of the text: a fifth, at least a prompt's worth
+    cut = max(chunks_per_prompt, len(chunks) // 5)
+    held, train = chunks[:cut], chunks[cut:]
+    return PromptSet(
+        _prompts(train, count, rng, tokenizer, separator, chunks_per_prompt, max_prompt_tokens, questions),
+        _prompts(held, held_out, rng, tokenizer, separator, chunks_per_prompt, max_prompt_tokens, questions),
+    )
+
+
+def _prompts(chunks, count, rng, tokenizer, separator, per_prompt, max_tokens, questions) -> list[TokenizedPrompt]:
+    out: list[TokenizedPrompt] = []
+    tries = 0
+    while len(out) < count:
+        tries += 1
+        if tries > 20 * count + 100:
+            raise DocumentsError(
+                f"could make only {len(out)} of {count} prompts of at most {max_tokens} tokens: "
+                "use shorter chunks (--chunk-tokens), fewer chunks per prompt, or a longer --seq-len"
+            )
+        picked = rng.sample(chunks, min(per_prompt, len(chunks)))
+        question = rng.choice(questions) if questions else recipe_question(rng.choice(picked), rng)
+        if question is None:
+            continue
+        tp = rag_prompt(picked, question, tokenizer, separator)
+        if len(tp) <= max_tokens:
+            out.append(tp)
+    return out

@@ -1,0 +1,152 @@
+"""``blend_integrations.tune``: LoRA self-distillation of a small random model
+on generated text, its output in both engines, and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from blend_integrations import BlendPrompt, ChunkStore, load_engine
+from blend_integrations.prompt import bos_id_added
+from blend_integrations.store import model_fingerprint
+from blend_integrations.tune import DocumentsError, TuneError, TuneOptions, tune
+from blend_integrations.tune.readings import batch, block_reading, full_reading
+from tests.fixtures.commands import run_python
+from tests.fixtures.local_models import sample_text
+
+QUESTION = "Question: which city is named in the documents? Answer:"
+# small and quick: a few steps at a high rate, so the KL moves on a random model
+QUICK = dict(
+    steps=8,
+    prompts=24,
+    held_out=4,
+    eval_every=4,
+    checkpoint_every=4,
+    chunk_tokens=48,
+    chunks_per_prompt=3,
+    seq_len=512,
+    learning_rate=2e-3,
+    batch_size=2,
+)
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tune-docs")
+    for i in range(6):
+        paragraphs = [" ".join(sample_text(6, seed=1000 + 10 * i + j)) for j in range(5)]
+        (folder / f"doc{i}.txt").write_text("\n\n".join(paragraphs))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tuned(model_dirs, documents, tmp_path_factory):
+    """The session's llama model tuned by the command line."""
+    out = tmp_path_factory.mktemp("tuned") / "model"
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in QUICK.items()]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = run_python(
+        "-m", "blend_integrations.tune", model_dirs("llama"), "--documents", str(documents), "--out", str(out),
+        "--no-progress", *args, timeout=900, env=env,
+    )  # fmt: skip
+    return out, done.stdout
+
+
+def test_the_block_reading_is_the_engines_reuse(engine, docs):
+    """Untuned, the student's block reading gives the logits of the engines'
+    reuse (every chunk from the store), and its full reading full prefill's."""
+    engine.warm(docs)
+    prompt = BlendPrompt("Read.", docs, QUESTION)
+    tp = engine.tokenize(prompt)
+    bos = bos_id_added(engine.tokenizer)
+    for mode, reading in (("reuse", block_reading(tp, [], bos)), ("full", full_reading(tp, []))):
+        expected = engine.generate(prompt, max_tokens=1, mode=mode, logprobs=5).logprobs[0]
+        with torch.no_grad():
+            logits = engine.hf_model(**batch([reading], engine.hf_model.device, torch.float32), use_cache=False).logits
+        got = torch.log_softmax(logits[0, len(reading.ids) - 1].float(), dim=-1)
+        assert max(abs(got[t].item() - lp) for t, lp in expected.items()) < 1e-4, mode
+
+
+def test_tuning_lowers_the_block_readings_kl_on_held_out_text(tuned, model_dirs):
+    out, printed = tuned
+    record = json.loads((out / "tuning.json").read_text())
+    kls = record["held_out_kl"]
+    assert [k["step"] for k in kls] == [0, 4, 8]
+    before, after = kls[0]["block"], kls[-1]["block"]
+    assert after < before, kls
+    assert kls[0]["full"] < 1e-4  # untuned, the full reading is the teacher
+    assert f"{before:.4f} -> {after:.4f}" in printed
+    assert record["base_fingerprint"] == model_fingerprint(model_dirs("llama"))
+    assert not out.with_name(out.name + ".partial").exists()
+
+
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_the_tuned_model_runs_on_both_engines_exactly_at_ratio_one(tuned, model_dirs, docs, tmp_path, backend):
+    out, _ = tuned
+    assert model_fingerprint(out) != model_fingerprint(model_dirs("llama"))  # its own chunks and calibrations
+    options = {"max_model_len": 2048, "kv_cache_gib": 1} if backend == "vllm" else {"device": "cpu"}
+    with load_engine(str(out), backend=backend, store=ChunkStore(tmp_path), **options) as engine:
+        assert engine.warm(docs) == len(docs)
+        prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
+        full = engine.generate(prompt, max_tokens=8, mode="full")
+        blend = engine.generate(prompt, max_tokens=8, recompute_ratio=1.0)
+        assert (blend.usage.chunks_hit, blend.fallback) == (len(docs), None)
+        assert blend.token_ids == full.token_ids
+
+
+def test_bad_input_is_refused_and_leaves_nothing(model_dirs, documents, tmp_path):
+    llama = model_dirs("llama")
+    out = tmp_path / "out"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DocumentsError, match="no documents: found no text in"):
+        tune(llama, [empty], out, options=TuneOptions(**QUICK))
+    with pytest.raises(DocumentsError, match="no documents: pass at least one"):
+        tune(llama, [], out, options=TuneOptions(**QUICK))
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to read.\n\nAnd this.")
+    with pytest.raises(DocumentsError, match="documents too short: they make 0 chunk"):
+        tune(llama, [short], out, options=TuneOptions(**QUICK))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="is not supported; blend_integrations has adapters"):
+        tune(str(gpt2), [documents], out, options=TuneOptions(**QUICK))
+    with pytest.raises(ValueError, match="target must be a number >= 0"):
+        TuneOptions(target="low")
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        TuneOptions(steps=0)
+    assert not out.exists() and not out.with_name("out.partial").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(TuneError, match="exists: choose a new --out"):
+        tune(llama, [documents], existing, options=TuneOptions(**QUICK))
+    done = run_python(
+        "-m", "blend_integrations.tune", llama, "--documents", str(documents), "--out", str(out), "--target", "low",
+        timeout=300, returncode=2,
+    )  # fmt: skip
+    assert "argument --target: invalid float value: 'low'" in done.stderr
+
+
+def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(model_dirs, documents, tmp_path):
+    out = tmp_path / "out"
+    options = TuneOptions(**(QUICK | {"steps": 4, "eval_every": 2, "checkpoint_every": 1}))
+
+    def stop(step, block, full):
+        raise KeyboardInterrupt  # after the checkpoint of step 1, at step 2's measurement
+
+    with pytest.raises(KeyboardInterrupt):
+        tune(model_dirs("llama"), [documents], out, options=options, progress=False, on_eval=stop)
+    partial = out.with_name("out.partial")
+    assert not out.exists() and (partial / "checkpoint" / "state.pt").is_file()
+    with pytest.raises(TuneError, match="holds an unfinished tuning: pass --resume"):
+        tune(model_dirs("llama"), [documents], out, options=options, progress=False)
+    with pytest.raises(TuneError, match="--resume: the checkpoint in .* was made from"):
+        tune(model_dirs("llama_seed1"), [documents], out, progress=False, resume=True)
+    result = tune(model_dirs("llama"), [documents], out, progress=False, resume=True)
+    assert result.steps == 4 and (out / "tuning.json").is_file() and not partial.exists()
+    steps = [k["step"] for k in json.loads((out / "tuning.json").read_text())["held_out_kl"]]
+    assert steps == [0, 2, 4]
