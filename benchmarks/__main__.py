@@ -1,12 +1,12 @@
-"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration|profile|hma|readme|newcomer] [options]``;
-no part runs them all."""
+"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration|profile|hma|tuning|readme|newcomer] [options]``;
+no part runs them all but the last three, which run only when named."""
 
 import os
 import sys
 
 from blend_integrations.engines.vllm_contract import tcmalloc_preload
 
-from . import calibration, drift, fuzz, hma, newcomer, profile, quality, readme, store, ttft, vllm_bench
+from . import calibration, drift, fuzz, hma, newcomer, profile, quality, readme, store, ttft, tuning, vllm_bench
 
 PARTS = {
     "ttft": ttft.main,
@@ -18,6 +18,7 @@ PARTS = {
     "calibration": calibration.main,
     "profile": profile.main,
     "hma": hma.main,
+    "tuning": tuning.main,
     "readme": readme.main,
     "newcomer": newcomer.main,
 }
@@ -38,9 +39,9 @@ def main() -> None:  # vLLM starts processes: keep the entry under the __main__ 
         PARTS[args[0]](args[1:])
     elif args:
         sys.exit(f"unknown benchmark part {args[0]!r}; choose from: {', '.join(PARTS)}")
-    else:  # every measurement; the README's renderer and the newcomer's path run only when named
+    else:  # every measurement; tuning (it needs a tuned model), the README's renderer and the newcomer's path run only when named
         for name, part in PARTS.items():
-            if name not in ("readme", "newcomer"):
+            if name not in ("tuning", "readme", "newcomer"):
                 part([])
 
 

@@ -26,67 +26,54 @@ class UnsupportedSetting(ValueError):
 
 def refused_settings(vllm_config: Any) -> list[tuple[str, str]]:
     """``(setting, why)`` for each setting of a ``VllmConfig`` the connector refuses."""
-    problems = []
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append(
-            (
-                "enable_prefix_caching",
-                "vLLM's prefix cache would keep blocks of blended, approximate KV under the plain tokens' hash and "
-                "hand them to later requests, blended or not; start vLLM with --no-enable-prefix-caching "
-                "(enable_prefix_caching=False)",
-            )
-        )
     role = vllm_config.kv_transfer_config.kv_role
-    if role != "kv_both":
-        problems.append(
-            (
-                "kv_role",
-                f"kv_role is {role!r}: the connector both reads and writes the chunk store in one engine, "
-                "so kv_transfer_config needs kv_role='kv_both'",
-            )
-        )
-    if vllm_config.speculative_config is not None:
-        problems.append(
-            (
-                "speculative_config",
-                "the blend pass fills the target model's KV layers only, so a draft model or head would read "
-                "no KV for the blended tokens; start vLLM without --speculative-config",
-            )
-        )
     load_format = vllm_config.load_config.load_format
-    if load_format != "blend":
-        problems.append(
-            (
-                "load_format",
-                f"load_format is {load_format!r}: the blend pass runs in the worker with the model the 'blend' "
-                "loader hands it; start vLLM with --load-format blend",
-            )
-        )
-    if vllm_config.lora_config is not None:
-        problems.append(
-            (
-                "enable_lora",
-                "chunk KV is keyed by the base model, and the blend pass walks the base model's layers outside "
-                "vLLM's forward, where no adapter applies; start vLLM without --enable-lora",
-            )
-        )
-    if vllm_config.scheduler_config.async_scheduling:
-        problems.append(
-            (
-                "async_scheduling",
-                "with asynchronous scheduling vLLM schedules a request's next step before it learns that its "
-                "blend pass failed, and a token sampled from the failed pass's KV could be delivered (not yet "
-                "checked on a GPU); start vLLM with --no-async-scheduling",
-            )
-        )
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        problems.append(
-            (
-                "pipeline_parallel_size",
-                "the blend pass walks every layer in one worker; split the model with tensor_parallel_size instead",
-            )
-        )
-    return problems
+    checks = [
+        (
+            vllm_config.cache_config.enable_prefix_caching,
+            "enable_prefix_caching",
+            "vLLM's prefix cache would keep blocks of blended, approximate KV under the plain tokens' hash and "
+            "hand them to later requests, blended or not; start vLLM with --no-enable-prefix-caching "
+            "(enable_prefix_caching=False)",
+        ),
+        (
+            role != "kv_both",
+            "kv_role",
+            f"kv_role is {role!r}: the connector both reads and writes the chunk store in one engine, "
+            "so kv_transfer_config needs kv_role='kv_both'",
+        ),
+        (
+            vllm_config.speculative_config is not None,
+            "speculative_config",
+            "the blend pass fills the target model's KV layers only, so a draft model or head would read "
+            "no KV for the blended tokens; start vLLM without --speculative-config",
+        ),
+        (
+            load_format != "blend",
+            "load_format",
+            f"load_format is {load_format!r}: the blend pass runs in the worker with the model the 'blend' "
+            "loader hands it; start vLLM with --load-format blend",
+        ),
+        (
+            vllm_config.lora_config is not None,
+            "enable_lora",
+            "chunk KV is keyed by the base model, and the blend pass walks the base model's layers outside "
+            "vLLM's forward, where no adapter applies; start vLLM without --enable-lora",
+        ),
+        (
+            vllm_config.scheduler_config.async_scheduling,
+            "async_scheduling",
+            "with asynchronous scheduling vLLM schedules a request's next step before it learns that its "
+            "blend pass failed, and a token sampled from the failed pass's KV could be delivered (not yet "
+            "checked on a GPU); start vLLM with --no-async-scheduling",
+        ),
+        (
+            vllm_config.parallel_config.pipeline_parallel_size > 1,
+            "pipeline_parallel_size",
+            "the blend pass walks every layer in one worker; split the model with tensor_parallel_size instead",
+        ),
+    ]
+    return [(name, why) for refused, name, why in checks if refused]
 
 
 def check_vllm_config(vllm_config: Any) -> None:
