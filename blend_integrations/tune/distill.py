@@ -11,7 +11,8 @@ prefill where the untuned one's was, so a partial recompute mixes two
 readings the model knows (Block-Attention trains both the same way).
 
 The result is a model directory (merged weights, tokenizer, chat template,
-``tuning.json``) that either engine loads like any checkpoint; its weights,
+``tuning.json``, and the adapter alone in ``adapter/``) that either engine
+loads like any checkpoint; its weights,
 and so its fingerprint, chunk keys and calibrations, are its own.
 
 Work goes into ``OUT.partial`` (checkpoints every ``checkpoint_every``
@@ -46,6 +47,7 @@ from .readings import block_reading, full_reading, kl, reply_logprobs
 logger = logging.getLogger(__name__)
 
 RECORD = "tuning.json"
+ADAPTER = "adapter"
 CHECKPOINT = "checkpoint"
 # the projections LoRA adapts in every supported family (peft finds them by name)
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -324,9 +326,12 @@ def _read_meta(checkpoint: Path) -> dict:
 
 
 def _write_model(model, tokenizer, path: Path, base_model, fingerprint, options, result, dtype, train_prompts) -> None:
-    """Merged weights, tokenizer and chat template, and ``tuning.json``."""
-    merged = model.merge_and_unload()
+    """Merged weights, tokenizer and chat template, ``tuning.json``, and the
+    LoRA adapter alone in ``adapter/`` (a few MB: what a package ships to
+    merge into the base model on the user's machine)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path / ADAPTER))
+    merged = model.merge_and_unload()
     merged.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     record = {

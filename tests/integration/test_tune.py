@@ -81,6 +81,7 @@ def test_tuning_lowers_the_block_readings_kl_on_held_out_text(tuned, model_dirs)
     assert f"{before:.4f} -> {after:.4f}" in printed
     assert record["base_fingerprint"] == model_fingerprint(model_dirs("llama"))
     assert not out.with_name(out.name + ".partial").exists()
+    assert (out / "adapter" / "adapter_config.json").is_file()  # the adapter alone, beside the merged weights
 
 
 @pytest.mark.parametrize("backend", ["transformers", "vllm"])
