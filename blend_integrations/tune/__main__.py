@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from .distill import TuneError, TuneOptions, tune
 from .prompts import DocumentsError
 
@@ -62,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
             questions=questions,
             resume=args.resume,
             progress=not args.no_progress,
+            on_eval=lambda step, block, full: tqdm.write(
+                f"step {step}: held-out KL block {block:.4f}, full {full:.4f}"
+            ),
         )
     except (TuneError, DocumentsError, ValueError, OSError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
