@@ -34,7 +34,6 @@ from blend_integrations.calibration import (
     packaged_name,
     settings_label,
 )
-from blend_integrations.chat import rag_prompt
 from blend_integrations.config import FALLBACK_RATIO
 from blend_integrations.engines import load_engine
 from blend_integrations.quality.metrics import contains
@@ -62,17 +61,7 @@ def run(args) -> dict:
     engine = load_engine(str(model_dir), store=store, backend=args.backend)
 
     def asked(examples):
-        return [
-            rag_prompt(
-                e.documents,
-                e.question,
-                engine.tokenizer,
-                engine.config.separator,
-                system=task.system,
-                question_template=task.question_template,
-            )
-            for e in examples
-        ]
+        return [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
 
     calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=doc_tokens)
     calibration_docs = sorted({d for e in calibration_set for d in e.documents})

@@ -30,8 +30,6 @@ import time
 
 import torch
 
-from blend_integrations.chat import rag_prompt
-from blend_integrations.config import BlendConfig
 from blend_integrations.prompt import bos_id_added
 from training.data import make_examples
 
@@ -103,14 +101,7 @@ def run(args) -> dict:
         per_recipe = {name: [] for name in named}  # name -> per question, per layer drift of all chunk tokens
         tokens = []
         for example in examples:
-            tp = rag_prompt(
-                example.documents,
-                example.question,
-                tokenizer,
-                BlendConfig().separator,
-                system=task.system,
-                question_template=task.question_template,
-            )
+            tp = task.prompt(example, tokenizer)
             full = layer_values(model, tp.token_ids)
             head = torch.cat([torch.arange(e - s) < HEAD for s, e in tp.chunk_spans])
             tokens.append(statistics.fmean(e - s for s, e in tp.chunk_spans))

@@ -64,6 +64,17 @@ class Task:
     max_tokens: int  # enough for the answer: the reader replies with it alone, a chat model in a sentence
     question_template: str = RAG_QUESTION  # a base model (no chat template) gets a completion prompt
 
+    def prompt(self, example, tokenizer, separator: str = BlendConfig().separator) -> TokenizedPrompt:
+        """An example's question as this task asks it: ``rag_prompt`` with the task's system prompt and question line."""
+        return rag_prompt(
+            example.documents,
+            example.question,
+            tokenizer,
+            separator,
+            system=self.system,
+            question_template=self.question_template,
+        )
+
 
 TASKS = {
     "reader": Task("quality", (100, 500), RAG_SYSTEM_PROMPT, "em", 8),
@@ -198,17 +209,7 @@ def run(args) -> dict:
     )
 
     examples = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
-    prompts = [
-        rag_prompt(
-            e.documents,
-            e.question,
-            tokenizer,
-            DEFAULT.separator,
-            system=task.system,
-            question_template=task.question_template,
-        )
-        for e in examples
-    ]
+    prompts = [task.prompt(e, tokenizer) for e in examples]
     engine.warm([d for e in examples for d in e.documents], progress=True)  # progress goes to stderr
     rows: dict[str, list[dict]] = {name: [] for name in modes}
     started = time.time()

@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from blend_integrations.chat import rag_prompt
 from blend_integrations.engines import load_engine
 from blend_integrations.quality.metrics import contains
 from blend_integrations.store import ChunkStore
@@ -75,17 +74,7 @@ def run(args) -> dict:
         with load_engine(model_dir, store=store, backend=args.backend) as engine:
 
             def asked(examples, engine=engine):
-                return [
-                    rag_prompt(
-                        e.documents,
-                        e.question,
-                        engine.tokenizer,
-                        engine.config.separator,
-                        system=task.system,
-                        question_template=task.question_template,
-                    )
-                    for e in examples
-                ]
+                return [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
 
             modes = dict(MODES)
             if args.calibrate:
