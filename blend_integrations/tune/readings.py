@@ -113,8 +113,13 @@ def reply_logprobs(model, readings: Sequence[Reading], dtype: torch.dtype) -> to
     """``[sum of reply lengths, vocab]`` float32 log-probabilities of the rows
     that predict each reading's reply, in order."""
     device = next(model.parameters()).device
-    logits = model(**batch(readings, device, dtype), use_cache=False).logits
-    rows = [logits[i, r.predicts] for i, r in enumerate(readings)]
+    # logits only at the rows compared: a prompt's other rows would hold (and keep for the backward
+    # pass) a vocabulary-wide row each
+    keep = sorted({row for r in readings for row in r.predicts})
+    column = {row: j for j, row in enumerate(keep)}
+    inputs = batch(readings, device, dtype)
+    logits = model(**inputs, use_cache=False, logits_to_keep=torch.tensor(keep, device=device)).logits
+    rows = [logits[i, [column[row] for row in r.predicts]] for i, r in enumerate(readings)]
     return torch.log_softmax(torch.cat(rows).float(), dim=-1)
 
 
