@@ -41,12 +41,12 @@ from ..models import check_supported
 from ..models.loading import dtype_name, resolve_device, resolve_model_dir
 from ..prompt import TokenizedPrompt, bos_id_added
 from ..store import model_fingerprint
+from .merge import RECORD, merge_adapter
 from .prompts import make_prompts, read_documents
 from .readings import block_reading, full_reading, kl, reply_logprobs
 
 logger = logging.getLogger(__name__)
 
-RECORD = "tuning.json"
 ADAPTER = "adapter"
 CHECKPOINT = "checkpoint"
 # the projections LoRA adapts in every supported family (peft finds them by name)
@@ -252,7 +252,7 @@ def tune(
             break
     bar.close()
     result.seconds = time.perf_counter() - started
-    _write_model(model_, tokenizer, work / "model", model, fingerprint, options, result, dtype, len(prompts.train))
+    _write_model(model_, work / "model", model_dir, model, fingerprint, options, result, dtype, len(prompts.train))
     (work / "model").rename(out)
     shutil.rmtree(work)
     return result
@@ -325,15 +325,10 @@ def _read_meta(checkpoint: Path) -> dict:
         raise TuneError(f"--resume: no readable checkpoint in {str(checkpoint)!r} ({exc})") from exc
 
 
-def _write_model(model, tokenizer, path: Path, base_model, fingerprint, options, result, dtype, train_prompts) -> None:
-    """Merged weights, tokenizer and chat template, ``tuning.json``, and the
-    LoRA adapter alone in ``adapter/`` (a few MB: what a package ships to
-    merge into the base model on the user's machine)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path / ADAPTER))
-    merged = model.merge_and_unload()
-    merged.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
+def _write_model(model, path: Path, base_dir, base_model, fingerprint, options, result, dtype, train_prompts) -> None:
+    """The LoRA adapter alone in ``adapter/`` with ``tuning.json`` (a few MB:
+    what a package ships), and beside them the base model with the adapter
+    merged in, in the base's own dtype (``merge.merge_adapter``)."""
     record = {
         "base_model": str(base_model),
         "base_fingerprint": fingerprint,
@@ -345,4 +340,7 @@ def _write_model(model, tokenizer, path: Path, base_model, fingerprint, options,
         "held_out_kl": [{"step": s, "block": b, "full": f} for s, b, f in result.held_out_kl],
         "seconds": round(result.seconds, 1),
     }
-    (path / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    adapter = path / ADAPTER
+    model.save_pretrained(str(adapter))
+    (adapter / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    merge_adapter(base_dir, adapter, path)

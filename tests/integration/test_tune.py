@@ -151,3 +151,22 @@ def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(mod
     assert result.steps == 4 and (out / "tuning.json").is_file() and not partial.exists()
     steps = [k["step"] for k in json.loads((out / "tuning.json").read_text())["held_out_kl"]]
     assert steps == [0, 2, 4]
+
+
+def test_the_adapter_alone_merges_once_into_the_same_checkpoint(tuned, model_dirs, tmp_path):
+    """What a package ships: the adapter (a few MB) and its record, merged
+    into the base model once on the user's machine, into the very checkpoint
+    the tuning wrote (the same fingerprint, so the same chunks and calibrations)."""
+    from blend_integrations.tune.merge import merged_checkpoint
+
+    out, _ = tuned
+    adapter = out / "adapter"
+    assert json.loads((adapter / "tuning.json").read_text())["steps"] == QUICK["steps"]
+    assert sum(p.stat().st_size for p in adapter.iterdir()) < 0.2 * (out / "model.safetensors").stat().st_size
+    merged = merged_checkpoint(model_dirs("llama"), adapter, cache=tmp_path)
+    assert model_fingerprint(merged) == model_fingerprint(out)
+    assert (merged / "tuning.json").is_file() and (merged / "chat_template.jinja").is_file()
+    assert merged_checkpoint(model_dirs("llama"), adapter, cache=tmp_path) == merged  # made once
+    assert [p.name for p in tmp_path.iterdir()] == [merged.name]  # nothing half-merged left
+    with pytest.raises(FileNotFoundError, match="holds no LoRA adapter"):
+        merged_checkpoint(model_dirs("llama"), tmp_path / merged.name, cache=tmp_path / "other")
