@@ -57,8 +57,8 @@ def refused_settings(vllm_config: Any) -> list[tuple[str, str]]:
         (
             vllm_config.lora_config is not None,
             "enable_lora",
-            "chunk KV is keyed by the base model, and the blend pass walks the base model's layers outside "
-            "vLLM's forward, where no adapter applies; start vLLM without --enable-lora",
+            "chunk KV is keyed by the base model, and the blend pass runs the layers outside vLLM's forward, "
+            "where vLLM's LoRA layers are not set up for its tokens; start vLLM without --enable-lora",
         ),
         (
             vllm_config.scheduler_config.async_scheduling,
