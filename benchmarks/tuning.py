@@ -1,18 +1,25 @@
 """Tuning, judged on questions it never saw: the untuned and the tuned model side by side.
 
-    python -m benchmarks tuning --tuned DIR [--model smollm2] [--backend transformers|vllm]
-                                [--questions 60] [--calibrate] [--prompts 48]
+    python -m benchmarks tuning --tuned smollm2-tuned|DIR [--model smollm2] [--backend transformers|vllm]
+                                [--questions 60] [--calibrate] [--prompts 48] [--ape] [--package]
 
 For the untuned model and the tuned one (``python -m blend_integrations.tune``,
 which trains on the standard library's docstrings): held-out synthetic
 questions (``quality.HELD_OUT_SEED``: documents tuning never read) asked with
-full prefill, reuse (r=0), blend at 0.05 and 0.15 and, with ``--calibrate``,
-at the setting each model's own calibration chooses (calibrated on other
-documents, as ``benchmarks calibration`` does). For each: agreement of the
-first 4 greedy tokens with the *untuned* model's full prefill, the share
+full prefill, reuse (r=0), blend at 0.05 and 0.15, and the defaults (each
+model's calibration: the untuned model's packaged one; with ``--calibrate``
+the tuned model is calibrated first on other documents, as ``benchmarks
+calibration`` does). For each: agreement of the first 4 greedy tokens with
+the *untuned* model's full prefill and with the same model's, the share
 answered right, and time to first token against the same model's full
 prefill, measured side by side. What tuning cost: both models' perplexity on
 held-out general text (this package's docs/, which tuning never read).
+
+``--ape`` (transformers engine): the untuned model read with APE's
+training-free recipe (``benchmarks/ape.py``), its temperature and scale
+chosen on the calibration documents. ``--package`` (with ``--calibrate`` and
+a tuned model this package ships): write the tuned model's calibration as
+the one the package ships for that engine.
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ from blend_integrations.store import ChunkStore
 from training.data import make_examples
 
 from . import machine, write_results
-from .calibration import CALIBRATION_SEED
+from .calibration import CALIBRATION_SEED, SHIPPED, write_packaged
 from .quality import HELD_OUT_SEED, model_and_task
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 4  # the first greedy tokens compared with the untuned model's full prefill
+DEFAULT = "default (calibrated)"
 MODES = {"full": {"mode": "full"}, "reuse": {"mode": "reuse"}, "blend@0.05": {"recompute_ratio": 0.05}}
-MODES |= {"blend@0.15": {"recompute_ratio": 0.15}}
+MODES |= {"blend@0.15": {"recompute_ratio": 0.15}, DEFAULT: {}}
 
 
 def perplexity(model_dir: str, texts: list[str], *, window: int = 512, windows: int = 24) -> float:
@@ -59,14 +67,34 @@ def perplexity(model_dir: str, texts: list[str], *, window: int = 512, windows: 
     return math.exp(nll / count)
 
 
+def _rows(results: dict[str, list[dict]]) -> dict[str, dict]:
+    full_ttft = statistics.fmean(r["ttft"] for r in results["full"])
+    rows = {}
+    for mode, rs in results.items():
+        ratios = [r["ratio"] for r in rs if r.get("ratio") is not None]
+        ttft = statistics.fmean(r["ttft"] for r in rs)
+        rows[mode] = {
+            "agreement": round(statistics.fmean(r["agree"] for r in rs), 4),
+            "agreement_own": round(statistics.fmean(r["agree_own"] for r in rs), 4),
+            "right": round(statistics.fmean(r["right"] for r in rs), 4),
+            "mean_ratio": round(statistics.fmean(ratios), 4) if ratios else None,
+            "ratio_source": sorted({r["source"] for r in rs if r.get("source")}),
+            "guard_fired": round(statistics.fmean(r.get("source") == "guard" for r in rs), 4),
+            "ttft_s": round(ttft, 4),
+            "ttft_speedup": round(full_ttft / ttft, 3),
+        }
+    return rows
+
+
 def run(args) -> dict:
     base_dir, task, label = model_and_task(args.model)
+    tuned_dir, _, tuned_label = model_and_task(args.tuned)
     doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else task.doc_tokens
     held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=doc_tokens)
     calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=doc_tokens)
     started = time.perf_counter()
     reference: list[list[int]] = []  # the untuned model's full-prefill tokens, per question
-    models = {"untuned": str(base_dir), "tuned": str(args.tuned)}
+    models = {"untuned": str(base_dir), "tuned": str(tuned_dir)}
     rows: dict[str, dict[str, dict]] = {}
     config: dict = {}
     for name, model_dir in models.items():
@@ -76,52 +104,65 @@ def run(args) -> dict:
             def asked(examples, engine=engine):
                 return [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
 
-            modes = dict(MODES)
-            if args.calibrate:
+            if args.calibrate and name == "tuned":
+                t0 = time.perf_counter()
                 record = engine.calibrate(prompts=asked(calibration_set), num_prompts=args.prompts)
-                calibrated = (
-                    {"recompute_ratio": record.ratio, **record.settings} if record.ratio < 1 else {"mode": "full"}
-                )
-                modes[f"calibrated ({record.ratio})"] = calibrated
-                config[f"{name}_calibration"] = {"ratio": record.ratio, "settings": record.settings}
+                config["tuned_calibration"] = {
+                    "ratio": record.ratio,
+                    "guard": None
+                    if record.guard is None
+                    else {"base": record.guard.base, "threshold": record.guard.threshold},
+                    "settings": record.settings,
+                    "meets_target": record.meets_target,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
             prompts = asked(held_out)
             engine.warm([d for e in held_out for d in e.documents], progress=True)
-            results: dict[str, list[dict]] = {m: [] for m in modes}
+            results: dict[str, list[dict]] = {m: [] for m in MODES}
             for i, (example, tp) in enumerate(zip(held_out, prompts)):
-                for mode, options in modes.items():
+                own = None
+                for mode, options in MODES.items():
                     gen = engine.generate(tp, max_tokens=task.max_tokens, **options)
-                    if name == "untuned" and mode == "full":
-                        reference.append(gen.token_ids)
+                    if mode == "full":
+                        own = gen.token_ids
+                        if name == "untuned":
+                            reference.append(gen.token_ids)
+                    assert own is not None
                     results[mode].append(
                         {
                             "agree": gen.token_ids[:TOKENS] == reference[i][:TOKENS],
+                            "agree_own": gen.token_ids[:TOKENS] == own[:TOKENS],
                             "right": contains(gen.text, example.answer),
                             "ttft": gen.ttft_s,
+                            "ratio": gen.usage.recompute_ratio,
+                            "source": gen.usage.ratio_source,
                         }
                     )
-            full_ttft = statistics.fmean(r["ttft"] for r in results["full"])
-            rows[name] = {
-                mode: {
-                    "agreement": round(statistics.fmean(r["agree"] for r in rs), 4),
-                    "right": round(statistics.fmean(r["right"] for r in rs), 4),
-                    "ttft_s": round(statistics.fmean(r["ttft"] for r in rs), 4),
-                    "ttft_speedup": round(full_ttft / statistics.fmean(r["ttft"] for r in rs), 3),
-                }
-                for mode, rs in results.items()
-            }
+            rows[name] = _rows(results)
             config[f"{name}_dtype"] = engine.dtype_name
             if name == "untuned":
                 config["cpu"] = machine(engine if args.backend == "vllm" else None)
+        if name == "untuned" and args.ape:
+            rows[name] |= _ape(model_dir, task, calibration_set, held_out, reference, rows[name], config)
+    if args.package:
+        calibrated = {k: {**v, "agreement": v["agreement_own"]} for k, v in rows["tuned"].items()}
+        write_packaged(
+            record,
+            {"full": calibrated["full"], "calibrated": calibrated[DEFAULT], "fallback": calibrated["blend@0.15"]},
+            args.tuned,
+            args.backend,
+            args.questions,
+        )
     docs = [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
-    record = json.loads((Path(args.tuned) / "tuning.json").read_text())
+    tuning = json.loads((Path(tuned_dir) / "tuning.json").read_text())
     return {
         "config": {
             "model": label,
-            "tuned": str(args.tuned),
+            "tuned": tuned_label,
             "backend": args.backend,
             "questions": len(held_out),
             "tokens_compared": TOKENS,
-            "tuning": {k: record[k] for k in ("options", "steps", "seconds", "dtype") if k in record},
+            "tuning": {k: tuning[k] for k in ("options", "steps", "seconds", "dtype", "held_out_kl") if k in tuning},
             "minutes": round((time.perf_counter() - started) / 60, 1),
             "date": time.strftime("%Y-%m-%d"),
             **config,
@@ -131,22 +172,72 @@ def run(args) -> dict:
     }
 
 
+def _ape(model_dir, task, calibration_set, held_out, reference, untuned: dict, config: dict) -> dict:
+    """APE's training-free recipe on the untuned model (``benchmarks/ape.py``): its setting chosen on the
+    calibration documents, then the held-out questions; its TTFT is reuse's (nothing is recomputed)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .ape import APEReader, choose
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reader = APEReader(model, tokenizer)
+    t0 = time.perf_counter()
+    setting, grid = choose(reader, [task.prompt(e, tokenizer) for e in calibration_set], TOKENS)
+    config["ape"] = {"chosen": setting.label, "calibration_agreement": grid, "seconds": round(time.perf_counter() - t0)}
+    rs = []
+    for example, ref in zip(held_out, reference):
+        tokens, text = reader.generate(task.prompt(example, tokenizer), task.max_tokens, setting)
+        agree = tokens[:TOKENS] == ref[:TOKENS]
+        rs.append({"agree": agree, "agree_own": agree, "right": contains(text, example.answer)})
+    reuse = untuned["reuse"]
+    return {
+        setting.label: {
+            "agreement": round(statistics.fmean(r["agree"] for r in rs), 4),
+            "agreement_own": round(statistics.fmean(r["agree_own"] for r in rs), 4),
+            "right": round(statistics.fmean(r["right"] for r in rs), 4),
+            "mean_ratio": 0.0,
+            "ratio_source": ["APE reading"],
+            "guard_fired": 0.0,
+            "ttft_s": reuse["ttft_s"],
+            "ttft_speedup": reuse["ttft_speedup"],
+        }
+    }
+
+
 def markdown(report: dict) -> str:
     c = report["config"]
+    t = c["tuning"]
     lines = [
-        f"Model: {c['model']}, untuned and tuned ({c['tuned']}: {c['tuning'].get('steps')} steps in "
-        f"{c['tuning'].get('seconds', 0) / 60:.0f} min), {c['backend']} engine, on {c['cpu']}; {c['date']}.",
+        f"Model: {c['model']}, untuned and tuned ({c['tuned']}: {t.get('steps')} steps in "
+        f"{t.get('seconds', 0) / 60:.0f} min), {c['backend']} engine, on {c['cpu']}; {c['date']}.",
         "",
         f"{c['questions']} held-out questions about documents tuning never read. Agreement: the first "
-        f"{c['tokens_compared']} greedy tokens equal the untuned model's full prefill's. TTFT: the same "
-        "model's full prefill / the mode, measured side by side.",
+        f"{c['tokens_compared']} greedy tokens equal the untuned model's full prefill's (and the same model's). "
+        "TTFT: the same model's full prefill / the mode, measured side by side. Default: the model's "
+        "calibration (the ratio it chose; the mean ratio used is shown).",
+    ]
+    if "tuned_calibration" in c:
+        cal = c["tuned_calibration"]
+        guard = f", guard {cal['guard']['base']} / {cal['guard']['threshold']}" if cal["guard"] else ""
+        lines += ["", f"The tuned model calibrated to ratio {cal['ratio']}{guard} in {cal['seconds']:.0f} s."]
+    if "ape" in c:
+        grid = ", ".join(f"{k}: {v:.3f}" for k, v in c["ape"]["calibration_agreement"].items())
+        lines += ["", f"APE settings' agreement with full attention on the calibration prompts: {grid}."]
+    lines += [
         "",
-        "| model | mode | agrees with untuned full | answer right | TTFT full / mode |",
-        "|---|---|---:|---:|---:|",
+        "| model | mode | agrees with untuned full | agrees with own full | answer right | mean ratio | "
+        "TTFT full / mode |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for name, modes in report["held_out"].items():
         for mode, r in modes.items():
-            lines.append(f"| {name} | {mode} | {r['agreement']:.3f} | {r['right']:.3f} | {r['ttft_speedup']:.2f}x |")
+            ratio = "-" if r.get("mean_ratio") is None else f"{r['mean_ratio']:.3f}"
+            lines.append(
+                f"| {name} | {mode} | {r['agreement']:.3f} | {r['agreement_own']:.3f} | {r['right']:.3f} | "
+                f"{ratio} | {r['ttft_speedup']:.2f}x |"
+            )
     ppl = report["perplexity"]
     lines += ["", f"Perplexity on this package's docs/ (general text tuning never read): untuned {ppl['untuned']:.2f}, "
               f"tuned {ppl['tuned']:.2f}."]  # fmt: skip
@@ -156,7 +247,9 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks tuning", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--tuned", required=True, help="the tuned model's directory (python -m blend_integrations.tune)"
+        "--tuned",
+        default="smollm2-tuned",
+        help="smollm2-tuned (the one this package ships) or a tuned model's directory",
     )
     parser.add_argument("--model", default="smollm2", help="the untuned model: smollm2, gemma3-270m or a directory")
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
@@ -165,11 +258,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--doc-tokens", type=int, nargs=2, metavar=("MIN", "MAX"), help="documents' length (default: the model's task)"
     )
-    parser.add_argument("--calibrate", action="store_true", help="also ask at each model's calibrated setting")
+    parser.add_argument("--calibrate", action="store_true", help="calibrate the tuned model first")
+    parser.add_argument("--ape", action="store_true", help="also read the untuned model with APE's recipe")
+    parser.add_argument("--package", action="store_true", help="ship the tuned model's calibration (with --calibrate)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args(argv)
+    if args.package and (not args.calibrate or args.tuned not in SHIPPED):
+        parser.error(f"--package needs --calibrate and a tuned model this package ships ({', '.join(SHIPPED)})")
+    if args.ape and args.backend != "transformers":
+        parser.error("--ape reads the model with transformers: use --backend transformers")
     report = run(args)
     text = markdown(report)
     print(text)
     write_results(args.out, f"tuning-{args.backend}", "Tuning: the untuned and the tuned model", text, report,
-                  command=f"`python -m benchmarks tuning --tuned DIR --backend {args.backend}`")  # fmt: skip
+                  command=f"`python -m benchmarks tuning --calibrate --package{' --ape' if args.ape else ''} --backend {args.backend}`")  # fmt: skip

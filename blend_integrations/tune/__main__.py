@@ -13,7 +13,7 @@ from .distill import TuneError, TuneOptions, tune
 from .prompts import DocumentsError
 
 HELP = {
-    "steps": "optimizer steps",
+    "steps": "optimizer steps in all (with --resume: in place of the checkpoint's)",
     "rank": "LoRA rank",
     "alpha": "LoRA alpha (the adapters' scale is alpha / rank)",
     "learning_rate": "AdamW learning rate",
@@ -44,13 +44,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     defaults = TuneOptions()
     for f in dataclasses.fields(TuneOptions):
+        if f.name == "steps":  # None: the default, or the checkpoint's with --resume
+            parser.add_argument("--steps", type=int, help=HELP["steps"] + f" (default {defaults.steps})")
+            continue
         kind = {"int": int, "float": float}.get(str(f.type), float if f.name == "target" else str)
         parser.add_argument(
             "--" + f.name.replace("_", "-"), type=kind, default=getattr(defaults, f.name), help=HELP[f.name]
         )
     args = parser.parse_args(argv)
     try:
-        options = TuneOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TuneOptions)})
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneOptions) if f.name != "steps"}
+        options = TuneOptions(**given, **({} if args.steps is None else {"steps": args.steps}))
         questions = []
         if args.questions:
             questions = [q.strip() for q in Path(args.questions).read_text().splitlines() if q.strip()]
@@ -63,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             options=options,
             questions=questions,
             resume=args.resume,
+            steps=args.steps,
             progress=not args.no_progress,
             on_eval=lambda step, block, full: tqdm.write(
                 f"step {step}: held-out KL block {block:.4f}, full {full:.4f}"

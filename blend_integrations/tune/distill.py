@@ -38,10 +38,10 @@ import torch
 
 from ..config import BlendConfig
 from ..models import check_supported
+from ..models.adapters import RECORD, merge_adapter
 from ..models.loading import dtype_name, resolve_device, resolve_model_dir
 from ..prompt import TokenizedPrompt, bos_id_added
 from ..store import model_fingerprint
-from .merge import RECORD, merge_adapter
 from .prompts import make_prompts, read_documents
 from .readings import block_reading, full_reading, kl, reply_logprobs
 
@@ -135,12 +135,15 @@ def tune(
     options: TuneOptions | None = None,
     questions: Sequence[str] = (),
     resume: bool = False,
+    steps: int | None = None,
     progress: bool = True,
     on_eval: Callable[[int, float, float], None] | None = None,
 ) -> TuneResult:
     """Tune ``model`` on prompts made from ``documents`` and write the tuned
     model directory to ``out`` (see the module's docstring). ``resume``:
-    continue from the checkpoint in ``out + ".partial"``."""
+    continue from the checkpoint in ``out + ".partial"``, with its options.
+    ``steps``: the total steps, in place of the options' (or the
+    checkpoint's): a resumed tuning may stop sooner or go on longer."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -162,6 +165,8 @@ def tune(
                 f"(fingerprint {meta['base_fingerprint'][:12]}), not from {str(model)!r} ({fingerprint[:12]})"
             )
         options = TuneOptions(**meta["options"])
+    if steps is not None:
+        options = dataclasses.replace(options, steps=steps)
     elif work.exists():
         raise TuneError(f"{str(work)!r} holds an unfinished tuning: pass --resume to continue it, or remove it")
     texts = read_documents(documents)
@@ -198,6 +203,8 @@ def tune(
         saved = torch.load(checkpoint / "state.pt", weights_only=True)
         optimizer.load_state_dict(saved["optimizer"])
         result = TuneResult(out, **saved["progress"])
+        if result.steps > options.steps:
+            raise TuneError(f"--steps {options.steps}: the checkpoint has done {result.steps} steps already")
         random.setstate(saved["python_rng"])
         torch.set_rng_state(saved["torch_rng"])
 
@@ -328,7 +335,7 @@ def _read_meta(checkpoint: Path) -> dict:
 def _write_model(model, path: Path, base_dir, base_model, fingerprint, options, result, dtype, train_prompts) -> None:
     """The LoRA adapter alone in ``adapter/`` with ``tuning.json`` (a few MB:
     what a package ships), and beside them the base model with the adapter
-    merged in, in the base's own dtype (``merge.merge_adapter``)."""
+    merged in, in the base's own dtype (``models.adapters.merge_adapter``)."""
     record = {
         "base_model": str(base_model),
         "base_fingerprint": fingerprint,

@@ -35,6 +35,8 @@ class Reading:
     positions: list[int]
     allowed: torch.Tensor  # [L, L] bool
     predicts: list[int]  # rows whose next-token logits are compared, in reply order
+    groups: tuple[int, ...] = ()  # block reading, per row: the chunk a token (or its lead's copy) is of, else -1
+    leads: frozenset[int] = frozenset()  # block reading: the rows of the copies read before each chunk
 
 
 def full_reading(prompt: TokenizedPrompt, reply: Sequence[int]) -> Reading:
@@ -45,12 +47,17 @@ def full_reading(prompt: TokenizedPrompt, reply: Sequence[int]) -> Reading:
     return Reading(ids, list(range(n)), allowed, list(range(start, start + len(reply))))
 
 
-def block_reading(prompt: TokenizedPrompt, reply: Sequence[int], bos_id: int | None) -> Reading:
-    """The prompt with every chunk read alone (see the module's docstring)."""
+def block_reading(
+    prompt: TokenizedPrompt, reply: Sequence[int], bos_id: int | None, *, lead: Sequence[int] | None = None
+) -> Reading:
+    """The prompt with every chunk read alone (see the module's docstring).
+    ``lead``: the tokens each chunk is read after, in place of ``[bos_id]``
+    (APE's shared prefix is the prompt's own prefix)."""
+    lead = list(lead) if lead is not None else ([] if bos_id is None else [bos_id])
     ids: list[int] = []
     positions: list[int] = []
-    group: list[int] = []  # per row: -1 for a token that attends to everything, c for chunk c and its BOS copy
-    bos_rows: set[int] = set()
+    group: list[int] = []  # per row: -1 for a token that attends to everything, c for chunk c and its lead
+    lead_rows: set[int] = set()
     starts = {start: c for c, (start, _) in enumerate(prompt.chunk_spans)}
     ends = {end for _, end in prompt.chunk_spans}
     current = -1
@@ -59,12 +66,12 @@ def block_reading(prompt: TokenizedPrompt, reply: Sequence[int], bos_id: int | N
             current = -1
         if p in starts:
             current = starts[p]
-            if bos_id is not None:
-                if p == 0:
-                    raise ValueError("a chunk at the prompt's first token has no position for its BOS")
-                bos_rows.add(len(ids))
-                ids.append(bos_id)
-                positions.append(p - 1)
+            if p < len(lead):
+                raise ValueError("a chunk at the prompt's first token has no position for its BOS")
+            for i, copied in enumerate(lead):
+                lead_rows.add(len(ids))
+                ids.append(copied)
+                positions.append(p - len(lead) + i)
                 group.append(current)
         ids.append(token)
         positions.append(p)
@@ -77,15 +84,14 @@ def block_reading(prompt: TokenizedPrompt, reply: Sequence[int], bos_id: int | N
     groups = torch.tensor(group)
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     same_chunk = (groups[:, None] == groups[None, :]) & (groups[:, None] >= 0)
-    is_bos = torch.zeros(n, dtype=torch.bool)
-    is_bos[list(bos_rows)] = True
+    is_lead = torch.zeros(n, dtype=torch.bool)
+    is_lead[list(lead_rows)] = True
     fresh = groups < 0
-    # a fresh token sees every earlier row but the BOS copies; a chunk token its chunk and its BOS copy;
-    # a BOS copy itself only (as BOS at position 0 of the stored recipe)
-    allowed = causal & ((fresh[:, None] & ~is_bos[None, :]) | (same_chunk & ~is_bos[:, None]))
-    allowed |= torch.eye(n, dtype=torch.bool)
+    # a fresh token sees every earlier row but the lead copies; a chunk token its chunk and its lead; a
+    # lead's token its own lead's earlier tokens (as BOS at position 0 of the stored recipe sees itself)
+    allowed = causal & ((fresh[:, None] & ~is_lead[None, :]) | (same_chunk & (~is_lead[:, None] | is_lead[None, :])))
     first = n - len(reply) - 1
-    return Reading(ids, positions, allowed, list(range(first, first + len(reply))))
+    return Reading(ids, positions, allowed, list(range(first, first + len(reply))), tuple(group), frozenset(lead_rows))
 
 
 def batch(readings: Sequence[Reading], device: torch.device, dtype: torch.dtype) -> dict:

@@ -147,17 +147,18 @@ def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(mod
         tune(model_dirs("llama"), [documents], out, options=options, progress=False)
     with pytest.raises(TuneError, match="--resume: the checkpoint in .* was made from"):
         tune(model_dirs("llama_seed1"), [documents], out, progress=False, resume=True)
-    result = tune(model_dirs("llama"), [documents], out, progress=False, resume=True)
-    assert result.steps == 4 and (out / "tuning.json").is_file() and not partial.exists()
-    steps = [k["step"] for k in json.loads((out / "tuning.json").read_text())["held_out_kl"]]
-    assert steps == [0, 2, 4]
+    # resumed with its checkpoint's options, but told to stop sooner than its 4 steps
+    result = tune(model_dirs("llama"), [documents], out, progress=False, resume=True, steps=3)
+    assert result.steps == 3 and (out / "tuning.json").is_file() and not partial.exists()
+    record = json.loads((out / "tuning.json").read_text())
+    assert [k["step"] for k in record["held_out_kl"]] == [0, 2, 3] and record["options"]["steps"] == 3
 
 
 def test_the_adapter_alone_merges_once_into_the_same_checkpoint(tuned, model_dirs, tmp_path):
     """What a package ships: the adapter (a few MB) and its record, merged
     into the base model once on the user's machine, into the very checkpoint
     the tuning wrote (the same fingerprint, so the same chunks and calibrations)."""
-    from blend_integrations.tune.merge import merged_checkpoint
+    from blend_integrations.models.adapters import merged_checkpoint, pack_adapter
 
     out, _ = tuned
     adapter = out / "adapter"
@@ -170,3 +171,38 @@ def test_the_adapter_alone_merges_once_into_the_same_checkpoint(tuned, model_dir
     assert [p.name for p in tmp_path.iterdir()] == [merged.name]  # nothing half-merged left
     with pytest.raises(FileNotFoundError, match="holds no LoRA adapter"):
         merged_checkpoint(model_dirs("llama"), tmp_path / merged.name, cache=tmp_path / "other")
+    # packed as a package ships it: bfloat16 weights (half the bytes), the record naming the base, not a path
+    packed = pack_adapter(adapter, tmp_path / "packed", base_model="tiny llama")
+    assert (packed / "adapter_model.safetensors").stat().st_size < 0.6 * (
+        adapter / "adapter_model.safetensors"
+    ).stat().st_size
+    assert json.loads((packed / "tuning.json").read_text())["base_model"] == "tiny llama"
+    with pytest.raises(FileExistsError, match="exists: pack the adapter into a new folder"):
+        pack_adapter(adapter, packed)
+    assert model_fingerprint(merged_checkpoint(model_dirs("llama"), packed, cache=tmp_path)) != model_fingerprint(out)
+
+
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_the_shipped_blend_ready_smollm2_loads_on_both_engines_with_its_packaged_calibration(
+    smollm2_gguf, tmp_path, backend
+):
+    """``smollm2_dir(tuned=True)``: the package's adapter merged into SmolLM2
+    once; its own fingerprint, exact at r=1, and blended by default at the
+    ratio its packaged calibration chose for this engine."""
+    from blend_integrations.models.smollm2 import smollm2_dir
+
+    tuned = smollm2_dir(tuned=True)
+    assert smollm2_dir(tuned=True) == tuned and model_fingerprint(tuned) != model_fingerprint(smollm2_dir())
+    assert json.loads((tuned / "tuning.json").read_text())["base_model"] == "SmolLM2-135M-Instruct"
+    options = {"max_model_len": 2048, "kv_cache_gib": 1} if backend == "vllm" else {"device": "cpu"}
+    docs = ["Ada Okafor was born in Brimford.", "Brimford is a harbour city.", "Ada founded Lumen Works in 2011."]
+    with load_engine(str(tuned), backend=backend, store=ChunkStore(tmp_path, remote=""), **options) as engine:
+        assert engine.calibration_source() == "packaged"
+        packaged = engine.calibrations.packaged()
+        assert packaged.path.name == f"smollm2-tuned-{backend}.json"
+        engine.warm(docs)
+        prompt = BlendPrompt("You answer questions.", docs, "Question: where was Ada Okafor born? Answer:")
+        full = engine.generate(prompt, max_tokens=8, mode="full")
+        assert engine.generate(prompt, max_tokens=8, recompute_ratio=1.0).token_ids == full.token_ids
+        auto = engine.generate(prompt, max_tokens=8)
+        assert auto.usage.ratio_source in ("packaged", "guard") and auto.usage.chunks_hit == len(docs)
