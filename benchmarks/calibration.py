@@ -49,7 +49,6 @@ PROBES = {
 }
 # The models whose calibrations ship with the package (``--package``), by the name a user knows them by.
 SHIPPED = {"reader": "the bundled reader", "smollm2": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
-SHIPPED["smollm2-tuned"] = "SmolLM2-135M-Instruct, blend-ready"
 CALIBRATION_SEED = 30_000  # the documents calibration probes; the held-out questions use HELD_OUT_SEED
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -117,9 +116,7 @@ def run(args) -> dict:
             "ttft_speedup": round(full_ttft / statistics.fmean(r["ttft"] for r in rs), 3),
         }
     if args.package:
-        fallback = next(v for k, v in table.items() if k.startswith("fallback"))
-        held = {"full": table["full"], "calibrated": table["default (calibrated)"], "fallback": fallback}
-        write_packaged(record, held, results_name(args.model), args.backend, args.questions)
+        write_packaged(record, table, args)
     return {
         "config": {
             "model": label,
@@ -151,20 +148,20 @@ def run(args) -> dict:
     }
 
 
-def write_packaged(record, held: dict[str, dict], name: str, backend: str, questions: int) -> Path:
+def write_packaged(record, table: dict, args) -> Path:
     """The calibration this package ships for a model it ships (``calibration.PACKAGED_DIR``): the record,
-    named for the model, with the held-out measurements that say what its ratio means (``held``: the rows
-    of full prefill, the calibrated default, and the fallback ratio, each against the model's own full
-    prefill)."""
+    named for the model, with the held-out measurements that say what its ratio means."""
+    fallback = next(v for k, v in table.items() if k.startswith("fallback"))
     held_out = {
-        "questions": questions,
+        "questions": args.questions,
         "tokens": record.tokens,
-        "full_right": held["full"]["right"],
-        "calibrated": {**held["calibrated"], "ratio": held["calibrated"]["mean_ratio"]},
-        "fallback": {**held["fallback"], "ratio": FALLBACK_RATIO},
+        "full_right": table["full"]["right"],
+        "calibrated": {**table["default (calibrated)"], "ratio": table["default (calibrated)"]["mean_ratio"]},
+        "fallback": {**fallback, "ratio": FALLBACK_RATIO},
     }
+    name = results_name(args.model)
     packaged = PackagedCalibration(dataclasses.replace(record, model=SHIPPED[name]), held_out, machine(), Path())
-    path = PACKAGED_DIR / packaged_name(name, backend)
+    path = PACKAGED_DIR / packaged_name(name, args.backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(packaged.to_bytes())
     print(f"packaged calibration written: {path}")

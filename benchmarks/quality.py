@@ -172,10 +172,6 @@ def model_and_task(model: str | None) -> tuple[Path, Task, str]:
         from blend_integrations.models.smollm2 import LABEL, smollm2_dir
 
         return smollm2_dir(), TASKS["smollm2"], LABEL
-    if model == "smollm2-tuned":
-        from blend_integrations.models.smollm2 import TUNED_LABEL, smollm2_dir
-
-        return smollm2_dir(tuned=True), TASKS["smollm2"], TUNED_LABEL
     if model == "gemma3-270m":
         from blend_integrations.models.packaged import GEMMA3_270M
 

@@ -1,7 +1,7 @@
 """Tuning, judged on questions it never saw: the untuned and the tuned model side by side.
 
-    python -m benchmarks tuning --tuned smollm2-tuned|DIR [--model smollm2] [--backend transformers|vllm]
-                                [--questions 60] [--calibrate] [--prompts 48] [--ape] [--package]
+    python -m benchmarks tuning --tuned DIR [--model smollm2] [--backend transformers|vllm]
+                                [--questions 60] [--calibrate] [--prompts 48] [--ape]
 
 For the untuned model and the tuned one (``python -m blend_integrations.tune``,
 which trains on the standard library's docstrings): held-out synthetic
@@ -17,9 +17,7 @@ held-out general text (this package's docs/, which tuning never read).
 
 ``--ape`` (transformers engine): the untuned model read with APE's
 training-free recipe (``benchmarks/ape.py``), its temperature and scale
-chosen on the calibration documents. ``--package`` (with ``--calibrate`` and
-a tuned model this package ships): write the tuned model's calibration as
-the one the package ships for that engine.
+chosen on the calibration documents.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from blend_integrations.store import ChunkStore
 from training.data import make_examples
 
 from . import machine, write_results
-from .calibration import CALIBRATION_SEED, SHIPPED, write_packaged
+from .calibration import CALIBRATION_SEED
 from .quality import HELD_OUT_SEED, model_and_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +86,7 @@ def _rows(results: dict[str, list[dict]]) -> dict[str, dict]:
 
 def run(args) -> dict:
     base_dir, task, label = model_and_task(args.model)
-    tuned_dir, _, tuned_label = model_and_task(args.tuned)
+    tuned_dir = Path(args.tuned)
     doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else task.doc_tokens
     held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=doc_tokens)
     calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=doc_tokens)
@@ -144,21 +142,12 @@ def run(args) -> dict:
                 config["cpu"] = machine(engine if args.backend == "vllm" else None)
         if name == "untuned" and args.ape:
             rows[name] |= _ape(model_dir, task, calibration_set, held_out, reference, rows[name], config)
-    if args.package:
-        calibrated = {k: {**v, "agreement": v["agreement_own"]} for k, v in rows["tuned"].items()}
-        write_packaged(
-            record,
-            {"full": calibrated["full"], "calibrated": calibrated[DEFAULT], "fallback": calibrated["blend@0.15"]},
-            args.tuned,
-            args.backend,
-            args.questions,
-        )
     docs = [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
     tuning = json.loads((Path(tuned_dir) / "tuning.json").read_text())
     return {
         "config": {
             "model": label,
-            "tuned": tuned_label,
+            "tuned": str(tuned_dir),
             "backend": args.backend,
             "questions": len(held_out),
             "tokens_compared": TOKENS,
@@ -244,12 +233,67 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(out: Path) -> Path:
+    """docs/results/tuning.md: every engine's tuning results beside each other, with the tuning's curve."""
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("tuning-*.json"))]
+    first = reports[0]["config"]
+    t = first["tuning"]
+    curve = ", ".join(f"{k['step']}: {k['block']:.4f} / {k['full']:.4f}" for k in t.get("held_out_kl", []))
+    lines = [
+        "# Tuning: the untuned and the tuned model",
+        "",
+        f"The untuned model: {first['model']}. The tuned one: the same after "
+        f"`python -m blend_integrations.tune` ({t.get('steps')} steps, {t.get('dtype')}; options "
+        f"`{json.dumps(t.get('options'))}`), its LoRA adapter merged. Held-out KL of the block / full "
+        f"reading from the untuned model's full reading while it trained, by step: {curve}.",
+        "",
+        f"Each engine: {first['questions']} held-out questions about documents tuning never read, every mode "
+        f"side by side in one run. Agreement: the first {first['tokens_compared']} greedy tokens equal the "
+        "untuned model's full prefill's, or the same model's. TTFT: the same model's full prefill over the mode. "
+        "Default: `recompute_ratio=\"auto\"`, each model's calibration (the untuned model's packaged one; the "
+        "tuned one calibrated on other documents first).",
+        "",
+        "| engine | model | mode | agrees with untuned full | agrees with own full | answer right | mean ratio | "
+        "TTFT full / mode |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for report in reports:
+        c = report["config"]
+        for name, modes in report["held_out"].items():
+            for mode, r in modes.items():
+                ratio = "-" if r.get("mean_ratio") is None else f"{r['mean_ratio']:.3f}"
+                lines.append(
+                    f"| [{c['backend']}](tuning-{c['backend']}.md) | {name} | {mode} | {r['agreement']:.3f} | "
+                    f"{r['agreement_own']:.3f} | {r['right']:.3f} | {ratio} | {r['ttft_speedup']:.2f}x |"
+                )
+    lines.append("")
+    for report in reports:
+        c, ppl = report["config"], report["perplexity"]
+        cal = c.get("tuned_calibration")
+        chose = f"; the tuned model calibrated to ratio {cal['ratio']} in {cal['seconds']:.0f} s" if cal else ""
+        lines.append(
+            f"- {c['backend']} engine, {c['cpu']}, {c['date']}: perplexity on this package's docs/ "
+            f"untuned {ppl['untuned']:.2f}, tuned {ppl['tuned']:.2f}{chose}."
+        )
+        if "ape" in c:
+            grid = ", ".join(f"{k} {v:.3f}" for k, v in c["ape"]["calibration_agreement"].items())
+            lines.append(
+                f"- APE's recipe (`benchmarks/ape.py`), its setting chosen on the calibration documents by "
+                f"agreement with full attention: {grid}; chosen: {c['ape']['chosen']}."
+            )
+    path = out / "tuning.md"
+    path.write_text(
+        "\n".join(lines) + "\n\nCommand: `python -m benchmarks tuning --tuned DIR --calibrate [--ape] --backend "
+        "transformers|vllm` (each run rewrites this page from every result beside it). What the numbers mean: "
+        "[Making a model blend-ready](../blend-ready.md#smollm2-tuned).\n"
+    )
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks tuning", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--tuned",
-        default="smollm2-tuned",
-        help="smollm2-tuned (the one this package ships) or a tuned model's directory",
+        "--tuned", required=True, help="the tuned model's directory (python -m blend_integrations.tune)"
     )
     parser.add_argument("--model", default="smollm2", help="the untuned model: smollm2, gemma3-270m or a directory")
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
@@ -260,15 +304,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--calibrate", action="store_true", help="calibrate the tuned model first")
     parser.add_argument("--ape", action="store_true", help="also read the untuned model with APE's recipe")
-    parser.add_argument("--package", action="store_true", help="ship the tuned model's calibration (with --calibrate)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args(argv)
-    if args.package and (not args.calibrate or args.tuned not in SHIPPED):
-        parser.error(f"--package needs --calibrate and a tuned model this package ships ({', '.join(SHIPPED)})")
     if args.ape and args.backend != "transformers":
         parser.error("--ape reads the model with transformers: use --backend transformers")
     report = run(args)
     text = markdown(report)
     print(text)
     write_results(args.out, f"tuning-{args.backend}", "Tuning: the untuned and the tuned model", text, report,
-                  command=f"`python -m benchmarks tuning --calibrate --package{' --ape' if args.ape else ''} --backend {args.backend}`")  # fmt: skip
+                  command=f"`python -m benchmarks tuning --tuned DIR --calibrate{' --ape' if args.ape else ''} --backend {args.backend}`")  # fmt: skip
+    print(f"written: {summary(args.out)}")

@@ -106,8 +106,8 @@ def merged_checkpoint(
 
 def pack_adapter(adapter_dir: str | os.PathLike, out: str | os.PathLike, *, base_model: str | None = None) -> Path:
     """Write ``out``: the adapter with its weights in bfloat16 and its
-    config and ``tuning.json`` (whose ``base_model`` becomes ``base_model``
-    where given: a name, not a path on the machine that tuned it)."""
+    config and ``tuning.json``, both naming ``base_model`` as the base where
+    given (a name, not a path on the machine that tuned it)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -118,7 +118,10 @@ def pack_adapter(adapter_dir: str | os.PathLike, out: str | os.PathLike, *, base
     tensors = load_file(str(adapter_dir / WEIGHTS))
     out.mkdir(parents=True)
     save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}, str(out / WEIGHTS))
-    shutil.copy(adapter_dir / "adapter_config.json", out / "adapter_config.json")
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    if base_model is not None:
+        config["base_model_name_or_path"] = base_model
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if (adapter_dir / RECORD).is_file():
         record = json.loads((adapter_dir / RECORD).read_text())
         if base_model is not None:

@@ -181,28 +181,3 @@ def test_the_adapter_alone_merges_once_into_the_same_checkpoint(tuned, model_dir
         pack_adapter(adapter, packed)
     assert model_fingerprint(merged_checkpoint(model_dirs("llama"), packed, cache=tmp_path)) != model_fingerprint(out)
 
-
-@pytest.mark.parametrize("backend", ["transformers", "vllm"])
-def test_the_shipped_blend_ready_smollm2_loads_on_both_engines_with_its_packaged_calibration(
-    smollm2_gguf, tmp_path, backend
-):
-    """``smollm2_dir(tuned=True)``: the package's adapter merged into SmolLM2
-    once; its own fingerprint, exact at r=1, and blended by default at the
-    ratio its packaged calibration chose for this engine."""
-    from blend_integrations.models.smollm2 import smollm2_dir
-
-    tuned = smollm2_dir(tuned=True)
-    assert smollm2_dir(tuned=True) == tuned and model_fingerprint(tuned) != model_fingerprint(smollm2_dir())
-    assert json.loads((tuned / "tuning.json").read_text())["base_model"] == "SmolLM2-135M-Instruct"
-    options = {"max_model_len": 2048, "kv_cache_gib": 1} if backend == "vllm" else {"device": "cpu"}
-    docs = ["Ada Okafor was born in Brimford.", "Brimford is a harbour city.", "Ada founded Lumen Works in 2011."]
-    with load_engine(str(tuned), backend=backend, store=ChunkStore(tmp_path, remote=""), **options) as engine:
-        assert engine.calibration_source() == "packaged"
-        packaged = engine.calibrations.packaged()
-        assert packaged.path.name == f"smollm2-tuned-{backend}.json"
-        engine.warm(docs)
-        prompt = BlendPrompt("You answer questions.", docs, "Question: where was Ada Okafor born? Answer:")
-        full = engine.generate(prompt, max_tokens=8, mode="full")
-        assert engine.generate(prompt, max_tokens=8, recompute_ratio=1.0).token_ids == full.token_ids
-        auto = engine.generate(prompt, max_tokens=8)
-        assert auto.usage.ratio_source in ("packaged", "guard") and auto.usage.chunks_hit == len(docs)

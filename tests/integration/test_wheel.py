@@ -27,14 +27,9 @@ def test_the_wheel_holds_the_library_and_the_reader_weights_only(tmp_path):
         "blend_integrations/quality/reader/tokenizer.json",
         *(
             f"blend_integrations/data/calibrations/{m}-{e}.json"
-            for m in ("reader", "smollm2", "smollm2-tuned", "gemma3-270m")
+            for m in ("reader", "smollm2", "gemma3-270m")
             for e in ("transformers", "vllm")
         ),
-        *(
-            f"blend_integrations/data/adapters/smollm2/{f}"
-            for f in ("adapter_config.json", "adapter_model.safetensors")
-        ),
-        "blend_integrations/data/adapters/smollm2/tuning.json",
     ):
         assert needed in names, needed
     # benchmarks, training and fixtures stay in the checkout (the reader's training.json is its model card's data)
