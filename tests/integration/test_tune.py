@@ -180,4 +180,3 @@ def test_the_adapter_alone_merges_once_into_the_same_checkpoint(tuned, model_dir
     with pytest.raises(FileExistsError, match="exists: pack the adapter into a new folder"):
         pack_adapter(adapter, packed)
     assert model_fingerprint(merged_checkpoint(model_dirs("llama"), packed, cache=tmp_path)) != model_fingerprint(out)
-
