@@ -195,6 +195,19 @@ def _ape(model_dir, task, calibration_set, held_out, reference, untuned: dict, c
     }
 
 
+def _table(report: dict, lead: str = "") -> list[str]:
+    """One table row per model and mode, each starting with ``lead``."""
+    lines = []
+    for name, modes in report["held_out"].items():
+        for mode, r in modes.items():
+            ratio = "-" if r.get("mean_ratio") is None else f"{r['mean_ratio']:.3f}"
+            lines.append(
+                f"| {lead}{name} | {mode} | {r['agreement']:.3f} | {r['agreement_own']:.3f} | {r['right']:.3f} | "
+                f"{ratio} | {r['ttft_speedup']:.2f}x |"
+            )
+    return lines
+
+
 def markdown(report: dict) -> str:
     c = report["config"]
     t = c["tuning"]
@@ -220,13 +233,7 @@ def markdown(report: dict) -> str:
         "TTFT full / mode |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for name, modes in report["held_out"].items():
-        for mode, r in modes.items():
-            ratio = "-" if r.get("mean_ratio") is None else f"{r['mean_ratio']:.3f}"
-            lines.append(
-                f"| {name} | {mode} | {r['agreement']:.3f} | {r['agreement_own']:.3f} | {r['right']:.3f} | "
-                f"{ratio} | {r['ttft_speedup']:.2f}x |"
-            )
+    lines += _table(report)
     ppl = report["perplexity"]
     lines += ["", f"Perplexity on this package's docs/ (general text tuning never read): untuned {ppl['untuned']:.2f}, "
               f"tuned {ppl['tuned']:.2f}."]  # fmt: skip
@@ -258,14 +265,8 @@ def summary(out: Path) -> Path:
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for report in reports:
-        c = report["config"]
-        for name, modes in report["held_out"].items():
-            for mode, r in modes.items():
-                ratio = "-" if r.get("mean_ratio") is None else f"{r['mean_ratio']:.3f}"
-                lines.append(
-                    f"| [{c['backend']}](tuning-{c['backend']}.md) | {name} | {mode} | {r['agreement']:.3f} | "
-                    f"{r['agreement_own']:.3f} | {r['right']:.3f} | {ratio} | {r['ttft_speedup']:.2f}x |"
-                )
+        backend = report["config"]["backend"]
+        lines += _table(report, f"[{backend}](tuning-{backend}.md) | ")
     lines.append("")
     for report in reports:
         c, ppl = report["config"], report["perplexity"]
