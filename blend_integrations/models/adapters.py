@@ -62,9 +62,9 @@ def merge_adapter(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, o
     model = PeftModel.from_pretrained(base, str(adapter_dir))
     for module in model.modules():  # one layer at a time in float64 (see the module's docstring)
         if isinstance(module, BaseTunerLayer):
-            module.to(torch.float64)
+            module.to(torch.float64)  # type: ignore[attr-defined]  # a tuner layer is a torch module too
             module.merge()
-            module.to(dtype)
+            module.to(dtype)  # type: ignore[attr-defined]
     merged = model.unload()
     merged.save_pretrained(str(out))
     shutil.copy(base_dir / "config.json", out / "config.json")
