@@ -86,7 +86,7 @@ def _rows(results: dict[str, list[dict]]) -> dict[str, dict]:
 
 def run(args) -> dict:
     base_dir, task, label = model_and_task(args.model)
-    tuned_dir = Path(args.tuned)
+    tuned_dir = args.tuned
     doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else task.doc_tokens
     held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=doc_tokens)
     calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=doc_tokens)
@@ -143,7 +143,7 @@ def run(args) -> dict:
         if name == "untuned" and args.ape:
             rows[name] |= _ape(model_dir, task, calibration_set, held_out, reference, rows[name], config)
     docs = [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
-    tuning = json.loads((Path(tuned_dir) / "tuning.json").read_text())
+    tuning = json.loads((tuned_dir / "tuning.json").read_text())
     return {
         "config": {
             "model": label,
@@ -294,7 +294,7 @@ def summary(out: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks tuning", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--tuned", required=True, help="the tuned model's directory (python -m blend_integrations.tune)"
+        "--tuned", type=Path, required=True, help="the tuned model's directory (python -m blend_integrations.tune)"
     )
     parser.add_argument("--model", default="smollm2", help="the untuned model: smollm2, gemma3-270m or a directory")
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ape", action="store_true", help="also read the untuned model with APE's recipe")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args(argv)
+    if not (args.tuned / "tuning.json").is_file():
+        parser.error(f"--tuned {str(args.tuned)!r} is not a tuned model: it holds no tuning.json")
     if args.ape and args.backend != "transformers":
         parser.error("--ape reads the model with transformers: use --backend transformers")
     report = run(args)

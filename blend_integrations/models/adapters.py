@@ -6,7 +6,7 @@ A tuned model travels as its adapter (``adapter/`` of a tuning's output,
 asked for, in the base's own dtype, into the user cache (as a GGUF file is
 converted once), and returns that directory after: a checkpoint like any
 other for either engine. ``pack_adapter`` writes an adapter in bfloat16
-(half the bytes), as a package ships one (``models.smollm2``).
+(half the bytes), as a package would ship one.
 
 The merge gives the same bytes on every machine, so the merged checkpoint's
 fingerprint, and the chunks and packaged calibrations keyed by it, hold

@@ -165,10 +165,10 @@ def tune(
                 f"(fingerprint {meta['base_fingerprint'][:12]}), not from {str(model)!r} ({fingerprint[:12]})"
             )
         options = TuneOptions(**meta["options"])
-    if steps is not None:
-        options = dataclasses.replace(options, steps=steps)
     elif work.exists():
         raise TuneError(f"{str(work)!r} holds an unfinished tuning: pass --resume to continue it, or remove it")
+    if steps is not None:
+        options = dataclasses.replace(options, steps=steps)
     texts = read_documents(documents)
     device = resolve_device(options.device)
     dtype = resolve_tune_dtype(options.dtype, device)

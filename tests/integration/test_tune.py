@@ -143,10 +143,14 @@ def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(mod
         tune(model_dirs("llama"), [documents], out, options=options, progress=False, on_eval=stop)
     partial = out.with_name("out.partial")
     assert not out.exists() and (partial / "checkpoint" / "state.pt").is_file()
-    with pytest.raises(TuneError, match="holds an unfinished tuning: pass --resume"):
-        tune(model_dirs("llama"), [documents], out, options=options, progress=False)
+    for steps in (None, 3):  # a new --steps is no licence to start over on top of the unfinished work
+        with pytest.raises(TuneError, match="holds an unfinished tuning: pass --resume"):
+            tune(model_dirs("llama"), [documents], out, options=options, progress=False, steps=steps)
     with pytest.raises(TuneError, match="--resume: the checkpoint in .* was made from"):
         tune(model_dirs("llama_seed1"), [documents], out, progress=False, resume=True)
+    # resumed with the checkpoint's options alone: on from step 1, stopped again at step 2's measurement
+    with pytest.raises(KeyboardInterrupt):
+        tune(model_dirs("llama"), [documents], out, progress=False, resume=True, on_eval=stop)
     # resumed with its checkpoint's options, but told to stop sooner than its 4 steps
     result = tune(model_dirs("llama"), [documents], out, progress=False, resume=True, steps=3)
     assert result.steps == 3 and (out / "tuning.json").is_file() and not partial.exists()
