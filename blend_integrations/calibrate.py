@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from .calibration import LADDER, CalibrationError
+from .config import KV_CODECS
 from .store import ChunkStore
 
 DOCUMENT_SUFFIXES = (".txt", ".md")
@@ -65,6 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--store", help="chunk store directory (default: $BLEND_STORE_PATH or the user cache)")
     parser.add_argument("--store-remote", metavar="URL", help="Redis URL of the store's shared tier ('' for none)")
+    parser.add_argument(
+        "--kv-codec",
+        choices=("raw", *KV_CODECS),
+        default="raw",
+        help="the codec the store keeps chunk KV in: a calibration holds under its own codec",
+    )
     parser.add_argument(
         "--documents",
         nargs="+",
@@ -128,15 +135,19 @@ def main(argv: list[str] | None = None) -> None:
         exhaustive=args.exhaustive,
     )
     if args.model.startswith(("http://", "https://")):
-        if args.store is not None or args.store_remote is not None:
-            parser.error("--store and --store-remote are the server's own: it stores the record in its store")
+        if args.store is not None or args.store_remote is not None or args.kv_codec != "raw":
+            parser.error(
+                "--store, --store-remote and --kv-codec are the server's own: it stores the record in its store"
+            )
         try:
             load_engine(args.model, backend="server").calibrate(documents, **options)
         except (CalibrationError, ServerError) as e:
             sys.exit(f"calibration failed: {e}")
         print(f"stored in the store of the server at {args.model}")
         return
-    with ChunkStore(args.store, remote=args.store_remote) as store:
+    with ChunkStore(
+        args.store, remote=args.store_remote, kv_codec=None if args.kv_codec == "raw" else args.kv_codec
+    ) as store:
         engine = load_engine(args.model, backend=args.backend, store=store, dtype=args.dtype, device=args.device)
         try:
             engine.calibrate(documents, **options)

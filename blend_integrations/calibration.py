@@ -61,7 +61,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
-from .config import FALLBACK_RATIO, SETTINGS, BlendConfig, check_ratio, computed_share
+from .config import FALLBACK_RATIO, SETTINGS, BlendConfig, check_kv_codec, check_ratio, computed_share
 from .store import ChunkStore
 from .store.format import dtype_name
 
@@ -85,10 +85,11 @@ class CalibrationError(ValueError):
     """Calibration cannot run as asked; the message says why."""
 
 
-def record_name(fingerprint: str, dtype: Any) -> str:
-    """The store record of a model's calibration: one per checkpoint and KV dtype."""
+def record_name(fingerprint: str, dtype: Any, kv_codec: str | None = None) -> str:
+    """The store record of a model's calibration: one per checkpoint, KV
+    dtype and the store's KV codec (a lossy codec may need another ratio)."""
     name = dtype if isinstance(dtype, str) else dtype_name(dtype)
-    return f"calibration.{fingerprint[:64]}.{name}"
+    return f"calibration.{fingerprint[:64]}.{name}" + (f".{kv_codec}" if kv_codec is not None else "")
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,10 @@ class CalibrationRecord:
     in-process use it; the vLLM engine, whose worker cannot report a
     per-request ratio for every request yet, uses ``ratio``). curve: every
     policy measured, with its cost, agreement, lower bound, KL, mean ratio
-    and TTFT speedup."""
+    and TTFT speedup. kv_codec: the store's KV codec it was measured under
+    (None: raw); codecs_checked: other codecs whose own calibration chose
+    the same policy, so that ``"auto"`` may use this record under them too.
+    A record is used under no other codec."""
 
     model: str
     fingerprint: str
@@ -154,6 +158,12 @@ class CalibrationRecord:
     why: str = ""  # how the choice was made, in words
     min_speedup: float = 1.0  # a policy measured less sooner than full prefill than this is not chosen
     guard_settings: dict | None = None
+    kv_codec: str | None = None
+    codecs_checked: list[str] = dataclasses.field(default_factory=list)
+
+    def holds_under(self, kv_codec: str | None) -> bool:
+        """Whether ``"auto"`` may use this record in a store of ``kv_codec``."""
+        return kv_codec == self.kv_codec or kv_codec in self.codecs_checked
 
     def to_bytes(self) -> bytes:
         data = dataclasses.asdict(self)
@@ -165,7 +175,8 @@ class CalibrationRecord:
         cls, raw: bytes, *, fingerprint: str, dtype: str, num_layers: int | None = None
     ) -> CalibrationRecord:
         """Parse and check a stored record (its check layers against the
-        model's ``num_layers``); raises CalibrationError naming what is wrong."""
+        model's ``num_layers``); raises CalibrationError naming what is wrong.
+        Records from before KV codecs (no ``kv_codec``) were measured raw."""
         try:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -184,12 +195,21 @@ class CalibrationRecord:
         try:
             guard = data["guard"]
             record = cls(
-                **{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name not in ("guard",)},
+                **{
+                    f.name: data[f.name]
+                    for f in dataclasses.fields(cls)
+                    if f.name != "guard" and (f.name in data or f.name not in ("kv_codec", "codecs_checked"))
+                },
                 guard=None
                 if guard is None
                 else Guard(float(guard["base"]), float(guard["threshold"]), tuple(float(r) for r in guard["ladder"])),
             )
             check_ratio(record.ratio)
+            check_kv_codec(record.kv_codec)
+            if not isinstance(record.codecs_checked, list):
+                raise ValueError("codecs_checked must be a list")
+            for codec in record.codecs_checked:
+                check_kv_codec(codec)
             if record.guard is not None:
                 check_ratio(record.guard.base)
                 check_ratio(record.guard.threshold, name="guard threshold")
@@ -345,12 +365,16 @@ class Calibrations:
         self.engine = engine
         self.num_layers = num_layers
         self.label = label or fingerprint[:12]
-        self.name = record_name(fingerprint, self.dtype)
         self._record: CalibrationRecord | None = None
         self._source = "fallback"
         self._read_at = -math.inf
         self._said: set[str] = set()
         self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        """The record's name in the store: its codec's (``record_name``)."""
+        return record_name(self.fingerprint, self.dtype, self.store.kv_codec)
 
     def use_store(self, store: ChunkStore) -> None:
         with self._lock:
@@ -373,6 +397,12 @@ class Calibrations:
     def packaged(self) -> PackagedCalibration | None:
         """The calibration this package ships for this model and engine, if any."""
         packaged = packaged_calibrations().get((self.fingerprint, self.dtype, self.engine))
+        if packaged is not None and not packaged.record.holds_under(self.store.kv_codec):
+            self._say(
+                f"the packaged calibration {packaged.path.name} was measured on a {packaged.record.kv_codec or 'raw'} "
+                f"store, and is not shown to hold for this store's {self.store.kv_codec} chunks: calibrate under it"
+            )
+            return None
         if packaged is not None and self.num_layers is not None:
             try:  # its settings must fit this model (a record of the same fingerprint always does)
                 BlendConfig().with_settings(packaged.record.settings, num_layers=self.num_layers)
@@ -411,12 +441,19 @@ class Calibrations:
         if raw is None:
             return None
         try:
-            return CalibrationRecord.from_bytes(
+            record = CalibrationRecord.from_bytes(
                 raw, fingerprint=self.fingerprint, dtype=self.dtype, num_layers=self.num_layers
             )
         except CalibrationError as e:
             self._say(f"the store's calibration record is refused: {e}")
             return None
+        if record.kv_codec != self.store.kv_codec:
+            self._say(
+                f"the store's calibration record {self.name} is refused: it was measured on "
+                f"{record.kv_codec or 'raw'} chunks, not {self.store.kv_codec or 'raw'} ones"
+            )
+            return None
+        return record
 
     def _say(self, why: str) -> None:
         if why not in self._said:
@@ -711,7 +748,7 @@ def calibrate(
     probes = [p for p in probes if p.chunk_spans]
     if len(probes) < 2:
         raise CalibrationError("calibration needs at least 2 prompts with retrieved documents (chunks) in them")
-    name = record_name(engine.fingerprint, engine.dtype_name)
+    name = record_name(engine.fingerprint, engine.dtype_name, engine.kv_codec)
     show = progress if progress is not None else True
     started = time.perf_counter()
     n = len(probes)
@@ -949,6 +986,7 @@ def _choose(
         seconds=round(seconds, 1),
         why=why,
         min_speedup=min_speedup,
+        kv_codec=engine.kv_codec,
     )
 
 

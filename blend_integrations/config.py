@@ -25,6 +25,8 @@ Mode = Literal["blend", "full", "reuse"]
 MODES: tuple[str, ...] = ("blend", "full", "reuse")
 Selection = Literal["deviation", "query", "mixed"]
 SELECTIONS: tuple[str, ...] = ("deviation", "query", "mixed")
+# How a chunk store may keep chunk KV besides raw (None): ``store/codec.py``.
+KV_CODECS: tuple[str, ...] = ("fp8", "int8")
 # The settings of one blend pass that a request may override and a
 # calibration measures a ratio under (with it, they make a blend policy).
 SETTINGS: tuple[str, ...] = ("check_layers", "deviation", "sink_tokens", "selection")
@@ -73,6 +75,10 @@ class BlendConfig:
     pipelined_loading: read stored chunks layer by layer in a background
         thread while the walk computes; layer l waits only for its own KV.
         The answer is the same as without it.
+    kv_codec: how the store the engine makes keeps chunk KV: None (raw),
+        "fp8" or "int8" (about a quarter of float32's bytes; see
+        docs/storage.md). A store passed to the engine keeps its own codec
+        (``ChunkStore(kv_codec=...)``); this, when set, must be the same.
     """
 
     recompute_ratio: float | Literal["auto"] = "auto"
@@ -83,8 +89,10 @@ class BlendConfig:
     sink_tokens: int = 0
     loading_controller: bool = False
     pipelined_loading: bool = False
+    kv_codec: str | None = None
 
     def __post_init__(self) -> None:
+        check_kv_codec(self.kv_codec)
         if self.recompute_ratio != "auto":
             object.__setattr__(self, "recompute_ratio", check_ratio(self.recompute_ratio, auto=True))
         layers = tuple(self.check_layers) if not isinstance(self.check_layers, int) else (self.check_layers,)
@@ -163,6 +171,13 @@ def check_mode(mode: str, *, name: str = "mode") -> str:
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"{name} must be one of {', '.join(MODES)}; got {mode!r:.60}")
     return mode
+
+
+def check_kv_codec(codec: object) -> str | None:
+    """``codec`` if it is one of ``KV_CODECS`` or None (raw); raise ValueError naming the choices."""
+    if codec is None or (isinstance(codec, str) and codec in KV_CODECS):
+        return codec
+    raise ValueError(f"unknown kv_codec {codec!r:.60}; the choices are None (raw), {', '.join(map(repr, KV_CODECS))}")
 
 
 def check_selection(selection: str, *, name: str = "selection") -> str:

@@ -135,7 +135,7 @@ class BlendModelBase(BaseModel):
             if self.api_key is not None:
                 kwargs.setdefault("api_key", self.api_key.get_secret_value())
         elif store is None:
-            store = ChunkStore(self.store_path)
+            store = ChunkStore(self.store_path, kv_codec=(self.config or BlendConfig()).kv_codec)
         self.engine = load_engine(
             target, backend=self.backend, store=store, config=self.config or BlendConfig(), **kwargs
         )

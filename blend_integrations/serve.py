@@ -1,6 +1,7 @@
 """Engines layer: serve a model with blending, ``vllm serve`` with the blend connector.
 
-    python -m blend_integrations.serve MODEL [--store DIR] [--store-remote URL] [--api-key KEY] [--print]
+    python -m blend_integrations.serve MODEL [--store DIR] [--store-remote URL] [--kv-codec raw|fp8|int8]
+                                       [--api-key KEY] [--print]
                                        [any vllm serve option ...]
 
 It runs vLLM's OpenAI-compatible server (what ``vllm serve MODEL`` runs) with the options blending needs (printed with
@@ -39,7 +40,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import SELECTIONS, BlendConfig, parse_ratio
+from .config import KV_CODECS, SELECTIONS, BlendConfig, parse_ratio
 from .engines import stream_usage
 from .engines.vllm_contract import (
     WALK_ATTENTION,
@@ -370,6 +371,7 @@ class CalibrationRoute(_ApiKeyAware):
                 "model": served.name,
                 "fingerprint": served.fingerprint,
                 "dtype": calibrations.dtype,
+                "kv_codec": store.kv_codec,
                 "num_layers": served.num_layers,
                 "settings": served.config.settings(),
                 "record": None if record is None else json.loads(record.to_bytes()),
@@ -383,9 +385,14 @@ class CalibrationRoute(_ApiKeyAware):
         from .calibration import CalibrationError, CalibrationRecord
 
         try:
-            CalibrationRecord.from_bytes(
+            record = CalibrationRecord.from_bytes(
                 raw, fingerprint=served.fingerprint, dtype=calibrations.dtype, num_layers=served.num_layers
             )
+            if record.kv_codec != store.kv_codec:
+                raise CalibrationError(
+                    f"it was measured on {record.kv_codec or 'raw'} chunks; this server's store keeps "
+                    f"{store.kv_codec or 'raw'} ones"
+                )
         except CalibrationError as exc:
             await _error(scope, receive, send, f"calibration record refused: {exc}", 400, "record")
             return
@@ -409,6 +416,12 @@ def main(argv: list[str] | None = None) -> None:
         "--store-remote",
         metavar="URL",
         help="Redis URL of the store's shared tier (default: $BLEND_STORE_REMOTE; '' for none)",
+    )
+    parser.add_argument(
+        "--kv-codec",
+        choices=("raw", *KV_CODECS),
+        default="raw",
+        help="how the store keeps chunk KV: raw, or fp8/int8 in about a quarter of float32's bytes",
     )
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument(
@@ -461,12 +474,13 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     cpu = not torch.cuda.is_available()
-    with ChunkStore(args.store, remote=args.store_remote) as store:
+    kv_codec = None if args.kv_codec == "raw" else args.kv_codec
+    with ChunkStore(args.store, remote=args.store_remote, kv_codec=kv_codec) as store:
         cmd = serve_command(
             model,
             store=store,
             max_model_len=args.max_model_len,
-            config=BlendConfig(recompute_ratio=args.recompute_ratio, selection=args.selection),
+            config=BlendConfig(recompute_ratio=args.recompute_ratio, selection=args.selection, kv_codec=kv_codec),
             cpu=cpu,
             dtype=args.dtype,
             tensor_parallel_size=tp,

@@ -192,6 +192,19 @@ class AsyncGenerationStream:
             loop.call_soon_threadsafe(deltas.put_nowait, exc)
 
 
+def engine_store(store: ChunkStore | None, config: BlendConfig) -> ChunkStore:
+    """The store an engine uses: ``store``, which must keep chunks in the
+    config's ``kv_codec`` when that is set; None: the default store, in it."""
+    if store is None:
+        return ChunkStore(kv_codec=config.kv_codec)
+    if config.kv_codec is not None and store.kv_codec != config.kv_codec:
+        raise ValueError(
+            f"BlendConfig(kv_codec={config.kv_codec!r}), but the store given keeps chunks as {store.kv_codec!r}: "
+            f"make it ChunkStore(..., kv_codec={config.kv_codec!r}), or leave kv_codec out of the config"
+        )
+    return store
+
+
 class Engine(ABC):
     """A model plus a chunk store, generating from blend prompts."""
 
@@ -216,6 +229,11 @@ class Engine(ABC):
                 "(a prompt must leave room for at least one generated token); retrieve fewer or shorter documents"
             )
         return tp
+
+    @property
+    def kv_codec(self) -> str | None:
+        """How this engine's store keeps chunk KV (``ChunkStore.kv_codec``)."""
+        return self.store.kv_codec
 
     def chunk_key(self, token_ids: Sequence[int]) -> str:
         return ChunkKeys(self.fingerprint, self.dtype_name, bos_id_added(self.tokenizer))(token_ids)
@@ -346,7 +364,7 @@ class Engine(ABC):
         """Store what ``calibrate`` measured, for every engine on the store, and use it now."""
         from ..calibration import record_name
 
-        self.store.put_record(record_name(record.fingerprint, record.dtype), record.to_bytes())
+        self.store.put_record(record_name(record.fingerprint, record.dtype, record.kv_codec), record.to_bytes())
         self.calibrations.set(record)
 
     def calibrate(

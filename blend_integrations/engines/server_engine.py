@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing_extensions import Unpack
 
 from ..calibration import CalibrationError, CalibrationRecord
-from ..config import BlendConfig
+from ..config import BlendConfig, check_kv_codec
 from ..prompt import BlendPrompt, PromptInput, TextOrIds
 from .base import Engine, GenerateOptions, Generation, GenerationStream, Request, Usage
 from .vllm_contract import blend_results, kv_transfer_params
@@ -71,6 +71,7 @@ class ServerEngine(Engine):
         self.config = config or BlendConfig()
         self._tokenizer = AutoTokenizer.from_pretrained(tokenizer or card["root"])
         self.store = None  # type: ignore[assignment]  # the server's store is on the server
+        self._kv_codec: str | None = None
 
     @property
     def tokenizer(self):
@@ -86,6 +87,11 @@ class ServerEngine(Engine):
             "engine.calibrate(documents) measures and stores it"
         )
 
+    @property
+    def kv_codec(self) -> str | None:
+        """The server's store's KV codec, as its last ``served_model`` said."""
+        return self._kv_codec
+
     def served_model(self) -> dict:
         """The server's ``GET /v1/blend/calibration``: the served model's name,
         fingerprint, KV dtype and layers, the server's blend settings, and its
@@ -95,6 +101,10 @@ class ServerEngine(Engine):
         wrong = [k for k, kind in expected.items() if not isinstance(info.get(k), kind)]
         if wrong or not (info.get("record") is None or isinstance(info["record"], dict)):
             raise ServerError(f"GET {CALIBRATION_PATH}: the answer lacks or mistypes {', '.join(wrong) or 'record'}")
+        try:
+            check_kv_codec(info.get("kv_codec"))
+        except ValueError as e:
+            raise ServerError(f"GET {CALIBRATION_PATH}: {e}") from None
         return info
 
     def calibration(self) -> CalibrationRecord | None:
@@ -130,6 +140,7 @@ class ServerEngine(Engine):
         records are complete, and the one stored last is used."""
         info = self.served_model()
         self.fingerprint, self.dtype_name, self.num_layers = info["fingerprint"], info["dtype"], info["num_layers"]
+        self._kv_codec = info.get("kv_codec")  # absent from servers before KV codecs: raw
         self.config = self.config.with_settings(info["settings"], num_layers=self.num_layers)
         return super().calibrate(documents, **options)
 

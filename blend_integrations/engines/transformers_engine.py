@@ -22,7 +22,7 @@ from ..models import HFDecoder, check_supported
 from ..models.loading import dtype_name, resolve_device, resolve_dtype, resolve_model_dir
 from ..prompt import TextOrIds, bos_id_added
 from ..store import ChunkKV, ChunkStore, model_fingerprint
-from .base import Engine, Generation, GenerationStream, Request, Usage
+from .base import Engine, Generation, GenerationStream, Request, Usage, engine_store
 from .decoding import TextAssembler, sample, top_logprobs
 
 
@@ -46,7 +46,7 @@ class TransformersEngine(Engine):
         check_supported(hf_config)
         self.model_name = str(model)
         self.config = config or BlendConfig()
-        store = store if store is not None else ChunkStore()
+        store = engine_store(store, self.config)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = dtype_name(self.dtype)

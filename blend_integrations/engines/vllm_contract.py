@@ -124,6 +124,7 @@ def blend_engine_args(
                 "store_path": str(store.path),
                 "store_size_limit_bytes": store.size_limit_bytes,
                 "store_memory_limit_bytes": store.memory_limit_bytes,
+                "store_kv_codec": store.kv_codec,
                 # what the loading controller assumes of each tier until the worker has measured it
                 "store_read_bandwidth": {tier: rate.initial for tier, rate in store.read_rates.items()},
                 **_remote_config(store),
@@ -268,6 +269,7 @@ def connector_store_args(extra: dict) -> dict:
         "remote_size_limit_bytes",
         "remote_timeout_s",
         "read_bandwidth",
+        "kv_codec",
     ):
         if f"store_{name}" in extra:
             args[name] = extra[f"store_{name}"]

@@ -22,7 +22,7 @@ from ..models import check_supported
 from ..models.loading import resolve_device, resolve_model_dir
 from ..prompt import PromptInput, TextOrIds
 from ..store import ChunkStore, model_fingerprint
-from .base import Engine, Generation, GenerationStream, Request, Usage
+from .base import Engine, Generation, GenerationStream, Request, Usage, engine_store
 from .blend_metrics import BlendCounters
 from .vllm_contract import (
     CONNECTOR_MODULE,
@@ -98,7 +98,7 @@ class VLLMEngine(Engine):
         on_gpu = resolve_device(device).type == "cuda"
         self.model_name = str(model)
         self.config = config or BlendConfig()
-        self.store = store if store is not None else ChunkStore()
+        self.store = engine_store(store, self.config)
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.fingerprint = model_fingerprint(model_dir)
         if not on_gpu:

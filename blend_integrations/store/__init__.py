@@ -9,12 +9,14 @@ from .chunk_store import (
     default_store_path,
     default_store_remote,
 )
+from .codec import KV_CODECS, check_kv_codec
 from .format import ChunkKV, CorruptEntryError
-from .keys import RECIPE_VERSION, chunk_key, model_fingerprint
+from .keys import RECIPE_VERSION, chunk_key, coded_key, model_fingerprint
 from .stats import StoreStats
 
 __all__ = [
     "DEFAULT_READ_BANDWIDTH",
+    "KV_CODECS",
     "RECIPE_VERSION",
     "REMOTE_ENV",
     "TIERS",
@@ -23,7 +25,9 @@ __all__ = [
     "CorruptEntryError",
     "Location",
     "StoreStats",
+    "check_kv_codec",
     "chunk_key",
+    "coded_key",
     "default_store_path",
     "default_store_remote",
     "model_fingerprint",

@@ -23,6 +23,13 @@ the caller recomputes. After a Redis failure the store leaves Redis alone for
 entries put meanwhile are written to Redis, from the disk tier, once it
 answers again (the backfill).
 
+A store may keep its entries coded (``kv_codec``: ``"fp8"`` or ``"int8"``,
+``codec.py``) in about a quarter of a float32 entry's bytes. The codec is
+part of the key an entry is kept under (``keys.coded_key``), so stores of
+several codecs share one directory or Redis database side by side; every
+tier, memory included, holds the decoded values, so a chunk reads the same
+from any tier.
+
 Beside the entries the store keeps a few small named blobs, records
 (``put_record``/``get_record``/``delete_record``), on disk and in Redis:
 never evicted, not entries (not in ``len()``, never read as chunks), and
@@ -38,8 +45,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple, Self
 
+from .codec import check_kv_codec
 from .disk_tier import DiskTier
-from .format import ChunkKV, CorruptEntryError, check_record_name, decode_record, encode, encode_record
+from .format import ChunkKV, CorruptEntryError, _decode, check_record_name, decode_record, encode, encode_record
+from .keys import coded_key, key_codec
 from .layered import LayerReader, ReadFailed
 from .memory_tier import MemoryTier
 from .rate import Rate
@@ -137,6 +146,12 @@ class ChunkStore:
     defaults in ``DEFAULT_READ_BANDWIDTH``). ``locate`` says where a key is
     and how big it is without reading it: with both, the loading controller
     estimates load times.
+
+    ``kv_codec`` is how ``put`` keeps entries: None (raw), ``"fp8"`` or
+    ``"int8"`` (see ``codec.py``). ``get`` and ``put`` take a chunk's plain
+    key; the store reads and writes it under ``coded_key(key, kv_codec)``,
+    the key its entries carry, and only its own codec's entries are its
+    hits. Reads measure the codec's own rate: its bytes, decoding included.
     """
 
     def __init__(
@@ -151,7 +166,9 @@ class ChunkStore:
         remote_retry_s: float = REMOTE_RETRY_S,
         remote_backfill_max_keys: int = REMOTE_BACKFILL_MAX_KEYS,
         read_bandwidth: dict[str, float] | None = None,
+        kv_codec: str | None = None,
     ) -> None:
+        self.kv_codec = check_kv_codec(kv_codec)
         bandwidth = dict(DEFAULT_READ_BANDWIDTH)
         for tier, value in (read_bandwidth or {}).items():
             if tier not in TIERS:
@@ -245,7 +262,7 @@ class ChunkStore:
             raise TypeError(f"key must be a str, got {type(key).__name__}")
         if expect is not None and len(expect) != 5:
             raise ValueError(f"expect must be (num_layers, num_kv_heads, num_tokens, head_dim, dtype), got {expect!r}")
-        found = self._lookup(key, expect, layered=False)
+        found = self._lookup(self._stored(key), expect, layered=False)
         assert not isinstance(found, LayerReader)  # whole reads only
         return found
 
@@ -256,7 +273,12 @@ class ChunkStore:
         whole (memory tier, small entries kept in the disk tier's database),
         or None on a miss. Tiers are tried as in ``get``. Read the layers (in
         any one thread), then hand the reader to ``finish_layers``."""
-        return self._lookup(key, expect, layered=True)
+        return self._lookup(self._stored(key), expect, layered=True)
+
+    def _stored(self, key: str) -> str:
+        """The key ``key``'s entry is kept under in this store's codec (a key
+        that already names a codec is kept as it is)."""
+        return key if key_codec(key) is not None else coded_key(key, self.kv_codec)
 
     def _lookup(self, key: str, expect: Expect, *, layered: bool) -> ChunkKV | LayerReader | None:
         """The lookup across tiers: the first tier holding ``key`` answers.
@@ -311,6 +333,7 @@ class ChunkStore:
         may still turn out damaged, or be evicted, before it is read."""
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
+        key = self._stored(key)
         for tier in self._tiers:
             nbytes = tier.locate(key)
             if nbytes is not None:
@@ -340,7 +363,7 @@ class ChunkStore:
         Calibration builds probes from them when given no documents."""
         found = []
         for key, tokens in self._disk.token_ids(scan):
-            if key_of(tokens) == key:
+            if self._stored(key_of(tokens)) == key:
                 found.append(list(tokens))
                 if len(found) == limit:
                     break
@@ -353,7 +376,8 @@ class ChunkStore:
     # -- writes ----------------------------------------------------------
 
     def put(self, entry: ChunkKV) -> None:
-        """Store ``entry`` in memory, on disk and in Redis (write-through).
+        """Store ``entry`` in memory, on disk and in Redis (write-through), in
+        the store's codec (memory holds the decoded values).
 
         Disk and Redis failures (disk full, locked database, Redis down) are
         logged and swallowed; the other tiers still get the entry. The
@@ -363,7 +387,12 @@ class ChunkStore:
         if not isinstance(entry, ChunkKV):
             raise TypeError(f"put() needs a ChunkKV, got {type(entry).__name__}")
         self._report.count(puts=1)
+        stored = self._stored(entry.key)
+        if stored != entry.key:
+            entry = ChunkKV(stored, entry.kv, entry.token_ids)
         data = encode(entry)
+        if key_codec(stored) is not None:  # every tier holds what a read decodes
+            entry = _decode(data, expected_key=stored, adopt=False)
         too_big = [why for tier in self._tiers if (why := tier.too_big(len(data))) is not None]
         if too_big:
             self._report.warn_once(entry.key, f"entry of {len(data)} bytes exceeds {' and '.join(too_big)}")
@@ -467,6 +496,6 @@ class ChunkStore:
         )
         return (
             f"ChunkStore(path={str(self.path)!r}, size_limit_bytes={self.size_limit_bytes}, "
-            f"memory_limit_bytes={self.memory_limit_bytes}, {remote}memory_entries={len(self._memory)}, "
+            f"memory_limit_bytes={self.memory_limit_bytes}, {remote}kv_codec={self.kv_codec!r}, memory_entries={len(self._memory)}, "
             f"hits={s.hits}, misses={s.misses}, corrupt={s.corrupt})"
         )

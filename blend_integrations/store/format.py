@@ -6,10 +6,13 @@ Layout (all integers little-endian)::
     b"BLKV"            4 bytes   magic
     version            uint32    FORMAT_VERSION
     header_len         uint32    length of the JSON header, padding included
-    header             UTF-8 JSON {"key", "dtype", "shape", "payload_bytes"} and, when
-                       known and short enough, "tokens" (the chunk's token ids),
-                       padded with spaces so the payload starts 64-byte aligned
-    payload            raw tensor bytes, C order, little-endian
+    header             UTF-8 JSON {"key", "dtype", "shape", "payload_bytes"}, "codec"
+                       for a coded entry and, when known and short enough,
+                       "tokens" (the chunk's token ids), padded with spaces so
+                       the payload starts 64-byte aligned
+    payload            raw: the tensor's bytes, C order, little-endian; coded
+                       ("fp8", "int8"): its codes and scales, layer after layer
+                       (``codec.py``), decoding to ``dtype`` and ``shape``
     crc32              uint32    zlib.crc32 of every byte before it
 
 The store is shared by several processes and possibly several users, so the
@@ -37,6 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .codec import KV_CODECS, decode_kv, encode_kv, layer_bytes
+from .errors import CorruptEntryError
+from .keys import key_codec
+
 MAGIC = b"BLKV"
 FORMAT_VERSION = 1
 
@@ -49,10 +56,6 @@ _MAX_HEADER_BYTES = 1 << 16  # real headers are ~200 bytes
 _DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)}
 _NAME_OF: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
-
-
-class CorruptEntryError(ValueError):
-    """A stored entry cannot be trusted; the message says why."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -137,11 +140,16 @@ def _require_little_endian() -> None:
 
 
 def encode(entry: ChunkKV) -> bytes:
-    """Serialise ``entry`` to the format described in the module docstring."""
+    """Serialise ``entry`` to the format described in the module docstring,
+    in the codec its key names (``keys.coded_key``; raw for a plain key)."""
     _require_little_endian()
     kv = entry.kv
-    payload_bytes = entry.nbytes
+    codec = key_codec(entry.key)
+    payload = kv.reshape(-1).view(torch.uint8) if codec is None else encode_kv(kv, codec).reshape(-1)
+    payload_bytes = payload.numel()
     fields = {"key": entry.key, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape), "payload_bytes": payload_bytes}
+    if codec is not None:
+        fields["codec"] = codec
     if entry.token_ids is not None:
         fields["tokens"] = list(entry.token_ids)
     header = json.dumps(fields, separators=(",", ":")).encode("utf-8")
@@ -160,7 +168,7 @@ def encode(entry: ChunkKV) -> bytes:
     if payload_bytes:
         # Copy the tensor straight into the output buffer (no numpy needed).
         dst = torch.frombuffer(buf, dtype=torch.uint8, count=payload_bytes, offset=payload_start)
-        dst.copy_(kv.reshape(-1).view(torch.uint8))
+        dst.copy_(payload)
         del dst
     with memoryview(buf) as mv:
         crc = zlib.crc32(mv[: total - _CRC.size])
@@ -188,12 +196,26 @@ class Layout:
     payload_bytes: int
     total: int  # the whole entry: header, payload and checksum
 
+    @property
+    def codec(self) -> str | None:
+        """The entry's KV codec (None: raw); valid once ``check`` has passed."""
+        return self.header.get("codec")
+
+    def layer_bytes(self, shape: list[int]) -> int:
+        """Bytes of one layer of the payload (every layer has as many)."""
+        return self.payload_bytes // max(1, shape[0])
+
     def check(self, expected_key: str) -> tuple[str, torch.dtype, list[int]]:
         """The header's key, dtype and shape, checked (raise CorruptEntryError)."""
         header = self.header
         key = header.get("key")
         if not isinstance(key, str):
             raise CorruptEntryError(f"bad header: key={key!r}")
+        codec = header.get("codec")
+        if codec is not None and codec not in KV_CODECS:
+            raise CorruptEntryError(
+                f"unknown KV codec {codec!r}: this code reads raw entries and {', '.join(KV_CODECS)}"
+            )
         name = header.get("dtype")
         dtype = DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
@@ -208,13 +230,19 @@ class Layout:
             raise CorruptEntryError(
                 f"bad shape {shape!r}; expected [num_layers, 2, num_kv_heads, num_tokens, head_dim]"
             )
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if math.prod(shape) * itemsize != self.payload_bytes:
+        if codec is None:
+            needed = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        else:
+            needed = shape[0] * layer_bytes(codec, shape[2], shape[3], shape[4])
+        if needed != self.payload_bytes:
+            kind = name if codec is None else f"{name} coded {codec}"
             raise CorruptEntryError(
-                f"shape {shape} of {name} needs {math.prod(shape) * itemsize} bytes but payload has {self.payload_bytes}"
+                f"shape {shape} of {kind} needs {needed} bytes but payload has {self.payload_bytes}"
             )
         if key != expected_key:
             raise CorruptEntryError(f"foreign entry: holds key {key[:16]}..., expected {expected_key[:16]}...")
+        if codec != key_codec(key):
+            raise CorruptEntryError(f"entry coded {codec or 'raw'} under a key for {key_codec(key) or 'raw'} entries")
         self.token_ids(shape)
         return key, dtype, shape
 
@@ -317,6 +345,11 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
     numel = math.prod(shape)
     if numel == 0:
         kv = torch.empty(shape, dtype=dtype)
+    elif layout.codec is not None:
+        if not (adopt and type(data) is bytearray):  # torch reads only a writable buffer without a warning
+            data, payload_start = bytearray(mv[payload_start : payload_start + payload_bytes]), 0
+        payload = torch.frombuffer(data, dtype=torch.uint8, count=payload_bytes, offset=payload_start)
+        kv = decode_kv(payload.view(shape[0], -1), layout.codec, shape[2], shape[3], shape[4], dtype)
     elif adopt and type(data) is bytearray:
         # View into the caller's buffer; the tensor keeps ``data`` alive.
         kv = torch.frombuffer(data, dtype=dtype, count=numel, offset=payload_start).view(shape)

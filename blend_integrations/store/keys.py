@@ -141,3 +141,17 @@ def chunk_key(
     _field(h, bos.encode("utf-8"))
     _field(h, ids.tobytes())
     return h.hexdigest()
+
+
+def coded_key(key: str, codec: str | None) -> str:
+    """The key a store keeps ``key``'s entry under in ``codec`` (None: raw,
+    the key itself). The codec is part of the key, so one store holds a
+    chunk in several codecs side by side and a reader never takes an entry
+    in another codec for its own."""
+    return key if codec is None else f"{key}.{codec}"
+
+
+def key_codec(stored_key: str) -> str | None:
+    """The codec a stored key names (``coded_key``); None for a raw entry's."""
+    _, dot, codec = stored_key.rpartition(".")
+    return codec if dot else None

@@ -1,0 +1,108 @@
+"""Store layer: KV codecs, how a store keeps a chunk's KV in fewer bytes.
+
+A store's ``kv_codec`` (``ChunkStore(kv_codec=...)``) is one of:
+
+- ``None``: raw, the KV dtype's own bytes (4 a value in float32, 2 in bfloat16);
+- ``"fp8"``: float8 e4m3 codes (1 byte a value), one float32 scale per
+  layer, K or V, and KV head;
+- ``"int8"``: int8 codes, symmetric, with keys scaled per channel (one scale
+  per layer, head and channel over the chunk's tokens: pre-RoPE keys have a
+  few channels far larger than the rest) and values per token (one scale per
+  layer, head and token), as KIVI groups them.
+
+A coded payload is laid out layer after layer, every layer the same number
+of bytes, so that a reader can read and decode one layer at a time while the
+walk computes (``layered.LayerReader``)::
+
+    scales   float32   fp8: [2, heads]; int8: K [heads, head_dim], then V [heads, tokens]
+    codes    1 byte    [2, heads, tokens, head_dim]: K, then V
+    padding            to a multiple of 4 bytes, so the next layer's scales are aligned
+
+Encoding and decoding are torch operations over every layer at once (or
+over one layer, for a layered read): no Python loop over layers or tokens,
+and the same code runs on a GPU tensor. A scale that is not a finite,
+non-negative number can only come from damage or a foreign writer: decoding
+raises ``CorruptEntryError`` and the store recomputes the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import KV_CODECS, check_kv_codec
+from .errors import CorruptEntryError
+
+__all__ = ["KV_CODECS", "check_kv_codec", "decode_kv", "encode_kv", "layer_bytes"]
+_FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_INT8_MAX = 127.0
+
+
+def _scale_count(codec: str, heads: int, tokens: int, head_dim: int) -> int:
+    """float32 scales in one layer's record."""
+    return 2 * heads if codec == "fp8" else heads * (head_dim + tokens)
+
+
+def layer_bytes(codec: str, heads: int, tokens: int, head_dim: int) -> int:
+    """Bytes of one layer of a ``codec`` payload (layout in the module docstring)."""
+    n = 4 * _scale_count(codec, heads, tokens, head_dim) + 2 * heads * tokens * head_dim
+    return n + (-n % 4)
+
+
+def encode_kv(kv: torch.Tensor, codec: str) -> torch.Tensor:
+    """The payload of ``kv`` (``[layers, 2, heads, tokens, head_dim]``, any
+    float dtype) in ``codec``: uint8, ``[layers, layer_bytes]``, on ``kv``'s device."""
+    layers, _, heads, tokens, head_dim = kv.shape
+    x = kv.to(torch.float32)
+    if codec == "fp8":
+        scales = _amax(x, (3, 4)) / _FP8_MAX  # [L, 2, H]
+        divisor = torch.where(scales > 0, scales, 1.0)[..., None, None]
+        codes = (x / divisor).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    elif codec == "int8":
+        k_scales = _amax(x[:, 0], (2,)) / _INT8_MAX  # [L, H, D]: per channel
+        v_scales = _amax(x[:, 1], (3,)) / _INT8_MAX  # [L, H, T]: per token
+        k = x[:, 0] / torch.where(k_scales > 0, k_scales, 1.0)[:, :, None, :]
+        v = x[:, 1] / torch.where(v_scales > 0, v_scales, 1.0)[..., None]
+        codes = torch.stack((k, v), dim=1).round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8).view(torch.uint8)
+        scales = torch.cat((k_scales.reshape(layers, -1), v_scales.reshape(layers, -1)), dim=1)
+    else:
+        raise ValueError(f"encode_kv: unknown codec {codec!r}")
+    out = torch.zeros((layers, layer_bytes(codec, heads, tokens, head_dim)), dtype=torch.uint8, device=kv.device)
+    scale_bytes = scales.reshape(layers, -1).contiguous().view(torch.uint8)
+    out[:, : scale_bytes.shape[1]] = scale_bytes
+    out[:, scale_bytes.shape[1] : scale_bytes.shape[1] + codes[0].numel()] = codes.reshape(layers, -1)
+    return out
+
+
+def decode_kv(
+    payload: torch.Tensor, codec: str, heads: int, tokens: int, head_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[layers, 2, heads, tokens, head_dim]`` of ``dtype`` from ``payload``
+    (uint8 ``[layers, layer_bytes]``, one layer or many, on any device).
+    Raises CorruptEntryError for a scale that is not finite and non-negative."""
+    layers = payload.shape[0]
+    n_scales = _scale_count(codec, heads, tokens, head_dim)
+    if codec not in KV_CODECS:
+        raise CorruptEntryError(f"unknown KV codec {codec!r}")
+    scales = payload[:, : 4 * n_scales].contiguous().view(torch.float32)  # [L, n_scales]
+    bad = ~torch.isfinite(scales) | (scales < 0)
+    if bool(bad.any()):
+        raise CorruptEntryError(f"damaged {codec} scales: {int(bad.sum())} are negative or not finite")
+    codes = payload[:, 4 * n_scales : 4 * n_scales + 2 * heads * tokens * head_dim]
+    codes = codes.reshape(layers, 2, heads, tokens, head_dim)
+    if codec == "fp8":
+        x = codes.view(torch.float8_e4m3fn).to(torch.float32) * scales.view(layers, 2, heads, 1, 1)
+    else:
+        x = codes.view(torch.int8).to(torch.float32)
+        k_scales = scales[:, : heads * head_dim].view(layers, heads, 1, head_dim)
+        v_scales = scales[:, heads * head_dim :].view(layers, heads, tokens, 1)
+        x[:, 0] *= k_scales
+        x[:, 1] *= v_scales
+    return x.to(dtype)
+
+
+def _amax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``|x|``'s largest value over ``dims`` (0 over an empty chunk, where amax would raise)."""
+    if x.numel() == 0:
+        shape = [d for i, d in enumerate(x.shape) if i not in dims]
+        return torch.zeros(shape, dtype=x.dtype, device=x.device)
+    return x.abs().amax(dim=dims)

@@ -1,0 +1,105 @@
+"""Coded chunk stores (``ChunkStore(kv_codec=...)``) under the real engines:
+a fraction of the raw store's bytes, blending from them, ratio 1.0 still full
+prefill, and calibrations kept per codec."""
+
+from __future__ import annotations
+
+import pytest
+
+from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
+from blend_integrations.calibration import Calibrations, packaged_calibrations, record_name
+from tests.fixtures.exactness import chosen, exact_at_ratio_one
+
+QUESTION = "Question: which city is named in the documents? Answer:"
+
+
+def stored_bytes(engine, docs, codec) -> int:
+    """Bytes the store's disk tier keeps for ``docs``' chunks in ``codec``."""
+    disk = ChunkStore(engine.store.path, memory_limit_bytes=0, remote="", kv_codec=codec)
+    keys = [engine.chunk_key(engine.tokenizer.encode(d, add_special_tokens=False)) for d in docs]
+    located = [disk.locate(k) for k in keys]
+    assert all(where.tier == "disk" for where in located)
+    return sum(where.nbytes for where in located)
+
+
+@pytest.fixture(scope="module")
+def raw_engine(model_dirs, tmp_path_factory):
+    return load_engine(model_dirs("llama"), store=ChunkStore(tmp_path_factory.mktemp("raw")), device="cpu")
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_transformers_engine_blends_from_a_coded_store(model_dirs, tmp_path, raw_engine, docs, codec):
+    engine = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path, kv_codec=codec), device="cpu")
+    assert engine.kv_codec == codec
+    assert engine.warm(docs) == len(docs) and raw_engine.warm(docs) == len(docs)
+    assert stored_bytes(engine, docs, codec) <= 0.3 * stored_bytes(raw_engine, docs, None)
+
+    prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+    exact_at_ratio_one(engine, prompt, len(docs))  # nothing read is used at ratio 1.0
+    coded = engine.generate(prompt, max_tokens=1, recompute_ratio=0.15, logprobs=1)
+    raw = raw_engine.generate(prompt, max_tokens=1, recompute_ratio=0.15, logprobs=1)
+    assert coded.usage.chunks_hit == raw.usage.chunks_hit == len(docs)
+    assert coded.usage.recomputed_tokens == raw.usage.recomputed_tokens > 0
+    # the same first token, its log-probability moved by the codec's small error only
+    assert coded.token_ids == raw.token_ids
+    assert chosen(coded) == pytest.approx(chosen(raw), abs=0.05)
+
+    # another process with the raw codec finds none of them: its own chunks only
+    other = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path), device="cpu")
+    assert other.generate(prompt, max_tokens=1).usage.chunks_hit == 0
+
+
+def test_the_config_s_codec_must_be_the_store_s(model_dirs, tmp_path):
+    with pytest.raises(ValueError, match=r"BlendConfig\(kv_codec='fp8'\), but the store given keeps chunks as None"):
+        load_engine(model_dirs("llama"), store=ChunkStore(tmp_path), config=BlendConfig(kv_codec="fp8"), device="cpu")
+
+
+def test_vllm_engine_blends_from_a_coded_store(model_dirs, tmp_path, docs):
+    store = ChunkStore(tmp_path, remote="", kv_codec="int8")
+    engine = load_engine(
+        model_dirs("llama"),
+        backend="vllm",
+        store=store,
+        config=BlendConfig(kv_codec="int8"),
+        max_model_len=2048,
+        kv_cache_gib=1,
+    )
+    try:
+        assert engine.warm(docs) == len(docs)  # computed and stored by vLLM's worker, in int8
+        prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+        exact_at_ratio_one(engine, prompt, len(docs))
+        g = engine.generate(prompt, max_tokens=4, recompute_ratio=0.15)
+        assert g.usage.chunks_hit == len(docs) and g.usage.recomputed_tokens > 0
+    finally:
+        engine.close()
+    # the worker's entries are int8 ones: the transformers engine on an int8 store reads them all
+    reader = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path, kv_codec="int8"), device="cpu")
+    assert reader.generate(prompt, max_tokens=1).usage.chunks_hit == len(docs)
+    raw = ChunkStore(tmp_path, remote="", memory_limit_bytes=0)
+    assert all(
+        raw.locate(reader.chunk_key(reader.tokenizer.encode(d, add_special_tokens=False))).tier is None for d in docs
+    )
+
+
+def test_calibrations_are_kept_per_codec(tmp_path):
+    """A calibration holds under the codec it was measured under: the one
+    this package ships (measured raw) is not used for an int8 store unless it
+    names int8 among the codecs shown to choose the same."""
+    (fingerprint, dtype, engine), packaged = next(iter(packaged_calibrations().items()))
+    raw = Calibrations(ChunkStore(tmp_path), fingerprint, dtype, engine=engine)
+    coded = Calibrations(ChunkStore(tmp_path, kv_codec="int8"), fingerprint, dtype, engine=engine)
+    assert raw.source() == "packaged"
+    assert coded.name == record_name(fingerprint, dtype, "int8") != raw.name
+    assert packaged.record.kv_codec is None and not packaged.record.holds_under("int8")
+    assert coded.source() == ("packaged" if "int8" in packaged.record.codecs_checked else "fallback")
+
+    import dataclasses
+
+    mine = dataclasses.replace(packaged.record, kv_codec="int8", ratio=0.5)
+    coded.store.put_record(coded.name, mine.to_bytes())
+    coded.use_store(coded.store)
+    assert (coded.source(), coded.record().ratio) == ("calibrated", 0.5)
+    # a record filed under the int8 name but measured raw is refused
+    coded.store.put_record(coded.name, packaged.record.to_bytes())
+    coded.use_store(coded.store)
+    assert coded.source() != "calibrated"
