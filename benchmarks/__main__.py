@@ -1,4 +1,4 @@
-"""``python -m benchmarks [ttft|store|vllm|quality|fuzz|drift|calibration|profile|hma|tuning|readme|newcomer] [options]``;
+"""``python -m benchmarks [ttft|store|vllm|quality|codecs|fuzz|drift|calibration|profile|hma|tuning|readme|newcomer] [options]``;
 no part runs them all but the last three, which run only when named."""
 
 import os
@@ -6,13 +6,14 @@ import sys
 
 from blend_integrations.engines.vllm_contract import tcmalloc_preload
 
-from . import calibration, drift, fuzz, hma, newcomer, profile, quality, readme, store, ttft, tuning, vllm_bench
+from . import calibration, codecs, drift, fuzz, hma, newcomer, profile, quality, readme, store, ttft, tuning, vllm_bench
 
 PARTS = {
     "ttft": ttft.main,
     "store": store.main,
     "vllm": vllm_bench.main,
     "quality": quality.main,
+    "codecs": codecs.main,
     "fuzz": fuzz.main,
     "drift": drift.main,
     "calibration": calibration.main,

@@ -1,6 +1,9 @@
 """Chunk store tiers: read bandwidth per tier, and time to first token of blend
 with chunks in memory, on disk and in Redis, against full prefill; and what
-the loading controller chose.
+the loading controller chose. Then the KV codecs: bytes, encode and decode
+time and prompt read time per codec and tier, at the bench model's KV shape
+and at Llama-3-8B's, and time to first token where a rate-limited read path
+(Redis behind a throttling proxy) bounds it, raw against coded.
 
 The model and prompt are those of the TTFT benchmark (a 16-layer random
 Llama-style model, 6 chunks of 512 tokens in a new order every round). Redis
@@ -26,14 +29,19 @@ import torch
 
 from blend_integrations.config import BlendConfig
 from blend_integrations.engines import load_engine
-from blend_integrations.store import ChunkStore
+from blend_integrations.store import KV_CODECS, ChunkKV, ChunkStore, coded_key
+from blend_integrations.store.format import _decode, encode
 from blend_integrations.store.layered import LayerReader
 from tests.fixtures.redis_server import RedisServer
 
 from . import add_model_arguments, bench_model, machine, model_options, setup_line, shuffled_prompts, write_results
+from .throttle import ThrottledProxy
 from .ttft import make_chunks
 
 RATIO = 0.15
+CODECS: tuple[str | None, ...] = (None, *KV_CODECS)
+LLAMA3_8B = (32, 8, 128, torch.bfloat16)  # layers, KV heads, head size, and the dtype a GPU keeps its KV in
+THROTTLED_MB_S = 25.0  # the rate-limited read path: 200 Mbit/s
 
 
 class Tiers:
@@ -95,6 +103,115 @@ def bandwidth(tiers: Tiers, keys: list[str], repeats: int) -> dict:
     return rows
 
 
+def codec_name(codec: str | None) -> str:
+    return codec or "raw"
+
+
+def codec_costs(
+    work: Path, remote: str | None, shapes: dict[str, tuple], tokens: int, chunks: int, repeats: int
+) -> dict:
+    """Per KV shape and codec: bytes per token, encode and decode time per
+    chunk (the format's, checksum included), and seconds to read a prompt's
+    ``chunks`` chunks of ``tokens`` tokens whole from each tier."""
+    rows = {}
+    for shape, (layers, heads, head_dim, dtype) in shapes.items():
+        g = torch.Generator().manual_seed(0)
+        kvs = [torch.randn(layers, 2, heads, tokens, head_dim, generator=g).to(dtype) for _ in range(chunks)]
+        keys = [f"{i:02x}" * 32 for i in range(chunks)]
+        for codec in CODECS:
+            encode_s, decode_s = [], []
+            for _ in range(max(1, repeats // 2)):
+                for key, kv in zip(keys, kvs):
+                    entry = ChunkKV(coded_key(key, codec), kv)
+                    started = time.perf_counter()
+                    data = encode(entry)
+                    encode_s.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    _decode(data, expected_key=entry.key, adopt=False)
+                    decode_s.append(time.perf_counter() - started)
+            path = work / f"codec-{shape}-{codec_name(codec)}"
+            options = {"kv_codec": codec, "remote_timeout_s": 120.0, "memory_limit_bytes": 2 * 2**30}
+            warm = ChunkStore(path, remote=remote, **options)
+            for key, kv in zip(keys, kvs):
+                warm.put(ChunkKV(key, kv))
+            tiers = ["memory", "disk"] + (["redis"] if remote else [])
+            read_s = {}
+            for tier in tiers:
+                seconds = []
+                for _ in range(max(1, repeats // 2)):
+                    store = warm if tier == "memory" else _reader(tier, path, remote, options, work)
+                    started = time.perf_counter()
+                    assert all(store.get(key) is not None for key in keys)
+                    seconds.append(time.perf_counter() - started)
+                    if store is not warm:
+                        store.close()
+                        if tier == "redis":
+                            shutil.rmtree(store.path, ignore_errors=True)
+                read_s[tier] = statistics.median(seconds)
+            rows[f"{shape}, {codec_name(codec)}"] = {
+                "shape": [layers, heads, head_dim, str(dtype).removeprefix("torch.")],
+                "bytes_per_token": len(data) / tokens,
+                "encode_ms": 1000 * statistics.median(encode_s),
+                "decode_ms": 1000 * statistics.median(decode_s),
+                "prompt_read_s": read_s,
+            }
+            warm.clear()
+            warm.close()
+            shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+def _reader(tier: str, path: Path, remote: str | None, options: dict, work: Path) -> ChunkStore:
+    """A store that reads ``path``'s entries from ``tier`` only: its disk, or
+    Redis with a new directory (another machine)."""
+    if tier == "disk":
+        return ChunkStore(path, **options | {"memory_limit_bytes": 0})
+    return ChunkStore(Path(tempfile.mkdtemp(dir=work)), remote=remote, **options | {"memory_limit_bytes": 0})
+
+
+def throttled_ttft(
+    args, model_dir: str, work: Path, redis: RedisServer, warm: ChunkStore, keys: list[str], prompt
+) -> dict:
+    """Time to first token of blend@0.15, loads pipelined, with the chunks in
+    Redis behind a link of ``THROTTLED_MB_S`` (a new store every time, so
+    every chunk is read through it), per codec, against full prefill."""
+    config = BlendConfig(check_layers=(1,), recompute_ratio=RATIO, pipelined_loading=True)
+    engine = load_engine(model_dir, store=warm, dtype=args.dtype, device=args.device, config=config)
+    gens: dict[str, list] = {"full": []} | {codec_name(c): [] for c in CODECS}
+    with ThrottledProxy(redis.port, THROTTLED_MB_S * 1e6) as proxy:
+        for codec in CODECS:  # every chunk in Redis in this codec
+            coded = ChunkStore(work / f"throttled-{codec_name(codec)}", remote=redis.url(), kv_codec=codec)
+            for key in keys:
+                coded.put(warm.get(key))
+            coded.close()
+        for round_ in range(args.repeats + 1):
+            for case in gens:
+                codec = None if case in ("full", "raw") else case
+                store = ChunkStore(
+                    Path(tempfile.mkdtemp(dir=work)),
+                    remote=proxy.url(),
+                    kv_codec=codec,
+                    memory_limit_bytes=0,
+                    remote_timeout_s=120.0,
+                )
+                engine.store = store
+                g = engine.generate(prompt(), max_tokens=1, mode="full" if case == "full" else "blend")
+                store.close()
+                shutil.rmtree(store.path, ignore_errors=True)
+                if round_:
+                    gens[case].append((g, store.stats.remote_bytes_read))
+    rows = {}
+    for case, runs in gens.items():
+        ttft = [g.ttft_s for g, _ in runs]
+        rows[case] = {
+            "ttft_ms": 1000 * statistics.median(ttft),
+            "speedup": statistics.median(f.ttft_s / g.ttft_s for (f, _), (g, _) in zip(gens["full"], runs)),
+            "mb_read": runs[-1][1] / 1e6,
+            "chunks_hit": runs[-1][0].usage.chunks_hit,
+        }
+    return rows
+
+
 def run(args) -> dict:
     torch.manual_seed(0)
     model_dir, label, _ = bench_model(None, **model_options(args))
@@ -106,7 +223,16 @@ def run(args) -> dict:
         else:
             print("redis-server is not installed: the Redis tier is skipped")
         tiers = Tiers(work, redis.url() if redis else None)
-        return measure(args, model_dir, label, tiers)
+        report = measure(args, model_dir, label, tiers)
+        bench = report.pop("kv_shape")
+        shapes = {"bench model": bench} if args.quick else {"bench model": bench, "Llama-3-8B": LLAMA3_8B}
+        report["codecs"] = codec_costs(work, tiers.remote, shapes, args.chunk_tokens, args.chunks, max(2, args.repeats))
+        if redis is not None:
+            report["throttled"] = throttled_ttft(args, model_dir, work, redis, tiers.warm, *report.pop("prompt"))
+            report["config"]["throttled_mb_s"] = THROTTLED_MB_S
+        else:
+            report.pop("prompt")
+        return report
     finally:
         if redis is not None:
             redis.stop()
@@ -183,6 +309,8 @@ def measure(args, model_dir: str, label: str, tiers: Tiers) -> dict:
         },
         "bandwidth": bandwidth(tiers, keys, max(1, args.repeats)),
         "ttft": results,
+        "kv_shape": (whole.layers.num_layers, whole.layers.num_kv_heads, whole.layers.head_dim, whole.dtype),
+        "prompt": (keys, prompt),
     }
 
 
@@ -222,6 +350,39 @@ def render(report: dict) -> str:
             f"| {name} | {r['ttft_ms']:.0f} | {r['ttft_min_ms']:.0f}-{r['ttft_max_ms']:.0f} | {r['speedup']:.2f}x | "
             f"{r['cached_tokens']} | {r['recomputed_tokens']} | " + (chosen or " | | ") + " |"
         )
+    codecs = report.get("codecs")
+    if codecs:
+        lines += [
+            "",
+            f"KV codecs (`ChunkStore(kv_codec=...)`), a prompt of {cfg['chunks']} read whole; decoding (and "
+            "encoding) is the format's, its checksum included:",
+            "",
+            "| KV shape, codec | bytes / token | of raw | encode (ms / chunk) | decode (ms / chunk) | "
+            + " | ".join(f"read from {t} (ms / prompt)" for t in next(iter(codecs.values()))["prompt_read_s"])
+            + " |",
+            "|---|---:|---:|---:|---:|" + "---:|" * len(next(iter(codecs.values()))["prompt_read_s"]),
+        ]
+        for name, r in codecs.items():
+            raw = codecs[name.rsplit(", ", 1)[0] + ", raw"]
+            reads = " | ".join(f"{1000 * s:.0f}" for s in r["prompt_read_s"].values())
+            lines.append(
+                f"| {name} | {r['bytes_per_token']:.0f} | {r['bytes_per_token'] / raw['bytes_per_token']:.3f} | "
+                f"{r['encode_ms']:.1f} | {r['decode_ms']:.1f} | {reads} |"
+            )
+    throttled = report.get("throttled")
+    if throttled:
+        lines += [
+            "",
+            f"Where reads bound time to first token: blend@{cfg['ratio']}, loads pipelined, every chunk read from "
+            f"Redis through a link of {cfg['throttled_mb_s']:.0f} MB/s:",
+            "",
+            "| case | TTFT median (ms) | full / case | MB read | chunks hit |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, r in throttled.items():
+            lines.append(
+                f"| {name} | {r['ttft_ms']:.0f} | {r['speedup']:.2f}x | {r['mb_read']:.1f} | {r['chunks_hit']} |"
+            )
     return "\n".join(lines)
 
 
