@@ -60,6 +60,7 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 # tests/unit (the walk, the plan, the store tiers, the validators) and tests/integration,
 # then the LangChain and LlamaIndex tests again on their newest releases

@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from blend_integrations.engines.vllm_contract import process_allocator
+from blend_integrations.engines.vllm_host import process_allocator
 from blend_integrations.prompt import BlendPrompt
 
 

@@ -4,7 +4,7 @@ no part runs them all but the last three, which run only when named."""
 import os
 import sys
 
-from blend_integrations.engines.vllm_contract import tcmalloc_preload
+from blend_integrations.engines.vllm_host import tcmalloc_preload
 
 from . import calibration, codecs, drift, fuzz, hma, newcomer, profile, quality, readme, store, ttft, tuning, vllm_bench
 

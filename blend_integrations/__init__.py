@@ -8,8 +8,7 @@ from .engines import Engine, Generation, GenerationStream, Usage, load_engine
 from .models import UnsupportedModelError
 from .prompt import BlendPrompt, PromptError, TokenizedPrompt
 from .store import ChunkStore, CorruptEntryError
-
-__version__ = "0.1.0"
+from .version import __version__ as __version__
 
 __all__ = [
     "BLEND_SEPARATOR",

@@ -33,29 +33,35 @@ Clients send token ids and chunk spans; ``load_engine(URL, backend="server")`` d
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
+from .calibration import CalibrationError, CalibrationRecord
 from .config import KV_CODECS, SELECTIONS, BlendConfig, parse_ratio
 from .engines import stream_usage
 from .engines.vllm_contract import (
     WALK_ATTENTION,
-    BlendParamsError,
     blend_engine_args,
     blend_engine_env,
     check_tensor_parallel,
-    parse_blend_params,
+)
+from .engines.vllm_served import ServedModel
+from .http_edge import (
+    check_request_body,
+    mark_for_stream_usage,
+    read_body,
+    refused_requests,
+    request_path,
+    send_error,
+    stream_usage_sender,
 )
 from .models.gguf import gguf_file
 from .models.loading import resolve_model_dir
 from .store import ChunkStore
 
 MIDDLEWARES = ("blend_integrations.serve.CheckBlendParams", "blend_integrations.serve.CalibrationRoute")
-MAX_PARAMS_DEPTH = 16  # how deeply kv_transfer_params may nest: it is serialized into the engine core
 
 
 def serve_command(
@@ -99,63 +105,6 @@ def serve_command(
     return cmd + list(extra)
 
 
-def _depth(value: Any) -> int:
-    """How deeply a JSON value nests (a scalar: 0), without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            deepest = max(deepest, depth + 1)
-            stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
-    return deepest
-
-
-def _prompt_lengths(prompt: Any) -> list[int] | None:
-    """The token counts of a completion request's prompt(s) given as token
-    ids; None when the server tokenizes them (text, chat messages)."""
-
-    def ids(x):
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if ids(prompt):
-        return [len(prompt)]
-    if isinstance(prompt, list) and prompt and all(ids(p) for p in prompt):
-        return [len(p) for p in prompt]
-    return None
-
-
-def blend_params_problem(body: bytes) -> tuple[str, str | None] | None:
-    """(message, field) when a request body's ``kv_transfer_params.blend``
-    breaks a rule, else None. Bodies that are not JSON objects or carry no
-    blend parameters are left to vLLM, which answers them itself. Where the
-    server tokenizes the prompt (text, chat), the rules that need its length
-    are checked by the connector, which computes such a request in full and
-    says why in the response."""
-    if b"kv_transfer_params" not in body:
-        return None
-    try:
-        data = json.loads(body)
-    except RecursionError:
-        return "the request body nests too deeply to read", None
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("kv_transfer_params"), dict):
-        return None
-    params = data["kv_transfer_params"]
-    if _depth(params) > MAX_PARAMS_DEPTH:
-        return f"kv_transfer_params nests more than {MAX_PARAMS_DEPTH} levels deep", "kv_transfer_params"
-    if "blend" not in params:
-        return None
-    try:
-        known = _prompt_lengths(data.get("prompt"))
-        lengths: list[int | None] = list(known) if known else [None]  # None: the connector checks the length
-        for length in lengths:
-            parse_blend_params(params["blend"], length)
-    except BlendParamsError as exc:
-        return str(exc), exc.param
-    return None
-
-
 class _ApiKeyAware:
     """An ASGI middleware for vLLM's API server that lets the requests failing
     the server's ``--api-key`` check through untouched, so vLLM answers them
@@ -175,104 +124,7 @@ class _ApiKeyAware:
             return False
         from starlette.datastructures import Headers
 
-        return _path(scope).startswith(self._guarded) and not self._auth.verify_token(Headers(scope=scope))
-
-
-def _path(scope) -> str:
-    return scope["path"].removeprefix(scope.get("root_path", ""))
-
-
-async def _read_body(receive, limit: int | None = None) -> bytes | None:
-    """The request's body; None if the client went away or it is over ``limit`` bytes."""
-    parts, size, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":  # the client went away
-            return None
-        parts.append(message.get("body", b""))
-        size += len(parts[-1])
-        if limit is not None and size > limit:
-            return None
-        more = message.get("more_body", False)
-    return b"".join(parts)
-
-
-async def _error(scope, receive, send, message: str, status: int, param: str | None = None) -> None:
-    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    from starlette.responses import JSONResponse
-
-    kind = "BadRequestError" if status == 400 else "NotFoundError" if status == 404 else "Error"
-    error = {"message": message, "type": kind, "param": param, "code": status}
-    await JSONResponse({"error": error}, status_code=status)(scope, receive, send)
-
-
-@functools.cache
-def _refused():
-    """``vllm:blend_requests_refused_total{reason}``: requests refused at the HTTP
-    edge, by the field that broke a rule. Made at the first refusal, after vLLM
-    has set up its registry (it drops every ``vllm:`` series it finds then)."""
-    from prometheus_client import Counter
-
-    return Counter(
-        "vllm:blend_requests_refused",
-        "Requests refused with HTTP 400 before reaching the engine, by the blend parameter that broke a rule.",
-        ["reason"],
-    )
-
-
-def _marked_for_stream_usage(body: bytes) -> tuple[bytes | None, str | None]:
-    """(the body to pass on if it changed, else None; the token it was given,
-    ``stream_usage``, if it streams one blended completion). A token a client
-    sent is dropped: only the server makes them."""
-    if stream_usage.TOKEN_KEY.encode() not in body and b'"blend"' not in body:
-        return None, None
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return None, None
-    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-    if not isinstance(params, dict):
-        return None, None
-    changed = params.pop(stream_usage.TOKEN_KEY, None) is not None
-    prompt = data.get("prompt")
-    one_prompt = "messages" in data or isinstance(prompt, str) or len(_prompt_lengths(prompt) or ()) == 1
-    token = None
-    if data.get("stream") is True and "blend" in params and one_prompt and data.get("n") in (None, 1):
-        token = params[stream_usage.TOKEN_KEY] = stream_usage.new_token()
-    return (json.dumps(data).encode() if changed or token else None), token
-
-
-def _stream_usage_sender(send, token: str):
-    """``send`` that adds the request's blend usage before a stream's
-    ``data: [DONE]`` (``stream_usage``)."""
-    import asyncio
-
-    streaming, last_event = False, b""
-
-    async def sender(message) -> None:
-        nonlocal streaming, last_event
-        if message["type"] == "http.response.start":
-            headers = dict(message.get("headers") or ())
-            streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-        elif message["type"] == "http.response.body" and streaming:
-            data = message.get("body", b"")
-            done = data.find(b"data: [DONE]")
-            if done < 0:
-                if b"data: {" in data:
-                    last_event = data
-            else:
-                # The connector wrote the answer before vLLM sent the last output; allow for a slow disk.
-                for _ in range(100):
-                    found, answer = await asyncio.to_thread(stream_usage.take_answer, token)
-                    if found:
-                        break
-                    await asyncio.sleep(0.01)
-                if found and answer is not None:
-                    event = stream_usage.answer_event(last_event or data[:done], answer)
-                    message = {**message, "body": data[:done] + event + data[done:]}
-        await send(message)
-
-    return sender
+        return request_path(scope).startswith(self._guarded) and not self._auth.verify_token(Headers(scope=scope))
 
 
 class CheckBlendParams(_ApiKeyAware):
@@ -285,22 +137,22 @@ class CheckBlendParams(_ApiKeyAware):
         if scope["type"] != "http" or scope.get("method") != "POST" or self._unauthorized(scope):
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return
-        problem = blend_params_problem(body)
+        data, problem = check_request_body(body)
         if problem is not None:
             message, param = problem
-            _refused().labels(param or "body").inc()
-            await _error(scope, receive, send, message, 400, param)
+            refused_requests().labels(param or "body").inc()
+            await send_error(scope, receive, send, message, 400, param)
             return
-        marked, token = _marked_for_stream_usage(body)
+        marked, token = mark_for_stream_usage(data)
         if marked is not None:
             body = marked
             headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         if token is not None:
-            send = _stream_usage_sender(send, token)
+            send = stream_usage_sender(send, token)
         replayed = False
 
         async def replay():
@@ -345,7 +197,7 @@ class CalibrationRoute(_ApiKeyAware):
         self._store: ChunkStore | None = None
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or _path(scope) != CALIBRATION_PATH or self._unauthorized(scope):
+        if scope["type"] != "http" or request_path(scope) != CALIBRATION_PATH or self._unauthorized(scope):
             await self.app(scope, receive, send)
             return
         import asyncio
@@ -354,12 +206,12 @@ class CalibrationRoute(_ApiKeyAware):
 
         method = scope.get("method")
         if method not in ("GET", "PUT"):
-            await _error(scope, receive, send, f"{CALIBRATION_PATH} takes GET or PUT, not {method}", 405)
+            await send_error(scope, receive, send, f"{CALIBRATION_PATH} takes GET or PUT, not {method}", 405)
             return
         try:
             served, store = await asyncio.to_thread(self._open, scope)
         except Exception as exc:  # not a blend server: no connector config, or the model cannot be read
-            await _error(scope, receive, send, f"this server cannot calibrate its model: {exc}", 404)
+            await send_error(scope, receive, send, f"this server cannot calibrate its model: {exc}", 404)
             return
         calibrations = served.calibrations(store)
         if method == "GET":
@@ -378,12 +230,12 @@ class CalibrationRoute(_ApiKeyAware):
             }
             await JSONResponse(body)(scope, receive, send)
             return
-        raw = await _read_body(receive, MAX_RECORD_BYTES)
+        raw = await read_body(receive, MAX_RECORD_BYTES)
         if raw is None:
-            await _error(scope, receive, send, f"a calibration record must be at most {MAX_RECORD_BYTES} bytes", 413)
+            await send_error(
+                scope, receive, send, f"a calibration record must be at most {MAX_RECORD_BYTES} bytes", 413
+            )
             return
-        from .calibration import CalibrationError, CalibrationRecord
-
         try:
             record = CalibrationRecord.from_bytes(
                 raw, fingerprint=served.fingerprint, dtype=calibrations.dtype, num_layers=served.num_layers
@@ -394,15 +246,13 @@ class CalibrationRoute(_ApiKeyAware):
                     f"{store.kv_codec or 'raw'} ones"
                 )
         except CalibrationError as exc:
-            await _error(scope, receive, send, f"calibration record refused: {exc}", 400, "record")
+            await send_error(scope, receive, send, f"calibration record refused: {exc}", 400, "record")
             return
         await asyncio.to_thread(store.put_record, calibrations.name, raw)
         await JSONResponse({"stored": calibrations.name, "store": str(store.path)})(scope, receive, send)
 
     def _open(self, scope):
         if self._store is None:
-            from .engines.vllm_connector import ServedModel
-
             served = ServedModel.of(scope["app"].state.vllm_config)
             self._served, self._store = served, ChunkStore(**{**served.store_args, "memory_limit_bytes": 0})
         return self._served, self._store

@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 
 from typing_extensions import Unpack
 
-from ..calibration import CalibrationRecord, Calibrations
+from ..calibration import CalibrationRecord, Calibrations, calibrate, exclusive, record_name
 from ..config import BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import ChunkKeys
@@ -356,14 +356,10 @@ class Engine(ABC):
 
     def calibration_lock(self, name: str) -> contextlib.AbstractContextManager:
         """Held while ``calibrate`` measures: one calibration of a model per store at a time."""
-        from ..calibration import exclusive
-
         return exclusive(self.store, name)
 
     def keep_calibration(self, record: CalibrationRecord) -> None:
         """Store what ``calibrate`` measured, for every engine on the store, and use it now."""
-        from ..calibration import record_name
-
         self.store.put_record(record_name(record.fingerprint, record.dtype, record.kv_codec), record.to_bytes())
         self.calibrations.set(record)
 
@@ -379,8 +375,6 @@ class Engine(ABC):
         prefill on ``target`` of prompts about ``documents`` (or on
         ``prompts``), store it for every engine on this store, and return it.
         Options and method: ``calibration.calibrate``."""
-        from ..calibration import calibrate
-
         return calibrate(self, documents, prompts=prompts, target=target, **options)
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds processes

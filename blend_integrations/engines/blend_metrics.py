@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import CALIBRATION_SOURCES
-from ..store.chunk_store import TIERS
+from ..store.defaults import TIERS
 from ..store.stats import StoreStats
 
 # Why a request was computed in full instead of blended.

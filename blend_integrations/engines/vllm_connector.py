@@ -73,7 +73,6 @@ import functools
 import logging
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,214 +81,32 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-from ..calibration import Calibrations
-from ..config import BlendConfig
 from ..fusion import Blender, ChunkKeys, Planner, PrefillPlan, PrefillStats
 from ..fusion.layers import RanksFailed, agreed
 from ..fusion.plan import in_full, measured_rates
 from ..models.vllm import PagedCache, VLLMDecoder, VLLMRanks
-from ..prompt import PromptError, bos_id_added, spans_from_separator
-from ..store import ChunkStore, model_fingerprint
+from ..prompt import PromptError, spans_from_separator
+from ..store import ChunkStore
 from . import stream_usage, vllm_plugin
-from .blend_metrics import RATIO_BUCKETS, REASONS, TIERS, BlendCounters, store_reads
+from .blend_metrics import BlendCounters, store_reads
 from .vllm_contract import (
     BlendParams,
     blend_params_of,
-    check_walk_attention,
-    connector_store_args,
     not_blended,
-    process_allocator,
 )
+from .vllm_host import process_allocator
 from .vllm_limits import check_vllm_config
+from .vllm_messages import BlendConnectorMetadata, BlendJob, BlendWorkerMetadata
+from .vllm_served import ServedModel, served_tokenizer
+from .vllm_stats import BlendConnectorStats, BlendPromMetrics
 
 logger = logging.getLogger(__name__)
 # This process's connectors, for ``blend_pending``: a worker's, and the scheduler's too where vLLM
 # runs its engine core and worker in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor).
 _CONNECTORS: weakref.WeakSet[BlendConnector] = weakref.WeakSet()
-
-
-@dataclass
-class BlendJob:
-    req_id: str
-    token_ids: list[int]  # the tokens the blend pass computes
-    plan: PrefillPlan | None  # promised: the scheduler reported its usage
-    block_ids: list[int]
-    error: str | None = None  # the scheduler could not plan it: the worker fails it without a blend pass
-
-
-@dataclass
-class BlendConnectorMetadata(KVConnectorMetadata):
-    jobs: list[BlendJob] = field(default_factory=list)
-
-
-@dataclass
-class BlendWorkerMetadata(KVConnectorWorkerMetadata):
-    """What the worker tells the scheduler: the rates it measured, for the
-    loading controller (read bandwidth per store tier in bytes/s, and
-    "compute", the walk's token-layers per second; None until measured), and
-    the requests whose blend pass failed this step, with the cause."""
-
-    rates: dict[str, float | None]
-    failed: dict[str, str] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # The workers of one engine blend in lockstep: the slowest sets the pace.
-        theirs = other.rates if isinstance(other, BlendWorkerMetadata) else {}
-        failed = other.failed if isinstance(other, BlendWorkerMetadata) else {}
-        return BlendWorkerMetadata(
-            {k: _slowest(v, theirs.get(k)) for k, v in self.rates.items()}, {**failed, **self.failed}
-        )
-
-
-def _slowest(mine: float | None, theirs: float | None) -> float | None:
-    return None if mine is None or theirs is None else min(mine, theirs)
-
-
-class BlendConnectorStats(KVConnectorStats):
-    """One interval's ``BlendCounters``, as vLLM carries connector stats to its API server."""
-
-    def reset(self) -> None:
-        self.data: dict[str, Any] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> BlendConnectorStats:
-        merged = BlendCounters.of(self.data).merge(BlendCounters.of(getattr(other, "data", None)))
-        return BlendConnectorStats(data=merged.data())
-
-    def reduce(self) -> dict[str, int | float]:
-        return BlendCounters.of(self.data).summary()
-
-    def is_empty(self) -> bool:
-        return not BlendCounters.of(self.data)
-
-
-class BlendPromMetrics(KVConnectorPromMetrics):
-    """The blend series on vLLM's ``/metrics``, one set per engine."""
-
-    def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._labelvalues = per_engine_labelvalues
-        self._requests = self._counter_cls(
-            name="vllm:blend_requests",
-            documentation="Finished requests by outcome (blend, reuse, full) and, for full prefill, the reason.",
-            labelnames=[*labelnames, "outcome", "reason"],
-        )
-        self._counts = {
-            name: self._counter_cls(name=f"vllm:blend_{name}", documentation=doc, labelnames=labelnames)
-            for name, doc in (
-                ("cached_tokens", "Prompt tokens whose KV was read from the chunk store."),
-                ("recomputed_tokens", "Of those, tokens recomputed by the blend pass."),
-                ("chunks_hit", "Chunks found in the store and loaded."),
-                ("chunks_missed", "Chunks not in the store (computed, then saved)."),
-                ("chunks_computed", "Stored chunks the loading controller computed instead of loading."),
-            )
-        }
-        self._store = {
-            count: self._counter_cls(
-                name=f"vllm:blend_store_{name}", documentation=doc, labelnames=[*labelnames, "tier"]
-            )
-            for count, name, doc in (
-                ("hits", "hits", "Chunk entries read from the store, by tier (tensor-parallel rank 0's reads)."),
-                ("bytes", "read_bytes", "Bytes of the entries read from the store, by tier."),
-                ("seconds", "read_seconds", "Seconds spent reading entries from the store, by tier."),
-            )
-        }
-        self._guard = self._counter_cls(
-            name="vllm:blend_guard_raised",
-            documentation="Requests whose ratio the calibration's guard raised.",
-            labelnames=labelnames,
-        )
-        self._ratio = self._histogram_cls(
-            name="vllm:blend_recompute_ratio",
-            documentation="The recompute ratio of each blended request.",
-            labelnames=labelnames,
-            buckets=list(RATIO_BUCKETS),
-        )
-
-        # Every series exists from the start, at 0: a rate or an alert over one never incremented still works.
-        for labels in per_engine_labelvalues.values():
-            for outcome, reason in (("blend", ""), ("reuse", ""), *(("full", r) for r in REASONS)):
-                self._requests.labels(*labels, outcome, reason)
-            for metric in (*self._counts.values(), self._guard, self._ratio):
-                metric.labels(*labels)
-            for metric in self._store.values():
-                for tier in TIERS:
-                    metric.labels(*labels, tier)
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = self._labelvalues[engine_idx]
-        counters = BlendCounters.of(transfer_stats_data)
-        for key, n in counters.requests.items():
-            outcome, _, reason = key.partition("/")  # BlendCounters.add keeps reasons to REASONS
-            self._requests.labels(*labels, outcome, reason).inc(n)
-        for name, metric in self._counts.items():
-            if counters.counts.get(name):
-                metric.labels(*labels).inc(counters.counts[name])
-        for key, amount in counters.tiers.items():
-            tier, _, count = key.partition("/")
-            if count in self._store:
-                self._store[count].labels(*labels, tier).inc(amount)
-        if counters.guard_raised:
-            self._guard.labels(*labels).inc(counters.guard_raised)
-        histogram = self._ratio.labels(*labels)
-        for ratio in counters.ratios:
-            histogram.observe(ratio)
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(name)
-
-
-@functools.lru_cache(maxsize=4)
-def _model_identity(model: str, tokenizer: str) -> tuple[str, int | None]:
-    """(checkpoint fingerprint, BOS id the tokenizer adds) for a served model."""
-    from ..models.loading import resolve_model_dir
-
-    return model_fingerprint(resolve_model_dir(model)), bos_id_added(_tokenizer(tokenizer))
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the connector's two sides, and the server's calibration route
-    (``serve.CalibrationRoute``), know of the model vLLM serves: one source,
-    so a record the route stores is the one the scheduler reads."""
-
-    name: str
-    fingerprint: str
-    bos: int | None  # the BOS id the tokenizer adds
-    dtype: torch.dtype
-    num_layers: int
-    config: BlendConfig
-    store_args: dict  # ``ChunkStore`` arguments
-    walk_attention: str  # how the blend pass attends on a kernel backend (``vllm_contract.WALK_ATTENTION``)
-
-    @classmethod
-    def of(cls, vllm_config) -> ServedModel:
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        model_config = vllm_config.model_config
-        fingerprint, bos = _model_identity(model_config.model, model_config.tokenizer)
-        return cls(
-            model_config.model,
-            fingerprint,
-            bos,
-            model_config.dtype,
-            int(model_config.hf_text_config.num_hidden_layers),
-            BlendConfig(**extra.get("blend_config", {})),
-            connector_store_args(extra),
-            check_walk_attention(extra.get("walk_attention", "auto")),
-        )
-
-    def calibrations(self, store: ChunkStore) -> Calibrations:
-        return Calibrations(
-            store, self.fingerprint, self.dtype, engine="vllm", num_layers=self.num_layers, label=self.name
-        )
 
 
 class BlendConnector(KVConnectorBase_V1):
@@ -355,7 +172,7 @@ class BlendConnector(KVConnectorBase_V1):
             if params is None or params.mode == "full":
                 return None
             if params.separator is not None:
-                sep = _tokenizer(self.tokenizer_name).encode(params.separator, add_special_tokens=False)
+                sep = served_tokenizer(self.tokenizer_name).encode(params.separator, add_special_tokens=False)
                 spans = spans_from_separator(request.prompt_token_ids, sep)
                 if not spans:
                     raise PromptError(

@@ -30,16 +30,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
 
+from ..calibration import Guard
 from .attention import attention_weights
 from .layers import LayerModel
-
-if TYPE_CHECKING:
-    from ..calibration import Guard
 
 
 @dataclass

@@ -1,15 +1,8 @@
 """Store layer: the persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
 
-from .chunk_store import (
-    DEFAULT_READ_BANDWIDTH,
-    REMOTE_ENV,
-    TIERS,
-    ChunkStore,
-    Location,
-    default_store_path,
-    default_store_remote,
-)
+from .chunk_store import ChunkStore, Location
 from .codec import KV_CODECS, check_kv_codec
+from .defaults import DEFAULT_READ_BANDWIDTH, REMOTE_ENV, TIERS, default_store_path, default_store_remote
 from .format import ChunkKV, CorruptEntryError
 from .keys import RECIPE_VERSION, chunk_key, coded_key, model_fingerprint
 from .stats import StoreStats

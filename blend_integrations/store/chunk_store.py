@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import NamedTuple, Self
 
 from .codec import check_kv_codec
+from .defaults import DEFAULT_READ_BANDWIDTH, REMOTE_ENV, TIERS, default_store_path, default_store_remote
 from .disk_tier import DiskTier
 from .format import ChunkKV, CorruptEntryError, _decode, check_record_name, decode_record, encode, encode_record
 from .keys import coded_key, key_codec
@@ -57,35 +58,12 @@ from .remote_tier import REMOTE_BACKFILL_MAX_KEYS, REMOTE_RETRY_S, RemoteTier
 from .stats import Report
 from .tier import Expect, Tier
 
-TIERS = ("memory", "disk", "remote")
-
-# Read bandwidth (bytes/s) a tier is assumed to have until reads measure it:
-# decoded tensors in this process, a local SSD (or the page cache), a
-# 1 Gbit/s network to Redis. Set your own with ChunkStore(read_bandwidth=...).
-DEFAULT_READ_BANDWIDTH = {"memory": 10e9, "disk": 1e9, "remote": 125e6}
-
 
 class Location(NamedTuple):
     """Where the store would read a key from, found without reading it."""
 
     tier: str | None  # "memory", "disk" or "remote"; None: not in the store
     nbytes: int = 0  # what a read moves: the encoded entry (memory: the tensor)
-
-
-def default_store_path() -> Path:
-    """``$BLEND_STORE_PATH`` if set, else ``~/.cache/blend_integrations/chunks``."""
-    env = os.environ.get("BLEND_STORE_PATH")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "blend_integrations" / "chunks"
-
-
-REMOTE_ENV = "BLEND_STORE_REMOTE"
-
-
-def default_store_remote() -> str | None:
-    """``$BLEND_STORE_REMOTE`` if set and not empty, else None (no Redis tier)."""
-    return os.environ.get(REMOTE_ENV) or None
 
 
 # After fork() the child has one thread, but a lock held by another parent

@@ -114,7 +114,7 @@ def test_damaged_foreign_and_unknown_packaged_files_are_refused(tmp_path, monkey
     }
     for name, data in files.items():
         (tmp_path / name).write_text(data if isinstance(data, str) else json.dumps(data))
-    monkeypatch.setattr(cal, "PACKAGED_DIR", tmp_path)
+    monkeypatch.setattr(cal.packaged, "PACKAGED_DIR", tmp_path)
     packaged_calibrations.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cal.__name__):

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from blend_integrations import BlendPrompt, ChunkStore, load_engine
-from blend_integrations.engines.vllm_contract import CPU_BINDING_ENV, check_tensor_parallel, cpu_thread_binding
+from blend_integrations.engines.vllm_contract import check_tensor_parallel
+from blend_integrations.engines.vllm_host import CPU_BINDING_ENV, cpu_thread_binding
 from blend_integrations.models.hf import SUPPORTED_MODEL_TYPES
 from tests.fixtures.exactness import chosen, exact_at_ratio_one
 from tests.fixtures.local_models import build_model

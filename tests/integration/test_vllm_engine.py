@@ -16,9 +16,8 @@ from blend_integrations.engines.vllm_contract import (
     blend_engine_env,
     check_vllm_version,
     connector_store_args,
-    tcmalloc_library,
-    tcmalloc_preload,
 )
+from blend_integrations.engines.vllm_host import tcmalloc_library, tcmalloc_preload
 from blend_integrations.fusion.plan import Planner
 from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.store import DEFAULT_READ_BANDWIDTH

@@ -18,8 +18,8 @@ from blend_integrations.engines.vllm_contract import (
     not_blended,
     parse_blend_params,
 )
+from blend_integrations.http_edge import MAX_PARAMS_DEPTH, check_request_body
 from blend_integrations.prompt import TokenizedPrompt, check_chunk_spans
-from blend_integrations.serve import MAX_PARAMS_DEPTH, blend_params_problem
 
 GOOD = {"mode": "blend", "ratio": 0.5, "chunk_spans": [[2, 10], [12, 20]], "num_tokens": 20}
 PROMPT_LEN = 40
@@ -234,22 +234,58 @@ def body(blend=None, prompt=None, **kv) -> bytes:
     ).encode()
 
 
+def problem_of(raw: bytes):
+    return check_request_body(raw)[1]
+
+
 def test_the_http_edge():
-    assert blend_params_problem(body(GOOD)) is None
-    assert blend_params_problem(b'{"model": "m", "prompt": [1, 2, 3]}') is None  # not blended: vLLM's business
-    assert blend_params_problem(b"not json kv_transfer_params") is None  # vLLM answers bad JSON itself
-    assert blend_params_problem(body(x=1)) is None  # another connector's parameters
-    message, field = blend_params_problem(body({**GOOD, "ratio": 2}))
+    assert problem_of(body(GOOD)) is None
+    assert problem_of(b'{"model": "m", "prompt": [1, 2, 3]}') is None  # not blended: vLLM's business
+    assert problem_of(b"not json kv_transfer_params") is None  # vLLM answers bad JSON itself
+    assert problem_of(body(x=1)) is None  # another connector's parameters
+    message, field = problem_of(body({**GOOD, "ratio": 2}))
     assert 'ratio must be a number in [0, 1] or "auto", got 2' in message and field == "kv_transfer_params.blend.ratio"
     # the prompt's length is known for token ids, one prompt or several
-    assert "num_tokens is 20 but the prompt has 20 tokens" in blend_params_problem(body(GOOD, list(range(20))))[0]
-    assert (
-        blend_params_problem(body(GOOD, [list(range(30)), list(range(20))]))[1] == "kv_transfer_params.blend.num_tokens"
-    )
+    assert "num_tokens is 20 but the prompt has 20 tokens" in problem_of(body(GOOD, list(range(20))))[0]
+    assert problem_of(body(GOOD, [list(range(30)), list(range(20))]))[1] == "kv_transfer_params.blend.num_tokens"
     # text: the connector checks the rules that need the prompt's tokens
-    assert blend_params_problem(body({**GOOD, "num_tokens": 10**6}, "some text")) is None
+    assert problem_of(body({**GOOD, "num_tokens": 10**6}, "some text")) is None
     # nesting
     deep = b'{"prompt": [1], "kv_transfer_params": {"blend": ' + b"[" * 100000 + b"]" * 100000 + b"}}"
-    assert blend_params_problem(deep) == ("the request body nests too deeply to read", None)
+    assert problem_of(deep) == ("the request body nests too deeply to read", None)
     nested = json.loads("[" * (MAX_PARAMS_DEPTH + 1) + "]" * (MAX_PARAMS_DEPTH + 1))
-    assert blend_params_problem(body(GOOD, other=nested))[1] == "kv_transfer_params"
+    assert problem_of(body(GOOD, other=nested))[1] == "kv_transfer_params"
+
+
+async def test_the_middleware_reads_a_blended_request_s_json_once(monkeypatch):
+    """The rules and the stream-usage mark of a streamed blended completion
+    both read the one parse of its body, which reaches vLLM with its token."""
+    from blend_integrations import serve
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    parses = []
+    loads = json.loads
+    monkeypatch.setattr(json, "loads", lambda *a, **k: parses.append(1) or loads(*a, **k))
+    seen = []
+
+    async def app(scope, receive, send):  # what vLLM's app gets
+        seen.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    raw = json.dumps({"prompt": list(range(PROMPT_LEN)), "stream": True, "kv_transfer_params": {"blend": GOOD}})
+    messages = [{"type": "http.request", "body": raw.encode(), "more_body": False}]
+    sent = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    await serve.CheckBlendParams(app)(scope, receive, send)
+    assert len(parses) == 1
+    assert sent[0]["status"] == 200 and len(seen) == 1
+    passed = loads(seen[0])["kv_transfer_params"]
+    assert passed["blend"] == GOOD and isinstance(passed[serve.stream_usage.TOKEN_KEY], str)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from blend_integrations.engines.vllm_contract import ALLOCATOR_ENV, tcmalloc_library, tcmalloc_preload
+from blend_integrations.engines.vllm_host import ALLOCATOR_ENV, tcmalloc_library, tcmalloc_preload
 
 INSTALLED = tcmalloc_library()
 
@@ -42,7 +42,7 @@ def test_an_unknown_allocator_is_refused_by_name():
 def test_a_process_started_with_the_preload_runs_on_tcmalloc():
     """What vLLM's processes get: a Python started with the preload maps
     tcmalloc, one started without it the system's malloc."""
-    code = "from blend_integrations.engines.vllm_contract import process_allocator; print(process_allocator())"
+    code = "from blend_integrations.engines.vllm_host import process_allocator; print(process_allocator())"
 
     def allocator(preload: str | None) -> str:
         env = {"PATH": "/usr/bin:/bin"} | ({"LD_PRELOAD": preload} if preload else {})

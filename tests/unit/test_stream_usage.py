@@ -10,7 +10,12 @@ import os
 import pytest
 
 from blend_integrations.engines import stream_usage
-from blend_integrations.serve import _marked_for_stream_usage
+from blend_integrations.http_edge import check_request_body, mark_for_stream_usage
+
+
+def mark(raw: bytes):
+    """The stream-usage mark of a body, from its one parse (as the middleware makes it)."""
+    return mark_for_stream_usage(check_request_body(raw)[0])
 
 
 @pytest.fixture
@@ -79,20 +84,20 @@ BLEND = {"blend": {"mode": "blend", "separator": "\n\n"}}
 
 
 def test_only_a_streamed_blended_single_completion_gets_a_token():
-    marked, token = _marked_for_stream_usage(body(stream=True, kv_transfer_params=BLEND))
+    marked, token = mark(body(stream=True, kv_transfer_params=BLEND))
     assert token is not None and json.loads(marked)["kv_transfer_params"][stream_usage.TOKEN_KEY] == token
-    assert _marked_for_stream_usage(body(kv_transfer_params=BLEND)) == (None, None)  # not streamed
-    assert _marked_for_stream_usage(body(stream=True)) == (None, None)  # not blended
+    assert mark(body(kv_transfer_params=BLEND)) == (None, None)  # not streamed
+    assert mark(body(stream=True)) == (None, None)  # not blended
     for fields in ({"n": 2}, {"prompt": [[1, 2], [3, 4]]}, {"prompt": ["a", "b"]}, {"prompt": 5}, {"prompt": {}}):
-        assert _marked_for_stream_usage(body(stream=True, kv_transfer_params=BLEND, **fields))[1] is None
-    assert _marked_for_stream_usage(body(stream=True, kv_transfer_params=BLEND, prompt=[[1, 2]]))[1] is not None
+        assert mark(body(stream=True, kv_transfer_params=BLEND, **fields))[1] is None
+    assert mark(body(stream=True, kv_transfer_params=BLEND, prompt=[[1, 2]]))[1] is not None
     chat = json.dumps({"messages": [], "stream": True, "kv_transfer_params": BLEND}).encode()
-    assert _marked_for_stream_usage(chat)[1] is not None
+    assert mark(chat)[1] is not None
 
 
 def test_a_token_a_client_sent_is_dropped():
     sent = {**BLEND, stream_usage.TOKEN_KEY: "0" * 32}
-    marked, token = _marked_for_stream_usage(body(kv_transfer_params=sent))
+    marked, token = mark(body(kv_transfer_params=sent))
     assert token is None and stream_usage.TOKEN_KEY not in json.loads(marked)["kv_transfer_params"]
-    marked, token = _marked_for_stream_usage(body(stream=True, kv_transfer_params=sent))
+    marked, token = mark(body(stream=True, kv_transfer_params=sent))
     assert token not in (None, "0" * 32) and json.loads(marked)["kv_transfer_params"][stream_usage.TOKEN_KEY] == token

@@ -56,8 +56,8 @@ WHEEL_CACHE = Path(os.environ.get("BLEND_WHEEL_CACHE") or Path.home() / ".cache"
 # Our subclasses of vLLM classes: (file in the package, class).
 SUBCLASSES = [
     ("engines/vllm_connector.py", "BlendConnector"),
-    ("engines/vllm_connector.py", "BlendConnectorMetadata"),
-    ("engines/vllm_connector.py", "BlendWorkerMetadata"),
+    ("engines/vllm_messages.py", "BlendConnectorMetadata"),
+    ("engines/vllm_messages.py", "BlendWorkerMetadata"),
     ("engines/vllm_plugin.py", "BlendModelLoader"),
 ]
 # vLLM mixes the worker extension into its worker class and refuses a name both have.

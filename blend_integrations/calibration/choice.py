@@ -1,0 +1,163 @@
+"""Calibration, measurement: the policies calibration measures, what each costs, and the
+choice among the measured ones (``choose``)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from ..config import BlendConfig, computed_share
+from .records import CalibrationRecord, Guard
+
+# What a query-aware selection's reuse pass adds to a policy's cost (it computes the prompt's new tokens once more).
+QUERY_PASS_COST = 0.05
+
+
+def wilson_lower(successes: int, n: int, confidence: float) -> float:
+    """One-sided Wilson score lower bound of a proportion (0 for no trials)."""
+    if n == 0:
+        return 0.0
+    z = NormalDist().inv_cdf(confidence)
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    margin = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (centre - margin) / (1 + z * z / n))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A candidate: one ratio for every request (``kind="ratio"``), or the
+    guard from base ``ratio`` at ``threshold``; ``rungs``: the ratio each
+    probe runs at under it (1.0: full prefill, nothing to run)."""
+
+    kind: str
+    settings: int  # index into the settings tried
+    ratio: float
+    threshold: float | None
+    rungs: tuple[float, ...]
+    cost: float
+
+
+def default_variants(config: BlendConfig, num_layers: int | None) -> list[dict]:
+    """The blend settings calibration tries besides the engine's own: gradual
+    filtering over two check layers, the other selection, the other
+    deviation, and sink tokens (each one change from ``config``)."""
+    first = config.check_layers[0]
+    variants: list[dict] = []
+    if len(config.check_layers) == 1 and (num_layers is None or first + 1 < num_layers):
+        variants.append({"check_layers": [first, first + 1]})
+    variants.append({"selection": "query" if config.selection == "deviation" else "deviation"})
+    variants.append({"deviation": "k" if config.deviation == "v" else "v"})
+    if config.sink_tokens == 0:
+        variants.append({"sink_tokens": 2})
+    return variants
+
+
+def policy_cost(settings: dict, ratio: float, num_layers: int) -> float:
+    """What a policy computes: the share of the reused token-layers
+    (``config.computed_share``), plus a query-aware selection's reuse pass."""
+    share = computed_share(tuple(settings["check_layers"]), ratio, num_layers)
+    return share + (QUERY_PASS_COST if settings["selection"] != "deviation" else 0.0)
+
+
+def _prompts_needed(target: float, confidence: float) -> int | None:
+    """The fewest prompts that, all agreeing, show ``target`` (None: no number does, as for 1.0)."""
+    if target >= 1.0:
+        return None
+    z = NormalDist().inv_cdf(confidence)
+    n = max(1, math.ceil(target * z * z / (1 - target)))  # all agreeing, the Wilson bound is n / (n + z^2)
+    while wilson_lower(n, n, confidence) < target:  # float rounding at the boundary
+        n += 1
+    return n
+
+
+def max_misses(n: int, target: float, confidence: float) -> int:
+    """The most disagreements out of ``n`` that still meet ``target`` (-1: none does)."""
+    return max((f for f in range(n + 1) if wilson_lower(n - f, n, confidence) >= target), default=-1)
+
+
+def candidates(
+    shares: list[Callable[[float], float]] | None, ladder: list[float], tried: list[dict], num_layers: int, n: int
+) -> list[Policy]:
+    """Every policy, cheapest first: each setting at each ratio, and (given
+    ``shares``, each probe's ``deviation_share`` where the engine reports it)
+    the guard from each base ratio at each threshold the probes' shares at
+    that base suggest. The shares come from the probes' cheapest runs with the
+    engine's own settings: a share does not depend on the ratio a walk ran at."""
+    policies = [
+        Policy("ratio", i, r, None, (r,) * n, policy_cost(settings, r, num_layers))
+        for i, settings in enumerate(tried)
+        for r in ladder
+    ]
+    if shares is not None:
+        for r0 in ladder:
+            for threshold in sorted({round(share(r0), 3) for share in shares})[1:]:
+                guard = Guard(r0, threshold, tuple(ladder))
+                rungs = tuple(guard.ratio(share) for share in shares)
+                cost = statistics.fmean(policy_cost(tried[0], r, num_layers) for r in rungs)
+                policies.append(Policy("guard", 0, r0, threshold, rungs, cost))
+    return sorted(policies, key=lambda p: (p.cost, p.kind != "ratio", p.settings, p.ratio, p.threshold or 0.0))
+
+
+def meets(row: dict, target: float, n: int, min_speedup: float) -> bool:
+    return row["n"] == n and row["lower_bound"] >= target and row["ttft_speedup"] >= min_speedup
+
+
+def choose(
+    curve: list[dict], *, base, ladder, target, confidence, tokens, n, min_speedup, identity: dict, version, seconds
+) -> CalibrationRecord:
+    """The cheapest policy meeting the target: the single ratio (with its
+    settings) for every engine, and the guard when it is cheaper still; each
+    only if measured at least ``min_speedup`` times sooner than full prefill,
+    else full prefill. ``identity``: the record's model, fingerprint, dtype, engine and kv_codec."""
+    meeting = [c for c in curve if c["n"] == n and c["lower_bound"] >= target]
+    cost = lambda c: (c["cost"], c["ratio"])  # noqa: E731
+    worth = [c for c in meeting if c["ttft_speedup"] >= min_speedup]  # confirmed by measured TTFT
+    uniform = min((c for c in worth if c["policy"] == "ratio"), key=cost, default=None)
+    guarded = min((c for c in worth if c["policy"] == "guard"), key=cost, default=None)
+    if guarded is not None and uniform is not None and cost(guarded) >= cost(uniform):
+        guarded = None  # the guard only when it is cheaper than one ratio for every request
+    if max_misses(n, target, confidence) < 0:
+        needed = _prompts_needed(target, confidence)
+        why = (
+            f"{n} prompts cannot show agreement {target} at {confidence:.0%} confidence even if every one agrees "
+            + (f"(that takes {needed} or more)" if needed else "(no number of prompts can: lower the target)")
+            + ": full prefill"
+        )
+    elif not meeting:
+        why = f"no policy below ratio 1.0 meets the target {target}: blending cannot hold it here; full prefill"
+    elif uniform is None and guarded is None:
+        best = min(meeting, key=cost)
+        why = (
+            f"the cheapest policy meeting the target (computed share {best['cost']}) was measured only "
+            f"{best['ttft_speedup']:.2f}x sooner than full prefill, under min_speedup {min_speedup}: full prefill"
+        )
+    else:
+        chosen = guarded if guarded is not None else uniform
+        assert chosen is not None  # one of the two, by the branch above
+        why = (
+            f"the cheapest policy meeting the target: computed share {chosen['cost']}, mean ratio "
+            f"{chosen['mean_ratio']}, {chosen['ttft_speedup']:.2f}x sooner than full prefill"
+        )
+    return CalibrationRecord(
+        **identity,
+        settings=uniform["settings"] if uniform is not None else base,
+        ratio=uniform["ratio"] if uniform is not None else 1.0,
+        guard=None if guarded is None else Guard(guarded["ratio"], guarded["threshold"], tuple(ladder)),
+        guard_settings=None if guarded is None else guarded["settings"],
+        meets_target=bool(meeting),
+        target=target,
+        confidence=confidence,
+        tokens=tokens,
+        n=n,
+        curve=curve,
+        date=time.strftime("%Y-%m-%d"),
+        package_version=version,
+        seconds=round(seconds, 1),
+        why=why,
+        min_speedup=min_speedup,
+    )

@@ -1,0 +1,388 @@
+"""Calibration, measurement: ``calibrate`` runs the probes on an engine, measures the
+policies cheapest first, chooses, and keeps the record. It needs of an engine only
+``Calibratable``, what ``engines.base.Engine`` offers, so the engines call it without a cycle."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm.auto import tqdm
+
+from ..config import BlendConfig, check_ratio
+from ..prompt import PromptInput, TokenizedPrompt
+from ..store import ChunkStore
+from ..version import __version__
+from .choice import candidates, choose, default_variants, max_misses, meets, wilson_lower
+from .probes import MIN_PROBE_TOKENS, probe_prompts
+from .records import LADDER, CalibrationError, CalibrationRecord, record_name, settings_label
+from .report import report, write_plot
+
+KL_TOP = 20  # the first token's KL is over full prefill's top KL_TOP tokens and the rest as one bucket
+
+
+class Reply(Protocol):
+    """What calibration reads of a generation (``engines.base.Reply``)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    ttft_s: float
+    deviation_share: Callable[[float], float] | None
+
+
+class Calibratable(Protocol):
+    """What calibration needs of an engine: ``engines.base.Engine`` offers it all."""
+
+    backend: str
+    model_name: str
+    fingerprint: str
+    dtype_name: str
+    num_layers: int | None
+    config: BlendConfig
+
+    @property
+    def store(self) -> ChunkStore: ...
+
+    @property
+    def kv_codec(self) -> str | None: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def tokenize(self, prompt: PromptInput) -> TokenizedPrompt: ...
+
+    @property
+    def generate(self) -> Callable[..., Any]: ...  # (prompt, mode=, recompute_ratio=, ...) -> a Reply
+
+    def warm(self, documents: Sequence[Any], *, progress: bool = ...) -> int: ...
+
+    def stored_documents(self, limit: int = ...) -> list[str]: ...
+
+    def calibration_lock(self, name: str) -> contextlib.AbstractContextManager: ...
+
+    def keep_calibration(self, record: CalibrationRecord) -> None: ...
+
+
+def _agree(full: Reply, blend: Reply, tokens: int) -> bool:
+    return full.token_ids[:tokens] == blend.token_ids[:tokens]
+
+
+def _first_token_kl(full: Reply, blend: Reply) -> float | None:
+    """KL(full || blend) of the first token over full's top KL_TOP tokens and
+    the rest as one bucket (a lower bound on the whole-vocabulary KL)."""
+    if not full.logprobs or not blend.logprobs:
+        return None
+    p, q = full.logprobs[0], blend.logprobs[0]
+    floor = min(q.values()) if q else -30.0  # a token outside blend's top-k has at most its smallest probability
+    kl, p_rest, q_rest = 0.0, 1.0, 1.0
+    for token, lp in p.items():
+        lq = q.get(token, floor)
+        kl += math.exp(lp) * (lp - lq)
+        p_rest -= math.exp(lp)
+        q_rest -= math.exp(lq)
+    p_rest, q_rest = max(p_rest, 1e-12), max(q_rest, 1e-12)
+    return max(0.0, kl + p_rest * math.log(p_rest / q_rest))
+
+
+class _Replies:
+    """Each probe's full prefill, and its blended replies under each setting
+    and ratio, each run once, when a policy first needs it."""
+
+    def __init__(self, probes: list, fulls: list, blend: Callable, settings: list[dict]) -> None:
+        self.probes, self.fulls, self.blend, self.settings = probes, fulls, blend, settings
+        self.runs: dict[tuple[int, float, int], Reply] = {}
+
+    def has(self, settings: int, ratio: float, j: int) -> bool:
+        return ratio >= 1.0 or (settings, ratio, j) in self.runs
+
+    def get(self, settings: int, ratio: float, j: int) -> Reply | None:
+        return None if ratio >= 1.0 else self.blended(settings, ratio, j)  # None: full prefill itself
+
+    def blended(self, settings: int, ratio: float, j: int) -> Reply:
+        key = (settings, ratio, j)
+        if key not in self.runs:
+            self.runs[key] = self.blend(self.probes[j], ratio, self.settings[settings])
+        return self.runs[key]
+
+    def reorder(self, order: list[int]) -> None:
+        """Index the probes in ``order`` from now on."""
+        at = {j: i for i, j in enumerate(order)}
+        self.probes = [self.probes[j] for j in order]
+        self.fulls = [self.fulls[j] for j in order]
+        self.runs = {(s, r, at[j]): g for (s, r, j), g in self.runs.items()}
+
+
+@contextlib.contextmanager
+def exclusive(store: ChunkStore, name: str) -> Iterator[None]:
+    """One calibration of a model per store directory at a time."""
+    path = Path(store.path) / f".{name}.lock"
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CalibrationError(
+                f"another process is calibrating this model on the store {store.path} (lock {path}); "
+                "wait for it: its record is used by every engine on the store"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_target(target: Any, name: str = "target") -> float:
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < target <= 1.0:
+        raise CalibrationError(f"{name} must be a number in (0, 1], got {target!r:.40}")
+    return float(target)
+
+
+def calibrate(
+    engine: Calibratable,
+    documents: Sequence[str] | None = None,
+    *,
+    prompts: Sequence[PromptInput] | None = None,
+    target: float = 0.95,
+    confidence: float = 0.8,
+    tokens: int = 4,
+    num_prompts: int = 48,
+    ratios: Sequence[float] = LADDER,
+    variants: Sequence[dict] | None = None,
+    seed: int = 0,
+    min_speedup: float = 1.1,
+    progress: bool | None = None,
+    plot: str | os.PathLike | None = None,
+    save: bool = True,
+    exhaustive: bool = False,
+) -> CalibrationRecord:
+    """Measure the recompute policy this engine's model needs to agree with
+    full prefill on ``target`` of the prompts, store it, and return the record.
+    ``variants``: blend settings tried besides the engine's own, each a dict
+    of ``config.SETTINGS`` changes (None: ``default_variants``; ``[]``: only
+    the engine's own). See the module docstring for the method; ``prompts``
+    replaces the probes built from ``documents``. ``min_speedup``: a policy
+    measured less than this many times sooner than full prefill is not worth
+    its risk: when none meeting the target is faster, the record chooses full
+    prefill. Policies are measured cheapest first and stop early (see
+    ``_measure``); ``exhaustive`` measures every one on every probe, for the
+    whole curve (slower; the same choice). Prints a table; ``plot``: also
+    write a PNG of agreement and TTFT speedup against the ratio."""
+    target = check_target(target)
+    confidence = check_target(confidence, "confidence")
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup > 0:
+        raise CalibrationError(f"min_speedup must be a positive number, got {min_speedup!r:.40}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise CalibrationError(f"tokens must be a positive integer, got {tokens!r:.40}")
+    if not isinstance(exhaustive, bool):
+        raise CalibrationError(f"exhaustive must be True or False, got {exhaustive!r:.40}")
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 2:
+        raise CalibrationError(f"num_prompts must be an integer >= 2, got {num_prompts!r:.40}")
+    ladder = sorted({check_ratio(r) for r in ratios} - {1.0})
+    if not ladder:
+        raise CalibrationError("ratios must hold at least one ratio below 1.0")
+    config, num_layers = engine.config, engine.num_layers
+    if num_layers is None:
+        raise CalibrationError(
+            f"the {engine.backend} engine does not know its model's layers here: calibrate where it runs"
+        )
+    base = config.settings()
+    tried = [base]
+    for v in default_variants(config, num_layers) if variants is None else variants:
+        try:
+            settings = config.with_settings(v, num_layers=num_layers).settings()
+        except (TypeError, ValueError) as e:
+            raise CalibrationError(f"variant {v!r:.80}: {e}") from None
+        if settings not in tried:
+            tried.append(settings)
+    if prompts is not None:
+        probes = [engine.tokenize(p) for p in prompts]
+        source = f"{len(probes)} given prompts"
+    else:
+        if documents is None:
+            documents = engine.stored_documents()
+            if not documents:
+                raise CalibrationError(
+                    "calibration needs documents (or prompts) to probe with, and none were given: pass the "
+                    "documents your RAG application retrieves, or warm the store with them first (calibration "
+                    f"then reads this model's chunks from {engine.store.path})"
+                )
+        if isinstance(documents, str):
+            raise CalibrationError("documents must be a list of texts, not one string")
+        docs = [d for d in documents if isinstance(d, str) and d.strip()]
+        usable = [d for d in docs if len(engine.tokenizer.encode(d, add_special_tokens=False)) >= MIN_PROBE_TOKENS]
+        if len(usable) < 2:
+            raise CalibrationError(
+                f"calibration needs at least 2 documents of {MIN_PROBE_TOKENS} tokens or more to blend; "
+                f"got {len(docs)} text(s), {len(usable)} long enough"
+            )
+        probes = probe_prompts(engine, usable, num_prompts, seed)
+        source = f"{len(probes)} probes from {len(usable)} documents"
+    probes = [p for p in probes if p.chunk_spans]
+    if len(probes) < 2:
+        raise CalibrationError("calibration needs at least 2 prompts with retrieved documents (chunks) in them")
+    name = record_name(engine.fingerprint, engine.dtype_name, engine.kv_codec)
+    show = progress if progress is not None else True
+    started = time.perf_counter()
+    n = len(probes)
+
+    def blend(tp, ratio: float, settings: dict) -> Reply:
+        return engine.generate(tp, mode="blend", recompute_ratio=ratio, **settings, max_tokens=tokens, logprobs=KL_TOP)
+
+    with engine.calibration_lock(name):
+        chunks = {tuple(p.token_ids[a:b]) for p in probes for a, b in p.chunk_spans}
+        engine.warm([list(c) for c in chunks], progress=show)
+        first = f"calibrating ({source}): full prefill and ratio {ladder[0]}"
+        with tqdm(total=2 * n, desc=first, unit="run", disable=not show) as bar:
+            fulls = []
+            for tp in probes:
+                fulls.append(engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP))
+                bar.update()
+            replies = _Replies(probes, fulls, blend, tried)
+            for j in range(n):
+                replies.blended(0, ladder[0], j)
+                bar.update()
+        curve = _measure(
+            replies,
+            ladder,
+            tried,
+            num_layers,
+            tokens,
+            target=target,
+            confidence=confidence,
+            min_speedup=min_speedup,
+            exhaustive=exhaustive,
+            progress=show,
+        )
+        record = choose(
+            curve,
+            base=base,
+            ladder=ladder,
+            min_speedup=min_speedup,
+            target=target,
+            confidence=confidence,
+            tokens=tokens,
+            n=n,
+            identity={
+                "model": engine.model_name,
+                "fingerprint": engine.fingerprint,
+                "dtype": engine.dtype_name,
+                "engine": engine.backend,
+                "kv_codec": engine.kv_codec,
+            },
+            version=__version__,
+            seconds=time.perf_counter() - started,
+        )
+        if save:
+            engine.keep_calibration(record)
+    print(report(record))
+    if plot is not None:
+        write_plot(record, plot)
+    return record
+
+
+def _row(
+    fulls: list[Reply],
+    per_probe: list[tuple[float, Reply | None]],
+    tokens: int,
+    confidence: float,
+    n: int,
+    **fields,
+) -> dict:
+    """One policy's measures over the probes it ran on (the first ``len(per_probe)``);
+    a None generation is full prefill (the guard's 1.0)."""
+    measured = fulls[: len(per_probe)]
+    agree = sum(g is None or _agree(f, g, tokens) for f, (_, g) in zip(measured, per_probe))
+    kls = [k for f, (_, g) in zip(measured, per_probe) if g is not None and (k := _first_token_kl(f, g)) is not None]
+    ttft = [g.ttft_s if g is not None else f.ttft_s for f, (_, g) in zip(measured, per_probe)]
+    return {
+        **fields,
+        "mean_ratio": round(statistics.fmean(r for r, _ in per_probe), 4),
+        "n": len(per_probe),
+        "agreement": round(agree / len(per_probe), 4),
+        # a policy stopped early is short of n probes: it cannot meet the target
+        "lower_bound": round(wilson_lower(agree, n, confidence), 4) if len(per_probe) == n else 0.0,
+        "kl": round(statistics.fmean(kls), 4) if kls else None,
+        "ttft_speedup": round(statistics.fmean(f.ttft_s for f in measured) / statistics.fmean(ttft), 3),
+    }
+
+
+def _measure(
+    replies: _Replies,
+    ladder: list[float],
+    tried: list[dict],
+    num_layers: int,
+    tokens: int,
+    *,
+    target: float,
+    confidence: float,
+    min_speedup: float,
+    exhaustive: bool,
+    progress: bool = False,
+) -> list[dict]:
+    """Measure the policies cheapest first, each on the probes hardest first,
+    and return their rows. Every probe's reply at the cheapest ratio comes
+    first: it orders the probes (disagreeing, then by first-token KL) and gives
+    the guard its shares. A policy stops at the disagreement that rules the
+    target out, and is not run at all once a cheaper one met the target (a
+    single ratio only for a cheaper single ratio: engines without the guard
+    need one) or one as costly was measured too slow to be worth it. The
+    choice is the one measuring everything would make; ``exhaustive`` does,
+    for the whole curve."""
+    n, base = len(replies.fulls), tried[0]
+    first = [replies.blended(0, ladder[0], j) for j in range(n)]
+    hardness = [(_agree(f, g, tokens), -(_first_token_kl(f, g) or 0.0)) for f, g in zip(replies.fulls, first)]
+    replies.reorder(sorted(range(n), key=lambda j: hardness[j]))
+    misses_allowed = max_misses(n, target, confidence)
+    best_single = best_any = too_slow = math.inf
+    rows = []
+    # the guard's shares, in the probes' new order (their cheapest runs, made above)
+    shares = [replies.blended(0, ladder[0], j).deviation_share for j in range(n)]
+    bar = tqdm(
+        candidates(None if None in shares else [s for s in shares if s is not None], ladder, tried, num_layers, n),
+        desc="calibrating: policies, cheapest first",
+        unit="policy",
+        disable=not progress,
+    )
+    for policy in bar:
+        bar.set_postfix(runs=len(replies.runs), refresh=False)
+        settings = tried[policy.settings]
+        cheaper_met = best_single if policy.kind == "ratio" else best_any
+        measured = all(replies.has(policy.settings, r, j) for j, r in enumerate(policy.rungs))
+        if not (exhaustive or measured) and (misses_allowed < 0 or policy.cost >= min(cheaper_met, too_slow)):
+            continue  # its row costs nothing to give when its replies are all there
+        per_probe, misses = [], 0
+        for j, r in enumerate(policy.rungs):
+            # past the miss that rules the target out, only replies already measured are counted
+            if misses > misses_allowed and not exhaustive and not replies.has(policy.settings, r, j):
+                break
+            g = replies.get(policy.settings, r, j)
+            per_probe.append((r, g))
+            misses += g is not None and not _agree(replies.fulls[j], g, tokens)
+        fields = {"threshold": policy.threshold} if policy.kind == "guard" else {}
+        row = _row(
+            replies.fulls,
+            per_probe,
+            tokens,
+            confidence,
+            n,
+            policy=policy.kind,
+            variant=settings_label(settings, base),
+            settings=settings,
+            ratio=policy.ratio,
+            **fields,
+            cost=round(policy.cost, 4),
+        )
+        rows.append(row)
+        if row["n"] == n and row["ttft_speedup"] < min_speedup:
+            too_slow = min(too_slow, policy.cost)
+        if meets(row, target, n, min_speedup):
+            best_any = min(best_any, policy.cost)
+            if policy.kind == "ratio":
+                best_single = min(best_single, policy.cost)
+    return rows

@@ -1,0 +1,123 @@
+"""Calibration, policy: the calibrations this package ships (``data/calibrations/``), measured
+on held-out questions by ``benchmarks calibration --package``, with what the benchmark measured of them."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .records import CalibrationError, CalibrationRecord, settings_label
+
+logger = logging.getLogger(__name__.rsplit(".", 1)[0])
+
+PACKAGED_KIND = "blend-packaged-calibration"
+PACKAGED_VERSION = 1
+# The calibrations shipped with the package: one file per shipped model and engine.
+PACKAGED_DIR = Path(__file__).parent.parent / "data" / "calibrations"
+
+
+def packaged_name(label: str, engine: str) -> str:
+    return f"{label}-{engine}.json"
+
+
+@dataclass(frozen=True)
+class PackagedCalibration:
+    """A calibration this package ships for a model it ships (``PACKAGED_DIR``),
+    measured by ``python -m benchmarks calibration --package`` on one engine,
+    with what the benchmark measured on held-out questions (``held_out``:
+    ``questions``, ``tokens``, and for ``"calibrated"`` and ``"fallback"`` the
+    ``ratio``, ``agreement`` with full prefill, share answered ``right`` and
+    ``ttft_speedup``; ``full_right``)."""
+
+    record: CalibrationRecord
+    held_out: dict
+    cpu: str
+    path: Path
+
+    def to_bytes(self) -> bytes:
+        data = {
+            "kind": PACKAGED_KIND,
+            "version": PACKAGED_VERSION,
+            "record": json.loads(self.record.to_bytes()),
+            "held_out": self.held_out,
+            "cpu": self.cpu,
+        }
+        return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, path: Path) -> PackagedCalibration:
+        """Parse and check a packaged file; raises CalibrationError naming what is wrong."""
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CalibrationError(f"{path.name} is not JSON ({e})") from None
+        if not isinstance(data, dict) or data.get("kind") != PACKAGED_KIND:
+            raise CalibrationError(f"{path.name} is not a packaged blend calibration")
+        if data.get("version") != PACKAGED_VERSION:
+            raise CalibrationError(
+                f"{path.name}: version {data.get('version')!r}; this package reads {PACKAGED_VERSION}"
+            )
+        record = data.get("record")
+        held = data.get("held_out")
+        if not isinstance(record, dict) or not isinstance(held, dict):
+            raise CalibrationError(f"{path.name} is damaged: it needs a record and held_out")
+        parsed = CalibrationRecord.from_bytes(
+            json.dumps(record).encode(), fingerprint=str(record.get("fingerprint")), dtype=str(record.get("dtype"))
+        )
+        try:
+            for part in ("calibrated", "fallback"):
+                row = held[part]
+                for field in ("ratio", "agreement", "right", "ttft_speedup"):
+                    value = row[field]
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                        raise ValueError(f"held_out.{part}.{field} must be a finite number")
+            if not isinstance(held["questions"], int) or not isinstance(held["tokens"], int):
+                raise ValueError("held_out.questions and held_out.tokens must be integers")
+        except (KeyError, TypeError, ValueError) as e:
+            raise CalibrationError(f"{path.name} is damaged: {type(e).__name__}: {e}") from None
+        return cls(parsed, held, str(data.get("cpu", "")), path)
+
+    def meaning(self) -> str:
+        """What the packaged ratio means for this model, in one plain sentence of measured numbers."""
+        r, held = self.record, self.held_out
+        cal, fb = held["calibrated"], held["fallback"]
+        n, tokens = held["questions"], held["tokens"]
+        label = settings_label(r.settings)
+        settings = "" if label == "default" else f" ({label})"
+        if r.ratio >= 1.0 and r.guard is None:
+            head = (
+                f"{r.model} needs full recompute to keep full prefill's first {tokens} tokens on {r.target:.0%} "
+                f"of prompts (calibrated on {r.n} prompts)"
+            )
+        else:
+            head = (
+                f"{r.model} keeps full prefill's first {tokens} tokens on {cal['agreement']:.0%} of {n} held-out "
+                f"questions at ratio {cal['ratio']:g}{settings}, {cal['ttft_speedup']:.2f}x sooner"
+            )
+        if r.guard is None and r.ratio == fb["ratio"] and not settings:
+            return f"{head} ({r.engine} engine, {self.cpu})."
+        changed = 1.0 - fb["agreement"]
+        plain = " with the default settings" if settings else ""
+        return (
+            f"{head}; at ratio {fb['ratio']:g}{plain} it is {fb['ttft_speedup']:.2f}x sooner but changes {changed:.0%} "
+            f"of {n} held-out answers' first {tokens} tokens ({r.engine} engine, {self.cpu})."
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def packaged_calibrations() -> dict[tuple[str, str, str], PackagedCalibration]:
+    """Every packaged calibration by (fingerprint, dtype, engine); a damaged file is refused with a warning."""
+    found: dict[tuple[str, str, str], PackagedCalibration] = {}
+    for path in sorted(PACKAGED_DIR.glob("*.json")):
+        try:
+            packaged = PackagedCalibration.from_bytes(path.read_bytes(), path)
+        except (OSError, CalibrationError) as e:
+            logger.warning("the packaged calibration %s is refused: %s", path.name, e)
+            continue
+        r = packaged.record
+        found[(r.fingerprint, r.dtype, r.engine)] = packaged
+    return found

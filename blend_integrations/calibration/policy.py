@@ -1,0 +1,165 @@
+"""Calibration, policy: the calibration a model's engine uses at request time (the store's
+record, else the packaged one, else the fallback), and the ratio each blend request gets."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from ..config import FALLBACK_RATIO, BlendConfig
+from ..store import ChunkStore
+from ..store.format import dtype_name
+from .packaged import PackagedCalibration, packaged_calibrations
+from .records import CalibrationError, CalibrationRecord, RatioChoice, record_name
+
+logger = logging.getLogger(__name__.rsplit(".", 1)[0])
+
+# How often an engine looks for a new calibration record in its store (another process may write one).
+RELOAD_S = 1.0
+
+
+class Calibrations:
+    """One model's calibration as its engine sees it: the store's record (the
+    user's own calibration), read again at most every ``RELOAD_S`` seconds
+    (another process may have calibrated), and checked; else the calibration
+    this package ships for the model on this ``engine``, if any. Says once
+    per problem why a record is not used."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        fingerprint: str,
+        dtype: Any,
+        *,
+        engine: str,
+        num_layers: int | None = None,
+        label: str = "",
+    ) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        self.engine = engine
+        self.num_layers = num_layers
+        self.label = label or fingerprint[:12]
+        self._record: CalibrationRecord | None = None
+        self._source = "fallback"
+        self._read_at = -math.inf
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        """The record's name in the store: its codec's (``record_name``)."""
+        return record_name(self.fingerprint, self.dtype, self.store.kv_codec)
+
+    def use_store(self, store: ChunkStore) -> None:
+        with self._lock:
+            self.store, self._record, self._read_at = store, None, -math.inf
+
+    def record(self) -> CalibrationRecord | None:
+        return self.current()[0]
+
+    def source(self) -> str:
+        """Where the record in use comes from: "calibrated" (the store), "packaged", or "fallback" (none)."""
+        return self.current()[1]
+
+    def current(self) -> tuple[CalibrationRecord | None, str]:
+        with self._lock:
+            if time.monotonic() - self._read_at >= RELOAD_S:
+                self._read_at = time.monotonic()
+                self._record, self._source = self._read()
+            return self._record, self._source
+
+    def packaged(self) -> PackagedCalibration | None:
+        """The calibration this package ships for this model and engine, if any."""
+        packaged = packaged_calibrations().get((self.fingerprint, self.dtype, self.engine))
+        if packaged is not None and not packaged.record.holds_under(self.store.kv_codec):
+            self._say(
+                f"the packaged calibration {packaged.path.name} was measured on a {packaged.record.kv_codec or 'raw'} "
+                f"store, and is not shown to hold for this store's {self.store.kv_codec} chunks: calibrate under it"
+            )
+            return None
+        if packaged is not None and self.num_layers is not None:
+            try:  # its settings must fit this model (a record of the same fingerprint always does)
+                BlendConfig().with_settings(packaged.record.settings, num_layers=self.num_layers)
+            except (TypeError, ValueError) as e:
+                self._say(f"the packaged calibration {packaged.path.name} is refused: {e}")
+                return None
+        return packaged
+
+    def choice(self, *, guard: bool = True) -> RatioChoice:
+        """The ratio ``"auto"`` gives a request now: the user's calibration, else the packaged one, else the fallback."""
+        record, source = self.current()
+        if record is None:
+            return self.fallback()
+        return record.choice(guard=guard, source=source)
+
+    def set(self, record: CalibrationRecord) -> None:
+        """Use ``record`` now (just written by ``calibrate``)."""
+        with self._lock:
+            self._record, self._source, self._read_at = record, "calibrated", time.monotonic()
+
+    def _read(self) -> tuple[CalibrationRecord | None, str]:
+        own = self._read_store()
+        if own is not None:
+            return own, "calibrated"
+        packaged = self.packaged()
+        if packaged is not None:
+            return packaged.record, "packaged"
+        return None, "fallback"
+
+    def _read_store(self) -> CalibrationRecord | None:
+        try:
+            raw = self.store.get_record(self.name)
+        except Exception as e:  # a store problem is a miss, never a failed request
+            self._say(f"reading the calibration record failed ({type(e).__name__}: {e})")
+            return None
+        if raw is None:
+            return None
+        try:
+            record = CalibrationRecord.from_bytes(
+                raw, fingerprint=self.fingerprint, dtype=self.dtype, num_layers=self.num_layers
+            )
+        except CalibrationError as e:
+            self._say(f"the store's calibration record is refused: {e}")
+            return None
+        if record.kv_codec != self.store.kv_codec:
+            self._say(
+                f"the store's calibration record {self.name} is refused: it was measured on "
+                f"{record.kv_codec or 'raw'} chunks, not {self.store.kv_codec or 'raw'} ones"
+            )
+            return None
+        return record
+
+    def _say(self, why: str) -> None:
+        if why not in self._said:
+            self._said.add(why)
+            logger.warning("model %s: %s", self.label, why)
+
+    def fallback(self) -> RatioChoice:
+        self._say(
+            f"no calibration for this model in the store {self.store.path}, and none ships with this package "
+            f"for it on the {self.engine} engine: blending at the fallback ratio "
+            f"{FALLBACK_RATIO}, which may cost answers on small models. Calibrate once: "
+            f"engine.calibrate(documents) or `python -m blend_integrations.calibrate MODEL --store "
+            f"{self.store.path} --documents DIR`"
+        )
+        return RatioChoice(FALLBACK_RATIO, "fallback")
+
+
+def choose_ratio(
+    request_ratio: float | str | None, config: BlendConfig, calibrations: Calibrations | None, *, guard: bool = True
+) -> RatioChoice:
+    """The ratio a blend request is planned with: the request's own, else the
+    config's, else (``"auto"``) the calibrated one, else ``FALLBACK_RATIO``
+    (logged once). ``guard``: the engine can run the per-request guard."""
+    if request_ratio is not None and request_ratio != "auto":
+        return RatioChoice(float(request_ratio), "request")
+    if request_ratio is None and config.recompute_ratio != "auto":
+        return RatioChoice(float(config.recompute_ratio), "config")
+    if calibrations is not None:
+        return calibrations.choice(guard=guard)
+    return RatioChoice(FALLBACK_RATIO, "fallback")

@@ -1,0 +1,166 @@
+"""Entry-points layer: a request at the blend server's HTTP edge, read once
+and checked before it reaches the engine (``serve.CheckBlendParams``): its
+body, its blend parameters by ``vllm_contract``'s rules, vLLM's error body,
+the refusal counter, and the mark and sender that end a streamed blended
+completion with its usage (``engines/stream_usage.py``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from .engines import stream_usage
+from .engines.vllm_contract import BlendParamsError, parse_blend_params
+
+MAX_PARAMS_DEPTH = 16  # how deeply kv_transfer_params may nest: it is serialized into the engine core
+
+
+def _depth(value: Any) -> int:
+    """How deeply a JSON value nests (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)]
+    return deepest
+
+
+def _prompt_lengths(prompt: Any) -> list[int] | None:
+    """The token counts of a completion request's prompt(s) given as token
+    ids; None when the server tokenizes them (text, chat messages)."""
+
+    def ids(x):
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if ids(prompt):
+        return [len(prompt)]
+    if isinstance(prompt, list) and prompt and all(ids(p) for p in prompt):
+        return [len(p) for p in prompt]
+    return None
+
+
+def check_request_body(body: bytes) -> tuple[dict | None, tuple[str, str | None] | None]:
+    """A POST body read once: (the JSON object, when it carries
+    ``kv_transfer_params``; else None), and (message, field) when its
+    ``kv_transfer_params.blend`` breaks a rule (else None). Bodies that are
+    not JSON objects or carry no blend parameters are left to vLLM, which
+    answers them itself. Where the server tokenizes the prompt (text, chat),
+    the rules that need its length are checked by the connector, which
+    computes such a request in full and says why in the response."""
+    if b"kv_transfer_params" not in body:
+        return None, None
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        return None, ("the request body nests too deeply to read", None)
+    except ValueError:
+        return None, None
+    if not isinstance(data, dict) or not isinstance(data.get("kv_transfer_params"), dict):
+        return None, None
+    params = data["kv_transfer_params"]
+    if _depth(params) > MAX_PARAMS_DEPTH:
+        return data, (f"kv_transfer_params nests more than {MAX_PARAMS_DEPTH} levels deep", "kv_transfer_params")
+    if "blend" not in params:
+        return data, None
+    try:
+        known = _prompt_lengths(data.get("prompt"))
+        lengths: list[int | None] = list(known) if known else [None]  # None: the connector checks the length
+        for length in lengths:
+            parse_blend_params(params["blend"], length)
+    except BlendParamsError as exc:
+        return data, (str(exc), exc.param)
+    return data, None
+
+
+def request_path(scope) -> str:
+    return scope["path"].removeprefix(scope.get("root_path", ""))
+
+
+async def read_body(receive, limit: int | None = None) -> bytes | None:
+    """The request's body; None if the client went away or it is over ``limit`` bytes."""
+    parts, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away
+            return None
+        parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        if limit is not None and size > limit:
+            return None
+        more = message.get("more_body", False)
+    return b"".join(parts)
+
+
+async def send_error(scope, receive, send, message: str, status: int, param: str | None = None) -> None:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    from starlette.responses import JSONResponse
+
+    kind = "BadRequestError" if status == 400 else "NotFoundError" if status == 404 else "Error"
+    error = {"message": message, "type": kind, "param": param, "code": status}
+    await JSONResponse({"error": error}, status_code=status)(scope, receive, send)
+
+
+@functools.cache
+def refused_requests():
+    """``vllm:blend_requests_refused_total{reason}``: requests refused at the HTTP
+    edge, by the field that broke a rule. Made at the first refusal, after vLLM
+    has set up its registry (it drops every ``vllm:`` series it finds then)."""
+    from prometheus_client import Counter
+
+    return Counter(
+        "vllm:blend_requests_refused",
+        "Requests refused with HTTP 400 before reaching the engine, by the blend parameter that broke a rule.",
+        ["reason"],
+    )
+
+
+def mark_for_stream_usage(data: dict | None) -> tuple[bytes | None, str | None]:
+    """(the body to pass on if it changed, else None; the token it was given,
+    ``stream_usage``, if it streams one blended completion), from the body
+    ``check_request_body`` read. A token a client sent is dropped: only the
+    server makes them."""
+    params = data.get("kv_transfer_params") if data is not None else None
+    if data is None or not isinstance(params, dict):
+        return None, None
+    changed = params.pop(stream_usage.TOKEN_KEY, None) is not None
+    prompt = data.get("prompt")
+    one_prompt = "messages" in data or isinstance(prompt, str) or len(_prompt_lengths(prompt) or ()) == 1
+    token = None
+    if data.get("stream") is True and "blend" in params and one_prompt and data.get("n") in (None, 1):
+        token = params[stream_usage.TOKEN_KEY] = stream_usage.new_token()
+    return (json.dumps(data).encode() if changed or token else None), token
+
+
+def stream_usage_sender(send, token: str):
+    """``send`` that adds the request's blend usage before a stream's
+    ``data: [DONE]`` (``stream_usage``)."""
+    import asyncio
+
+    streaming, last_event = False, b""
+
+    async def sender(message) -> None:
+        nonlocal streaming, last_event
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers") or ())
+            streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body" and streaming:
+            data = message.get("body", b"")
+            done = data.find(b"data: [DONE]")
+            if done < 0:
+                if b"data: {" in data:
+                    last_event = data
+            else:
+                # The connector wrote the answer before vLLM sent the last output; allow for a slow disk.
+                for _ in range(100):
+                    found, answer = await asyncio.to_thread(stream_usage.take_answer, token)
+                    if found:
+                        break
+                    await asyncio.sleep(0.01)
+                if found and answer is not None:
+                    event = stream_usage.answer_event(last_event or data[:done], answer)
+                    message = {**message, "body": data[:done] + event + data[done:]}
+        await send(message)
+
+    return sender
