@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 # Threads reading a prompt's chunks from the store at once (on a GPU machine).
 READ_THREADS = 8
+# Threads reading a prompt's chunks layer by layer while the walk computes (pipelined loading), by
+# device: on a CPU the walk's own threads need the cores (benchmarks store, "layered reads by thread
+# count"); on a GPU the cores are free, and one thread reads the page cache at well under the bus's speed.
+LAYER_READ_THREADS = {"cpu": 1, "cuda": 4}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -226,7 +230,10 @@ class Blender:
         be used)."""
         sink = plan.sink_tokens
         heads = self.model.tp.kv_heads if self.model.tp is not None else slice(None)  # this rank's
-        loader = LayerLoader([source for *_, source in loaded if isinstance(source, LayerReader)])
+        loader = LayerLoader(
+            [source for *_, source in loaded if isinstance(source, LayerReader)],
+            threads=LAYER_READ_THREADS.get(self.model.device.type, 1),
+        )
         reused = [
             ReusedSpan(
                 start + sink,

@@ -22,22 +22,27 @@ class LoadFailed(Exception):
 
 
 class LayerLoader:
-    """Reads ``readers`` in a background thread while the caller computes.
+    """Reads ``readers`` in ``threads`` background threads while the caller computes.
 
-    Use as a context manager around the walk: it starts the thread, and on
-    exit stops it (early, if the walk failed) and waits for it. ``errors``
-    maps a reader to what reading it raised; ``waited_s`` is how long the
-    walk waited for KV (not compute time).
+    Use as a context manager around the walk: it starts the threads, and on
+    exit stops them (early, if the walk failed) and waits for them. Each
+    thread reads its share of the readers (every ``threads``-th), layer-major.
+    ``errors`` maps a reader to what reading it raised; ``waited_s`` is how
+    long the walk waited for KV (not compute time).
     """
 
-    def __init__(self, readers: list[LayerReader]) -> None:
+    def __init__(self, readers: list[LayerReader], threads: int = 1) -> None:
         self.readers = readers
         self.errors: dict[LayerReader, BaseException] = {}
         self.waited_s = 0.0
         self._cond = threading.Condition()
         self._stop = False
-        self._done = False
-        self._thread = threading.Thread(target=self._run, name="blend-layer-loader", daemon=True)
+        self._running = 0
+        shares = [readers[i :: max(1, threads)] for i in range(max(1, min(threads, len(readers))))]
+        self._threads = [
+            threading.Thread(target=self._run, args=(share,), name="blend-layer-loader", daemon=True)
+            for share in shares
+        ]
 
     def ready(self, reader: LayerReader):
         """The ``ReusedSpan.ready`` callback for one reader's KV."""
@@ -45,7 +50,7 @@ class LayerLoader:
         def ready(layer: int) -> None:
             with self._cond:
                 started = time.perf_counter()
-                while reader not in self.errors and reader.layers_read <= layer and not self._done:
+                while reader not in self.errors and reader.layers_read <= layer and self._running:
                     self._cond.wait()
                 self.waited_s += time.perf_counter() - started
                 if reader in self.errors or reader.layers_read <= layer:
@@ -54,18 +59,18 @@ class LayerLoader:
 
         return ready
 
-    def _run(self) -> None:
+    def _run(self, readers: list[LayerReader]) -> None:
         try:
-            self._read_all()
+            self._read_all(readers)
         finally:
             with self._cond:
-                self._done = True
+                self._running -= 1
                 self._cond.notify_all()
 
-    def _read_all(self) -> None:
-        layers = max((r.num_layers for r in self.readers), default=0)
+    def _read_all(self, readers: list[LayerReader]) -> None:
+        layers = max((r.num_layers for r in readers), default=0)
         for _ in range(layers):
-            for reader in self.readers:
+            for reader in readers:
                 if self._stop:
                     return
                 if reader in self.errors or reader.layers_read == reader.num_layers:
@@ -77,7 +82,7 @@ class LayerLoader:
                         self.errors[reader] = e
                 with self._cond:
                     self._cond.notify_all()
-        for reader in self.readers:
+        for reader in readers:
             if reader not in self.errors and not self._stop:
                 try:
                     reader.verify()
@@ -87,11 +92,14 @@ class LayerLoader:
 
     def __enter__(self) -> LayerLoader:
         if self.readers:
-            self._thread.start()
+            self._running = len(self._threads)
+            for thread in self._threads:
+                thread.start()
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is not None and exc_type is not LoadFailed:
             self._stop = True  # the walk failed for another reason: stop reading
-        if self._thread.is_alive():
-            self._thread.join()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()

@@ -12,7 +12,7 @@ import diskcache
 import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
-from blend_integrations.fusion import Blender, KVCache
+from blend_integrations.fusion import Blender, KVCache, blender
 from blend_integrations.store.format import encode
 from blend_integrations.store.layered import LayerReader, ReadFailed
 from blend_integrations.store.redis_tier import VALUE_PREFIX
@@ -34,7 +34,10 @@ def keys_of(engine, docs):
     return [engine.chunk_key(engine.tokenizer.encode(d, add_special_tokens=False)) for d in docs]
 
 
-def test_pipelined_equals_whole_entries_from_disk(engines_pair, docs, tmp_path):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pipelined_equals_whole_entries_from_disk(engines_pair, docs, tmp_path, monkeypatch, threads):
+    """With the package's one reading thread on a CPU, and with two (each reading every other chunk)."""
+    monkeypatch.setitem(blender.LAYER_READ_THREADS, "cpu", threads)
     plain, pipelined = engines_pair
     plain.warm(docs)
     prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
@@ -86,11 +89,13 @@ def damage(store_path, key, how):
         raw[key] = bytes(data)
 
 
-@pytest.mark.parametrize("how", ["flip", "truncate"])
-def test_damaged_entry_is_dropped_and_never_used(engines_pair, docs, tmp_path, caplog, how):
+@pytest.mark.parametrize("how,threads", [("flip", 1), ("truncate", 1), ("flip", 2)])
+def test_damaged_entry_is_dropped_and_never_used(engines_pair, docs, tmp_path, caplog, monkeypatch, how, threads):
     """A flipped byte is found after the walk has used the entry's layers (the
     walk stops there, or ends, and runs again without it); a truncated file
-    before the walk, from its size. Either way the answer is full prefill's."""
+    before the walk, from its size. Either way the answer is full prefill's,
+    with one reading thread or two."""
+    monkeypatch.setitem(blender.LAYER_READ_THREADS, "cpu", threads)
     plain, pipelined = engines_pair
     plain.warm(docs)
     prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
