@@ -36,7 +36,7 @@ def keys_of(engine, docs):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_pipelined_equals_whole_entries_from_disk(engines_pair, docs, tmp_path, monkeypatch, threads):
-    """With the package's one reading thread on a CPU, and with two (each reading every other chunk)."""
+    """With one reading thread, and with two (the package's on a CPU, each reading every other chunk)."""
     monkeypatch.setitem(blender.LAYER_READ_THREADS, "cpu", threads)
     plain, pipelined = engines_pair
     plain.warm(docs)
