@@ -20,7 +20,7 @@ def test_store_bench_quick(tmp_path):
     tiers = ("memory", "disk", "redis")
     assert set(cases) == {"full"} | {f"blend@0.15, {t}" for t in tiers} | {f"controller, {t}" for t in tiers} | {
         f"blend@0.15, {t}, pipelined" for t in tiers[1:]
-    }
+    } | {"blend@0.15, disk, pipelined, 1 thread"}
     assert cases["full"]["cached_tokens"] == 0 and cases["full"]["speedup"] == 1.0
     blends = [c for name, c in cases.items() if name.startswith("blend")]
     assert len({(c["cached_tokens"], c["recomputed_tokens"]) for c in blends}) == 1  # same work from every tier
@@ -31,4 +31,13 @@ def test_store_bench_quick(tmp_path):
     written = tmp_path / "results"
     assert json.loads((written / "store.json").read_text())["ttft"].keys() == cases.keys()
     assert "| controller, redis |" in (written / "store.md").read_text()
+    # the codecs: a coded entry in about a quarter of the raw one's bytes, and every chunk read through the link
+    codecs = report["codecs"]
+    assert set(codecs) == {f"bench model, {c}" for c in ("raw", "fp8", "int8")}
+    for codec in ("fp8", "int8"):
+        assert codecs[f"bench model, {codec}"]["bytes_per_token"] < 0.3 * codecs["bench model, raw"]["bytes_per_token"]
+    assert set(report["layered_threads"]) == {"1", "2", "4"}
+    throttled = report["throttled"]
+    assert {name: row["chunks_hit"] for name, row in throttled.items()} == {"full": 0, "raw": 3, "fp8": 3, "int8": 3}
+    assert throttled["int8"]["mb_read"] < 0.3 * throttled["raw"]["mb_read"]
     assert "benchmarks store" in (ROOT / "Makefile").read_text().split("bench:")[1].split("\n\n")[0]

@@ -244,6 +244,7 @@ def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeyp
         "remote_size_limit_bytes": 2**20,
         "remote_timeout_s": 0.5,
         "read_bandwidth": DEFAULT_READ_BANDWIDTH,
+        "kv_codec": None,
     }
 
     # without a password the URL is in the config and nothing in the environment
