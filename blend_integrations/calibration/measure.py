@@ -330,9 +330,9 @@ def _measure(
     first: it orders the probes (disagreeing, then by first-token KL) and gives
     the guard its shares. A policy stops at the disagreement that rules the
     target out, and is not run at all once a cheaper one met the target (a
-    single ratio only for a cheaper single ratio: engines without the guard
-    need one) or one as costly was measured too slow to be worth it. The
-    choice is the one measuring everything would make; ``exhaustive`` does,
+    single ratio only for a cheaper single ratio: a record keeps the cheapest
+    one besides its guard) or one as costly was measured too slow to be worth
+    it. The choice is the one measuring everything would make; ``exhaustive`` does,
     for the whole curve."""
     n, base = len(replies.fulls), tried[0]
     first = [replies.blended(0, ladder[0], j) for j in range(n)]

@@ -90,12 +90,12 @@ class Calibrations:
                 return None
         return packaged
 
-    def choice(self, *, guard: bool = True) -> RatioChoice:
+    def choice(self) -> RatioChoice:
         """The ratio ``"auto"`` gives a request now: the user's calibration, else the packaged one, else the fallback."""
         record, source = self.current()
         if record is None:
             return self.fallback()
-        return record.choice(guard=guard, source=source)
+        return record.choice(source=source)
 
     def set(self, record: CalibrationRecord) -> None:
         """Use ``record`` now (just written by ``calibrate``)."""
@@ -151,15 +151,15 @@ class Calibrations:
 
 
 def choose_ratio(
-    request_ratio: float | str | None, config: BlendConfig, calibrations: Calibrations | None, *, guard: bool = True
+    request_ratio: float | str | None, config: BlendConfig, calibrations: Calibrations | None
 ) -> RatioChoice:
     """The ratio a blend request is planned with: the request's own, else the
-    config's, else (``"auto"``) the calibrated one, else ``FALLBACK_RATIO``
-    (logged once). ``guard``: the engine can run the per-request guard."""
+    config's, else (``"auto"``) the calibrated one, with its per-request guard
+    where it has one, else ``FALLBACK_RATIO`` (logged once)."""
     if request_ratio is not None and request_ratio != "auto":
         return RatioChoice(float(request_ratio), "request")
     if request_ratio is None and config.recompute_ratio != "auto":
         return RatioChoice(float(config.recompute_ratio), "config")
     if calibrations is not None:
-        return calibrations.choice(guard=guard)
+        return calibrations.choice()
     return RatioChoice(FALLBACK_RATIO, "fallback")

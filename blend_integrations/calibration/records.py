@@ -66,9 +66,8 @@ class CalibrationRecord:
     ratio: the cheapest single ratio meeting the target (1.0 if none below
     does), with ``settings``, the blend settings (``config.SETTINGS``) it was
     measured under; guard: the guard policy, when cheaper than ``ratio`` at
-    the target, under ``guard_settings`` (engines that run the walk
-    in-process use it; the vLLM engine, whose worker cannot report a
-    per-request ratio for every request yet, uses ``ratio``). curve: every
+    the target, under ``guard_settings`` (every engine runs it: on vLLM,
+    in the worker, ``engines/vllm_answers.py``). curve: every
     policy measured, with its cost, agreement, lower bound, KL, mean ratio
     and TTFT speedup. kv_codec: the store's KV codec it was measured under
     (None: raw); codecs_checked: other codecs whose own calibration chose
@@ -163,8 +162,8 @@ class CalibrationRecord:
             raise CalibrationError(f"the calibration record is damaged: {type(e).__name__}: {e}") from None
         return record
 
-    def choice(self, *, guard: bool = True, source: str = "calibrated") -> RatioChoice:
-        if guard and self.guard is not None and self.meets_target:
+    def choice(self, *, source: str = "calibrated") -> RatioChoice:
+        if self.guard is not None and self.meets_target:
             return RatioChoice(self.guard.base, source, self.guard, self.guard_settings)
         return RatioChoice(self.ratio, source, settings=self.settings)
 

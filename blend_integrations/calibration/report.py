@@ -53,9 +53,12 @@ def report(record: CalibrationRecord) -> str:
         lines.append(f'\nChosen: full prefill ("auto" runs it): {record.why}.')
     elif record.guard is not None:
         lines.append(
-            f"\nChosen: the guard (base ratio {record.guard.base}, threshold {record.guard.threshold}); "
-            f"engines that cannot run the guard use the single ratio {record.ratio}"
-            + (" (no single ratio below 1.0 meets the target)." if record.ratio >= 1.0 else ".")
+            f"\nChosen: the guard (base ratio {record.guard.base}, threshold {record.guard.threshold})"
+            + (
+                "; no single ratio below 1.0 meets the target."
+                if record.ratio >= 1.0
+                else f"; the cheapest single ratio that meets it is {record.ratio}."
+            )
         )
     else:
         lines.append(

@@ -40,7 +40,7 @@ class Usage:
     recompute_ratio: float | None = None
     ratio_source: str | None = None
     # The share of the reused tokens' deviation (at the check layer) that the recomputed ones hold;
-    # None where the engine does not report it (the vLLM engine) or nothing was blended.
+    # None when nothing was blended.
     deviation_captured: float | None = None
 
     @property
@@ -69,6 +69,12 @@ class Generation:
     # the top ``r`` of them hold, for any ratio (``usage.deviation_captured`` is it at the ratio
     # used); calibration simulates the guard with it. None where the engine does not report it.
     deviation_share: Callable[[float], float] | None = field(default=None, repr=False, compare=False)
+    # The prompt's tokens whose KV came from the chunk store, as [start, end) spans of
+    # ``prompt_token_ids``, and of those the ones blending recomputed ("reuse" recomputes none):
+    # what blending did to each token. Empty when nothing was reused; None where the engine does
+    # not report it (the server client).
+    reused_spans: tuple[tuple[int, int], ...] | None = field(default=None, repr=False, compare=False)
+    recomputed_positions: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     def stats(self) -> dict:
         """What the call reused and recomputed, and how soon it answered (a flat

@@ -184,6 +184,8 @@ class TransformersEngine(Engine):
                     total_s=time.perf_counter() - req.started,
                     loading=stats.loading,
                     deviation_share=stats.deviation_share,
+                    reused_spans=stats.reused_spans,
+                    recomputed_positions=stats.recomputed_positions,
                 )
             finally:
                 # Missed chunks are computed with the standalone recipe after the

@@ -29,12 +29,14 @@ of memory) is logged once and its blocks are reported as failed to load
 the batch go on as usual. The worker tells the scheduler (worker metadata),
 so that request's usage says it was not blended.
 
+What each blend pass did (the ratio the calibration's per-request guard
+raised, the tokens it recomputed) goes back in the worker's report of its
+step, and the scheduler side puts it in the request's answer, also for a
+request that ends in that step (``vllm_answers``).
+
 The loading controller (``BlendConfig(loading_controller=True)``) runs on the
-scheduler side too, for the same reason: vLLM hands back a request's
-``kv_transfer_params`` (``request_finished``) before the worker's report of
-that step reaches the scheduler connector, so usage decided in the worker
-would be missing for a request that ends in its prefill step. The scheduler
-finds each chunk's tier with ``store.locate`` (the shared tiers: disk and
+scheduler side: its plan decides which chunks the scheduler reports as hits
+before the pass runs. The scheduler finds each chunk's tier with ``store.locate`` (the shared tiers: disk and
 Redis; it has no memory tier, so a chunk the worker holds in memory counts
 as on disk), estimates load and compute times from the read bandwidths and
 walk throughput the worker measured, which the worker sends back whenever
@@ -68,7 +70,6 @@ at the same addresses), ``unregister_kv_caches`` / ``restore_kv_caches``
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import weakref
@@ -84,19 +85,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-from ..fusion import Blender, ChunkKeys, Planner, PrefillPlan, PrefillStats
+from ..fusion import Blender, ChunkKeys, Planner, PrefillStats
 from ..fusion.layers import RanksFailed, agreed
 from ..fusion.plan import in_full, measured_rates
 from ..models.vllm import PagedCache, VLLMDecoder, VLLMRanks
 from ..prompt import PromptError, spans_from_separator
 from ..store import ChunkStore
-from . import stream_usage, vllm_plugin
+from . import vllm_plugin
 from .blend_metrics import BlendCounters, store_reads
-from .vllm_contract import (
-    BlendParams,
-    blend_params_of,
-    not_blended,
-)
+from .vllm_answers import Answers, PassReport
+from .vllm_contract import BlendParams, blend_params_of
 from .vllm_host import process_allocator
 from .vllm_limits import check_vllm_config
 from .vllm_messages import BlendConnectorMetadata, BlendJob, BlendWorkerMetadata
@@ -122,19 +120,14 @@ class BlendConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             store_args["memory_limit_bytes"] = 0  # the scheduler only asks which keys exist
         self.store = ChunkStore(**store_args)
-        # recompute_ratio="auto" reads the model's calibration from the store. No guard: the
-        # worker's report of a raised ratio reaches this side after the usage of a request that
-        # ends in its prefill step is out, so plans keep the calibrated single ratio.
+        # recompute_ratio="auto" reads the model's calibration from the store, guard included:
+        # the worker reports the ratio a guard raised (``vllm_answers``).
         keys = ChunkKeys(served.fingerprint, served.dtype, served.bos)
-        self.planner = Planner(self.config, keys, served.num_layers, served.calibrations(self.store), guard=False)
+        self.planner = Planner(self.config, keys, served.num_layers, served.calibrations(self.store))
         # scheduler side
         self._to_load: dict[str, tuple[BlendParams, list[int]]] = {}  # req_id -> (params, ids), until its job is sent
-        self._planned: dict[str, PrefillPlan] = {}  # req_id -> its plan, whose usage it reports
-        self._fallbacks: dict[str, tuple[str, str]] = {}  # req_id -> (why, REASONS' name), until it finishes
-        self._counters = BlendCounters()  # finished requests since vLLM last asked (get_kv_connector_stats)
+        self._answers = Answers()
         self._reads_told: Counter = Counter()  # worker side: the store reads already handed to vLLM
-        # requests the calibration computes in full, until they finish: the calibration's source
-        self._in_full: dict[str, str] = {}
         # worker side
         self.blender: Blender | None = None
         # The worker's measured rates: on the worker as last sent, on the scheduler as last received.
@@ -143,6 +136,7 @@ class BlendConnector(KVConnectorBase_V1):
         self._layer_names: list[str] = []
         self._unsaved: list[PrefillStats] = []
         self._failed: dict[str, str] = {}  # req_id -> cause, of blend passes that failed, until reported
+        self._reports: dict[str, PassReport] = {}  # req_id -> what its blend pass did, until reported
         self._invalid_blocks: set[int] = set()  # their blocks, until reported
         _CONNECTORS.add(self)
 
@@ -150,10 +144,9 @@ class BlendConnector(KVConnectorBase_V1):
         """How many entries each of this side's per-request maps holds: all 0
         once no request is in flight (nothing outlives a request)."""
         if self._role == KVConnectorRole.SCHEDULER:
-            sizes = [len(self._to_load), len(self._planned), len(self._fallbacks), len(self._in_full)]
-            return dict(zip(("to_load", "planned", "fallbacks", "in_full"), sizes))
-        sizes = [len(self._failed), len(self._invalid_blocks), len(self._unsaved)]
-        return dict(zip(("failed", "invalid_blocks", "unsaved"), sizes))
+            return {"to_load": len(self._to_load), **self._answers.pending()}
+        sizes = [len(self._failed), len(self._reports), len(self._invalid_blocks), len(self._unsaved)]
+        return dict(zip(("failed", "reports", "invalid_blocks", "unsaved"), sizes))
 
     # -- scheduler side -------------------------------------------------
     # vLLM treats an exception here as fatal for the engine: nothing below raises on request data.
@@ -164,7 +157,7 @@ class BlendConnector(KVConnectorBase_V1):
         parameters break a rule is not blended: logged once, and its response
         says why."""
         rid = request.request_id
-        if rid in self._fallbacks:
+        if rid in self._answers.fallbacks:
             return None
         prompt_len = len(request.prompt_token_ids or ())
         try:
@@ -189,10 +182,9 @@ class BlendConnector(KVConnectorBase_V1):
     def _fall_back(self, req_id: str, why: str, reason: str, *, logged: bool = False) -> None:
         """Compute the request in full; its response says why (``reason``: the
         metrics' name of the cause). ``logged``: the worker logged it."""
-        if req_id not in self._fallbacks and not logged:
+        if req_id not in self._answers.fallbacks and not logged:
             logger.warning("request %s is computed in full, not blended: %s", req_id, why)
-        self._fallbacks[req_id] = (why, reason)
-        self._planned.pop(req_id, None)
+        self._answers.fall_back(req_id, why, reason)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         params = self.blend_params(request)
@@ -219,7 +211,7 @@ class BlendConnector(KVConnectorBase_V1):
             return False
         if choice is None or not in_full(choice):
             return False
-        self._in_full[req_id] = choice.source
+        self._answers.in_full[req_id] = choice.source
         return True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -229,6 +221,7 @@ class BlendConnector(KVConnectorBase_V1):
                 self._to_load[request.request_id] = (params, list(request.prompt_token_ids[: params.num_tokens]))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        self._answers.settle()  # requests that finished between steps (aborted)
         meta = BlendConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self._to_load:
@@ -259,8 +252,8 @@ class BlendConnector(KVConnectorBase_V1):
             why = f"planning the blend pass failed: {exc!r}"
             self._fall_back(req_id, why, "planning_failed")
             return BlendJob(req_id, ids, None, list(block_ids), error=why)
-        self._planned[req_id] = plan
-        return BlendJob(req_id, ids, plan, list(block_ids))
+        self._answers.planned[req_id] = plan
+        return BlendJob(req_id, ids, plan, list(block_ids), details=params.details)
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -270,29 +263,15 @@ class BlendConnector(KVConnectorBase_V1):
             # planned request's pass ran: a report on one that has finished (aborted while its
             # step ran) or that the scheduler could not plan (its reason stays) changes nothing.
             for req_id, why in meta.failed.items():
-                if req_id in self._planned:
+                if req_id in self._answers.planned:
                     self._fall_back(req_id, why, "blend_pass_failed", logged=True)
+            for req_id, report in meta.reports.items():
+                self._answers.report(req_id, report)
+        self._answers.settle()
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
-        answer = self._answer(request.request_id)
-        self._counters.add(answer)  # here, once per request, whatever the ranks
-        stream_usage.write_answer(getattr(request, "kv_transfer_params", None), answer)  # for a stream's end
-        return False, answer
-
-    def _answer(self, rid: str) -> dict[str, Any] | None:
-        """What a finished request's ``kv_transfer_params`` carry back (None: not blended)."""
-        self._to_load.pop(rid, None)
-        fallback = self._fallbacks.pop(rid, None)
-        plan = self._planned.pop(rid, None)
-        calibration = self._in_full.pop(rid, None)
-        if fallback is not None:
-            return not_blended(*fallback)
-        if plan is None and calibration is not None:
-            return {"blend": PrefillPlan("full", 1.0, (), 0, ratio_source=calibration).usage()}
-        if plan is None:
-            return None
-        loading = {"blend_loading": dataclasses.asdict(plan.loading)} if plan.loading else {}
-        return {"blend": plan.usage()} | loading
+        self._to_load.pop(request.request_id, None)
+        return False, self._answers.finish(request.request_id, getattr(request, "kv_transfer_params", None))
 
     # -- metrics (vLLM's API server turns them into Prometheus series) ----
     def get_kv_connector_stats(self) -> BlendConnectorStats | None:
@@ -300,7 +279,7 @@ class BlendConnector(KVConnectorBase_V1):
         side, the store's reads on the worker side (rank 0's: every rank reads
         the same entries)."""
         if self._role == KVConnectorRole.SCHEDULER:
-            counters, self._counters = self._counters, BlendCounters()
+            counters = self._answers.take_counters()  # vLLM asks after the step's reports are in
         elif self.blender is not None and get_tensor_model_parallel_rank() == 0:
             reads = store_reads(self.store.stats)
             counters = BlendCounters(tiers=reads - self._reads_told)
@@ -405,6 +384,7 @@ class BlendConnector(KVConnectorBase_V1):
             # Missed chunks are saved at the next step, after this step's first
             # token is out: off the time-to-first-token path.
             self._unsaved.append(stats)
+            self._reports[job.req_id] = PassReport.of(stats, job.details)
 
     def _measured_rates(self) -> dict[str, float | None]:
         return measured_rates(self.store, self.blender.compute_rate if self.blender is not None else None)
@@ -412,10 +392,11 @@ class BlendConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> BlendWorkerMetadata | None:
         rates = self._measured_rates()
         failed, self._failed = self._failed, {}
-        if rates == self._rates and not failed:
+        reports, self._reports = self._reports, {}
+        if rates == self._rates and not failed and not reports:
             return None
         self._rates = rates
-        return BlendWorkerMetadata(rates, failed)
+        return BlendWorkerMetadata(rates, failed, reports)
 
     def save_unsaved(self) -> None:
         """Store the chunks that missed. A chunk that cannot be saved is

@@ -23,6 +23,8 @@ blend_integrations.serve``) carries ``kv_transfer_params = {"blend": {...}}``:
   pieces between separators in the prompt's tokens;
 - ``ratio``: the recompute ratio, or null for the engine's, or ``"auto"``
   for the store's calibration of the model (the fallback ratio without one);
+- ``details``: true to be answered which tokens came from the store and
+  which of those were recomputed (``"blend_details"``, ``vllm_answers``);
 - ``selection``: how recomputed tokens are chosen ("deviation", "query" or
   "mixed"), or null for the engine's; ``check_layers``, ``deviation`` and
   ``sink_tokens`` likewise (``BlendConfig``): a request's own override the
@@ -34,7 +36,7 @@ side (the request is computed in full and its response says why), the
 embedded engine and the server client (a ``PromptError`` before sending).
 The connector answers in the finished request's ``kv_transfer_params``:
 ``"blend"`` (usage counts), ``"blend_loading"`` (the loading controller's
-decisions, when it ran) and ``"blend_fallback"`` (why the prompt was computed
+decisions, when it ran), ``"blend_details"`` (when asked) and ``"blend_fallback"`` (why the prompt was computed
 in full instead of blended, when it was).
 """
 
@@ -221,7 +223,7 @@ def connector_store_args(extra: dict) -> dict:
 
 # -- per request -----------------------------------------------------
 
-FIELDS = ("mode", "ratio", "chunk_spans", "num_tokens", "separator", *SETTINGS)
+FIELDS = ("mode", "ratio", "chunk_spans", "num_tokens", "separator", "details", *SETTINGS)
 MAX_CHUNKS = 1024  # chunk spans per request: each is a store lookup on the scheduler
 MAX_SEPARATOR_CHARS = 256  # the scheduler tokenizes the separator
 
@@ -245,12 +247,12 @@ class BlendParams:
     chunk_spans: tuple[tuple[int, int], ...] | None = None
     num_tokens: int | None = None
     separator: str | None = None
+    details: bool = False  # answer with "blend_details" (``vllm_answers``)
 
     def with_spans(self, spans: list[tuple[int, int]], prompt_len: int) -> BlendParams:
         """The separator's chunks, found in the prompt's tokens, checked as if sent."""
-        return parse_blend_params(
-            {"mode": self.mode, "ratio": self.ratio, **self.settings, "chunk_spans": spans}, prompt_len
-        )
+        fields = {"mode": self.mode, "ratio": self.ratio, "details": self.details, **self.settings}
+        return parse_blend_params(fields | {"chunk_spans": spans}, prompt_len)
 
 
 def _field(name: str) -> str:
@@ -291,6 +293,9 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
             ratio = check_ratio(ratio, name=_field("ratio"), auto=True)
     except ValueError as exc:
         raise BlendParamsError(str(exc), _field("ratio")) from None
+    details = raw.get("details", False)
+    if not isinstance(details, bool):
+        raise BlendParamsError(f"{_field('details')} must be true or false, got {details!r:.40}", _field("details"))
     settings = {k: raw[k] for k in SETTINGS if raw.get(k) is not None}
     for name in settings:
         try:
@@ -311,7 +316,7 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
                 f"got {separator!r:.60}",
                 _field("separator"),
             )
-        return BlendParams(mode, ratio, settings, separator=separator)
+        return BlendParams(mode, ratio, settings, separator=separator, details=details)
     if spans is None:
         raise BlendParamsError(
             "kv_transfer_params.blend needs chunk_spans (where each chunk lies in the prompt's tokens) or "
@@ -353,7 +358,7 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
         raise BlendParamsError(str(exc), _field("chunk_spans")) from None
     if num_tokens is None:
         num_tokens = prompt_len - 1 if prompt_len is not None else checked[-1][1]
-    return BlendParams(mode, ratio, settings, tuple(checked), num_tokens)
+    return BlendParams(mode, ratio, settings, tuple(checked), num_tokens, details=details)
 
 
 def blend_params_of(kv_transfer_params: Any, prompt_len: int | None = None) -> BlendParams | None:
@@ -364,12 +369,13 @@ def blend_params_of(kv_transfer_params: Any, prompt_len: int | None = None) -> B
     return parse_blend_params(kv_transfer_params["blend"], prompt_len)
 
 
-def kv_transfer_params(req: Request) -> dict | None:
+def kv_transfer_params(req: Request, *, details: bool = False) -> dict | None:
     """What a request tells the blend connector (embedded or over HTTP),
     checked by the same rules as on the server; None for a request with
     nothing to blend. The blend pass computes every token but the last (the
     question after the chunks too, for query-aware selection); vLLM computes
-    the last one, whose logits it samples from."""
+    the last one, whose logits it samples from. ``details``: the answer says
+    which tokens were reused and recomputed (``vllm_answers.blend_details``)."""
     tp = req.prompt
     if req.mode == "full" or not tp.chunk_spans:
         return None
@@ -384,6 +390,7 @@ def kv_transfer_params(req: Request) -> dict | None:
         **req.settings,
         "chunk_spans": [list(s) for s in tp.chunk_spans],
         "num_tokens": len(tp) - 1,
+        **({"details": True} if details else {}),
     }
     parse_blend_params(blend, len(tp))
     return {"blend": blend}

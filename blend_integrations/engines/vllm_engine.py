@@ -24,6 +24,7 @@ from ..prompt import PromptInput, TextOrIds
 from ..store import ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage, engine_store
 from .blend_metrics import BlendCounters
+from .vllm_answers import blend_details
 from .vllm_contract import (
     CONNECTOR_MODULE,
     blend_engine_args,
@@ -228,7 +229,7 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         tp = req.prompt
-        params = kv_transfer_params(req)
+        params = kv_transfer_params(req, details=True)
         return SamplingParams(
             max_tokens=min(req.max_tokens, self.context_length - len(tp)),
             temperature=req.temperature,
@@ -296,6 +297,10 @@ class VLLMEngine(Engine):
                     text.append(completion.text)
                     yield completion.text
             blend, loading, fallback = blend_results(out.kv_transfer_params)
+            details = blend_details(out.kv_transfer_params, len(tp))
+            if details is None and not blend.get("cached_tokens"):
+                details = ((), (), None)  # nothing was reused
+            spans, positions, shares = details or (None, None, None)
             with self._counters_lock:
                 self._counters.add(out.kv_transfer_params)
             usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
@@ -311,6 +316,9 @@ class VLLMEngine(Engine):
                 total_s=time.perf_counter() - t0,
                 loading=loading,
                 fallback=fallback,
+                deviation_share=shares,
+                reused_spans=spans,
+                recomputed_positions=positions,
             )
         finally:
             if not finished:

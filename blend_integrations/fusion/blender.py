@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -27,7 +27,7 @@ from .controller import LoadingStats
 from .layers import LayerModel, agreed
 from .pipeline import LayerLoader, LoadFailed
 from .plan import COMPUTE, MISS, ChunkKeys, Planner, PrefillPlan, measured_rates
-from .walk import KVCache, ReusedSpan, ScratchCache, WalkStats, forward
+from .walk import DeviationShares, KVCache, ReusedSpan, ScratchCache, WalkStats, forward
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,10 @@ class PrefillStats:
     recompute_ratio: float | None = None  # the ratio the walk blended at (None: not blended)
     ratio_source: str | None = None  # where it came from (``config.RATIO_SOURCES``)
     deviation_captured: float | None = None  # the share of the reused tokens' deviation that ratio covers
-    deviation_share: Callable[[float], float] | None = field(default=None, repr=False)  # the same, for any ratio
+    deviation_share: DeviationShares | None = field(default=None, repr=False)  # the same, for any ratio
+    # the prompt's tokens whose KV came from the store, as [start, end) spans, and of those the recomputed ones
+    reused_spans: tuple[tuple[int, int], ...] = ()
+    recomputed_positions: tuple[int, ...] = ()
     loading: LoadingStats | None = None  # the loading controller's decisions, when it ran
     missed: dict[str, list[int]] = field(default_factory=dict, repr=False)  # key -> ids, to save
 
@@ -217,6 +220,9 @@ class Blender:
         stats.chunks_hit = len(loaded)
         stats.chunks_missed = len(plan.chunks) - stats.chunks_hit - stats.chunks_computed
         stats.cached_tokens, stats.recomputed_tokens = walk.cached_tokens, walk.recomputed_tokens
+        sink = plan.sink_tokens
+        stats.reused_spans = tuple((start + sink, end) for start, end, *_ in loaded if end - start > sink)
+        stats.recomputed_positions = walk.kept
         if plan.reports_ratio:  # the planned ratio, or the guard's (the walk's is None when nothing was reused)
             stats.recompute_ratio = walk.ratio if walk.ratio is not None else plan.ratio
             stats.ratio_source = "guard" if walk.guarded else plan.ratio_source

@@ -86,8 +86,9 @@ class PrefillPlan:
     def usage(self) -> dict[str, Any]:
         """The usage the prefill reports (``Usage`` fields), when every chunk
         planned to load is loaded, no token is forced fresh (the walk's
-        ``logits=False`` case) and no guard raises the ratio: exact for a
-        promised plan (whose planner runs no guard)."""
+        ``logits=False`` case) and no guard raises the ratio. Where the
+        walk's own numbers come later (the vLLM worker's report), they are
+        set over these (``engines/vllm_answers.py``)."""
         loaded = [c for c in self.chunks if c.action == LOAD]
         cached = sum(max(0, c.end - c.start - self.sink_tokens) for c in loaded)
         blend = self.reports_ratio
@@ -135,11 +136,10 @@ class Planner:
     num_layers: int
     # the model's calibration in the store, for recompute_ratio="auto" (None: the fallback ratio)
     calibrations: Calibrations | None = None
-    guard: bool = True  # the walk that runs the plans can report a ratio the guard raised
 
     def choose(self, ratio: float | str | None) -> RatioChoice:
         """A blend request's ratio and where it comes from (``choose_ratio``)."""
-        return choose_ratio(ratio, self.config, self.calibrations, guard=self.guard)
+        return choose_ratio(ratio, self.config, self.calibrations)
 
     def plan(
         self,

@@ -119,7 +119,7 @@ class WalkStats:
     # the share of the reused tokens' deviation at the first check layer that the top ``ratio`` of them hold
     captured: float | None = None
     # ``share(r)``: the same for any ratio r (it does not depend on the ratio the walk ran at)
-    share: Callable[[float], float] | None = field(default=None, repr=False, compare=False)
+    share: DeviationShares | None = field(default=None, repr=False, compare=False)
 
 
 def forward(
@@ -252,7 +252,7 @@ def forward(
                     # before the fresh KV overwrites the reused KV
                     scores = {"deviation": _over_ranks(model, _deviation(fresh, stored, start, act, rows.to(device)))}
                     if captured is None:  # the first check layer: every reused token is still active
-                        share = _captured(scores["deviation"])
+                        share = DeviationShares.of(scores["deviation"])
                         if guard is not None and schedule_for is not None and ratio is not None:
                             raised = guard.ratio(share)
                             if raised > ratio:
@@ -417,17 +417,25 @@ def _over_ranks(model: LayerModel, scores: torch.Tensor) -> torch.Tensor:
     return scores if model.tp is None else model.tp.sum(scores)
 
 
-def _captured(deviation: torch.Tensor) -> Callable[[float], float]:
-    """``share(r)``: the part of the total deviation that the top ``r`` of
-    the reused tokens hold (1.0 when nothing deviates)."""
-    cumulative = deviation.float().sort(descending=True).values.cumsum(0).tolist()
-    n, total = len(cumulative), cumulative[-1] if cumulative else 0.0
+@dataclass(frozen=True)
+class DeviationShares:
+    """``shares(r)``: the part of the total deviation at the first check layer
+    that the top ``r`` of the reused tokens hold. ``cumulative[i]`` is that
+    part for the top ``i + 1`` tokens (empty when nothing deviates: every
+    share is 1.0); plain floats, so it travels from vLLM's worker as it is."""
 
-    def share(r: float) -> float:
+    cumulative: tuple[float, ...]
+
+    @classmethod
+    def of(cls, deviation: torch.Tensor) -> DeviationShares:
+        summed = deviation.float().sort(descending=True).values.cumsum(0)
+        total = float(summed[-1]) if summed.numel() else 0.0
+        return cls(tuple((summed / total).tolist()) if total > 0 else ())  # (): every share is 1.0
+
+    def __call__(self, r: float) -> float:
+        n = len(self.cumulative)
         count = min(round(r * n), n)
-        return 1.0 if total <= 0 else (cumulative[count - 1] / total if count else 0.0)
-
-    return share
+        return 1.0 if n == 0 else (self.cumulative[count - 1] if count else 0.0)
 
 
 def _deviation(fresh, stored, start, act, rows):

@@ -384,13 +384,13 @@ def test_the_vllm_engine_plans_with_the_stored_calibration(vllm_engine, engine, 
     """The vLLM connector's scheduler reads the record from the store (another process) within RELOAD_S."""
     name = record_name(vllm_engine.fingerprint, vllm_engine.dtype_name)
     settings = {**engine.config.settings(), "check_layers": [1, 2], "sink_tokens": 2}
-    record = record_for(engine, ratio=0.5, settings=settings, guard=Guard(0.05, 0.99), guard_settings=settings)
+    record = record_for(engine, ratio=0.5, settings=settings)
     vllm_engine.store.put_record(name, record.to_bytes())
     try:
         time.sleep(RELOAD_S + 0.2)
         vllm_engine.warm(docs)
         gen = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
-        # no guard on vLLM: the single calibrated ratio, with the settings it was calibrated under
+        # the calibrated ratio, with the settings it was calibrated under
         assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 0.5)
         assert gen.usage.recomputed_tokens == round(0.5 * gen.usage.cached_tokens)
         same = engine.generate(
@@ -415,6 +415,33 @@ def test_the_vllm_engine_plans_with_the_stored_calibration(vllm_engine, engine, 
         time.sleep(RELOAD_S + 0.2)  # the next tests see the fallback again
     after = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
     assert (after.usage.ratio_source, after.usage.recompute_ratio) == ("fallback", FALLBACK_RATIO)
+
+
+def test_the_vllm_engine_runs_the_guard_as_the_transformers_engine_does(vllm_engine, engine, docs):
+    """The guard raises the ratio in vLLM's worker; the worker's report of it
+    reaches the request's answer, also when the request ends in the step its
+    blend pass ran in (max_tokens=1: ``engines/vllm_answers.py``)."""
+    name = record_name(vllm_engine.fingerprint, vllm_engine.dtype_name)
+    engine.warm(docs)
+    prompt = BlendPrompt("Docs:", docs[::-1], QUESTION)
+    runs = {r: engine.generate(prompt, max_tokens=1, recompute_ratio=r) for r in (0.2, 0.3)}
+    low, high = (runs[r].usage.deviation_captured for r in (0.2, 0.3))
+    assert high - low > 0.01  # room for the two engines' rounding between the rungs
+    guard = Guard(0.05, (low + high) / 2, (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9))
+    vllm_engine.store.put_record(name, record_for(engine, ratio=0.9, guard=guard).to_bytes())
+    try:
+        time.sleep(RELOAD_S + 0.2)
+        raised = vllm_engine.stats()["guard_raised"]
+        for max_tokens in (1, 3):
+            gen = vllm_engine.generate(prompt, max_tokens=max_tokens)
+            assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("guard", 0.3), max_tokens
+            assert gen.usage.recomputed_tokens == runs[0.3].usage.recomputed_tokens == len(gen.recomputed_positions)
+            assert gen.usage.deviation_captured == pytest.approx(high, abs=0.005)
+            assert gen.deviation_share is not None and gen.deviation_share(0.2) < guard.threshold
+        assert vllm_engine.stats()["guard_raised"] == raised + 2
+    finally:
+        vllm_engine.store.delete_record(name)
+        time.sleep(RELOAD_S + 0.2)  # the next tests see the fallback again
 
 
 def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_path):

@@ -80,6 +80,13 @@ def test_same_counts_as_the_transformers_engine(vllm_engine, engine, docs):
         b.usage.recomputed_tokens,
         b.usage.chunks_hit,
     )
+    # which tokens each reused and recomputed, in the same shape (the vLLM worker reports them)
+    assert a.reused_spans == b.reused_spans and len(b.reused_spans) == len(docs)
+    assert sum(end - start for start, end in b.reused_spans) == b.usage.cached_tokens
+    assert len(b.recomputed_positions) == b.usage.recomputed_tokens > 0
+    assert a.recomputed_positions == b.recomputed_positions
+    full = vllm_engine.generate(prompt, max_tokens=1, mode="full")
+    assert full.reused_spans == full.recomputed_positions == ()
 
 
 def test_hole_in_the_middle_and_question_first(vllm_engine, docs):

@@ -36,6 +36,8 @@ BROKEN = [
     ({"ratio": math.nan}, "ratio", "got nan"),
     ({"ratio": math.inf}, "ratio", "got inf"),
     ({"ratio": True}, "ratio", "must be a number"),
+    ({"details": "yes"}, "details", "must be true or false, got 'yes'"),
+    ({"details": 1}, "details", "must be true or false, got 1"),
     ({"selection": "HKVD"}, "selection", "must be one of deviation, query, mixed; got 'HKVD'"),
     ({"selection": 1}, "selection", "must be one of deviation, query, mixed; got 1"),
     ({"check_layers": [2, 1]}, "check_layers", "check_layers must be strictly increasing"),
@@ -289,3 +291,10 @@ async def test_the_middleware_reads_a_blended_request_s_json_once(monkeypatch):
     assert sent[0]["status"] == 200 and len(seen) == 1
     passed = loads(seen[0])["kv_transfer_params"]
     assert passed["blend"] == GOOD and isinstance(passed[serve.stream_usage.TOKEN_KEY], str)
+
+
+def test_details_are_asked_for_by_a_bool_and_survive_the_separator():
+    assert parse_blend_params(GOOD, PROMPT_LEN).details is False
+    assert parse_blend_params(GOOD | {"details": True}, PROMPT_LEN).details is True
+    by_separator = parse_blend_params({"mode": "blend", "separator": "\n\n", "details": True})
+    assert by_separator.with_spans([(2, 10)], PROMPT_LEN).details is True

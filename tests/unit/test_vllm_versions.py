@@ -604,3 +604,42 @@ def test_attention_metadata_we_build_has_every_field_it_needs(vllm):
     required = {f.target.id for f in fields if f.value is None}
     assert given <= names, f"{vllm}: CommonAttentionMetadata has no field {sorted(given - names)}"
     assert required <= given, f"{vllm}: CommonAttentionMetadata needs {sorted(required - given)}"
+
+
+def test_a_step_s_worker_report_reaches_the_connector_before_the_step_s_outputs_leave(vllm):
+    """``vllm_answers`` amends the answer of a request that finished in the
+    step its blend pass ran in. That holds because ``update_from_output``
+    calls ``_free_request`` (``request_finished``) first, then
+    ``_update_from_kv_xfer_finished`` (``update_connector_output``), then
+    ``get_kv_connector_stats`` (where the connector settles the step),
+    unconditionally, and only returns the step's outputs after that."""
+    scheduler = vllm.find("vllm.v1.core.sched.scheduler.Scheduler")
+    step = scheduler.members()["update_from_output"]
+
+    def lines(node: ast.AST, called: str) -> list[int]:
+        return [
+            n.lineno
+            for n in ast.walk(node)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == called
+        ]
+
+    freed, reported, settled = (
+        lines(step, c) for c in ("_free_request", "_update_from_kv_xfer_finished", "get_kv_connector_stats")
+    )
+    assert freed and reported and settled, f"{vllm}: update_from_output no longer calls what the connector relies on"
+    assert max(freed) < min(reported) < min(settled), f"{vllm}: the order in update_from_output changed"
+    # get_kv_connector_stats runs whether or not the worker sent anything: its one condition is a connector
+    guards = [
+        n
+        for n in ast.walk(step)
+        if isinstance(n, ast.If) and any(settled[0] in lines(b, "get_kv_connector_stats") for b in n.body)
+    ]
+    assert [ast.unparse(g.test) for g in guards] == ["self.connector"], (
+        f"{vllm}: get_kv_connector_stats became conditional"
+    )
+    returns = [n.lineno for n in ast.walk(step) if isinstance(n, ast.Return)]
+    assert returns and min(returns) > max(settled), f"{vllm}: update_from_output returns before the connector settles"
+    handler = scheduler.members()["_update_from_kv_xfer_finished"]
+    assert lines(handler, "update_connector_output"), (
+        f"{vllm}: the worker's report no longer reaches the connector there"
+    )
