@@ -52,11 +52,12 @@ def main(argv: list[str] | None = None) -> None:
         model, backend=args.backend, store=store, max_tokens=args.max_tokens, engine_options=options, label=label
     )
     session.start()
-    from .page import build_page  # Gradio loads while the model does
+    from .page import build_page, serve  # Gradio loads while the model does
 
     page = build_page(session, documents)
+    serve(page, session, args.host, args.port, footer_links=[])
     print(f"blend demo page: http://{args.host}:{args.port}  (documents: {len(documents)})", flush=True)
-    page.queue().launch(server_name=args.host, server_port=args.port, footer_links=[])
+    page.block_thread()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,22 @@ def _reordered(order: list[str], picked: list[str]) -> list[str]:
     return [name for name in order if name in picked] + [name for name in picked if name not in order]
 
 
+def serve(page: gr.Blocks, session: DemoSession, host: str, port: int, **launch) -> None:
+    """Serve ``page`` with ``GET /health`` beside it (200 once the model is
+    loaded, 503 while it loads or if it failed: the status says which), and
+    return at once; ``page.block_thread()`` waits."""
+    from fastapi.responses import JSONResponse
+
+    app, _, _ = page.queue().launch(server_name=host, server_port=port, prevent_thread_lock=True, **launch)
+
+    def health() -> JSONResponse:
+        ready = session.engine is not None
+        return JSONResponse({"ready": ready, "status": session.status()}, status_code=200 if ready else 503)
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.router.routes.insert(0, app.router.routes.pop())  # before Gradio's own routes
+
+
 def build_page(session: DemoSession, documents: dict[str, str]) -> gr.Blocks:
     names = list(documents)
     with gr.Blocks(title="CacheBlend: blend against full prefill") as page:

@@ -110,8 +110,8 @@ def test_failing_passes_and_aborts_leave_no_state(probe):
     assert probe["finished_reasons"] == ["blend_pass_failed"]
     idle = sorted(
         [
-            ["scheduler", {"to_load": 0, "planned": 0, "fallbacks": 0, "in_full": 0}],
-            ["worker", {"failed": 0, "invalid_blocks": 0, "unsaved": 0}],
+            ["scheduler", {"to_load": 0, "planned": 0, "reports": 0, "fallbacks": 0, "in_full": 0, "finishing": 0}],
+            ["worker", {"failed": 0, "reports": 0, "invalid_blocks": 0, "unsaved": 0}],
         ]
     )
     assert probe["pending"] == idle

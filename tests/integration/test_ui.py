@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -164,14 +165,17 @@ def test_two_tabs_asking_at_once_both_get_answers(browser, page_url):
 
 
 def test_a_model_that_fails_to_load_keeps_the_page_up(browser, tmp_path):
-    from blend_integrations.ui.page import build_page
+    from blend_integrations.ui.page import build_page, serve
     from blend_integrations.ui.session import DemoSession
 
     session = DemoSession(str(tmp_path / "no-such-model"), backend="transformers").start()
     page = build_page(session, {"a.txt": "Brimford is a city by the sea."})
     port = free_port()
-    page.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    serve(page, session, "127.0.0.1", port, quiet=True)
     try:
+        assert session.wait(30)
+        with pytest.raises(urllib.error.HTTPError, match="503"):  # GET /health: not ready, and says why
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health")
         tab = browser.new_page()
         tab.goto(f"http://127.0.0.1:{port}")
         sync_api.expect(tab.locator("#status")).to_contain_text("failed to load", timeout=30_000)

@@ -180,11 +180,12 @@ def test_preempted_requests_are_blended_again(vllm_engine):
     blocks, the connector must run the blend pass into those blocks again."""
     from tests.fixtures.local_models import sample_text
 
-    docs = [" ".join(sample_text(6, seed=7000 + i)) for i in range(8)]
+    # 12 requests of about 12 blocks each at their end: well over the engine's 96 blocks (8 sat on the edge)
+    docs = [" ".join(sample_text(6, seed=7000 + i)) for i in range(12)]
     vllm_engine.warm(docs)
     prompts = [
-        BlendPrompt("Read.", [docs[i], docs[(i + 3) % 8], docs[(i + 5) % 8], docs[(i + 1) % 8]], "Answer:")
-        for i in range(8)
+        BlendPrompt("Read.", [docs[i], docs[(i + 3) % 12], docs[(i + 5) % 12], docs[(i + 1) % 12]], "Answer:")
+        for i in range(12)
     ]
 
     def preemptions():
