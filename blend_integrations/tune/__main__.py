@@ -17,6 +17,7 @@ HELP = {
     "rank": "LoRA rank",
     "alpha": "LoRA alpha (the adapters' scale is alpha / rank)",
     "learning_rate": "AdamW learning rate",
+    "lr_schedule": "constant, or cosine: from --learning-rate down to 0 at the last step",
     "batch_size": "prompts per step",
     "seq_len": "the longest prompt plus reply, in tokens",
     "chunks_per_prompt": "chunks in each prompt",

@@ -30,6 +30,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,8 @@ ADAPTER = "adapter"
 CHECKPOINT = "checkpoint"
 # the projections LoRA adapts in every supported family (peft finds them by name)
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# how the learning rate moves over the steps (transformers' schedulers, without warm-up)
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class TuneOptions:
     rank: int = 16
     alpha: int = 32
     learning_rate: float = 2e-4
+    lr_schedule: str = "constant"  # or "cosine": from learning_rate down to 0 at the last step
     batch_size: int = 4
     seq_len: int = 1024  # the longest prompt plus reply, in tokens
     chunks_per_prompt: int = 4
@@ -89,6 +93,8 @@ class TuneOptions:
             isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not self.target >= 0
         ):
             raise ValueError(f"target must be a number >= 0 (a held-out KL), got {self.target!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.seq_len <= self.reply_tokens + 16:
@@ -146,7 +152,7 @@ def tune(
     checkpoint's): a resumed tuning may stop sooner or go on longer."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
     options = options or TuneOptions()
     out = Path(out)
@@ -207,6 +213,13 @@ def tune(
             raise TuneError(f"--steps {options.steps}: the checkpoint has done {result.steps} steps already")
         random.setstate(saved["python_rng"])
         torch.set_rng_state(saved["torch_rng"])
+    # Made after the optimizer's state is loaded, which keeps the schedule's starting rate; then
+    # moved to the steps done. A resumed cosine with other --steps decays over the new total.
+    schedule = get_scheduler(options.lr_schedule, optimizer, num_warmup_steps=0, num_training_steps=options.steps)
+    with warnings.catch_warnings():  # torch warns of a schedule stepped before its optimizer: here, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(result.steps):
+            schedule.step()
 
     teacher = _Teacher(model_, tokenizer, options.reply_tokens)
     held_out = [(tp, *teacher(tp)) for tp in prompts.held_out]
@@ -242,6 +255,7 @@ def tune(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        schedule.step()
         result.steps += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.4f}", held_out_kl=f"{result.held_out_kl[-1][1]:.4f}")

@@ -120,6 +120,8 @@ def test_bad_input_is_refused_and_leaves_nothing(model_dirs, documents, tmp_path
         TuneOptions(target="low")
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         TuneOptions(steps=0)
+    with pytest.raises(ValueError, match="lr_schedule must be one of constant, cosine, got 'linear'"):
+        TuneOptions(lr_schedule="linear")
     assert not out.exists() and not out.with_name("out.partial").exists()
     existing = tmp_path / "existing"
     existing.mkdir()
@@ -134,7 +136,8 @@ def test_bad_input_is_refused_and_leaves_nothing(model_dirs, documents, tmp_path
 
 def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(model_dirs, documents, tmp_path):
     out = tmp_path / "out"
-    options = TuneOptions(**(QUICK | {"steps": 4, "eval_every": 2, "checkpoint_every": 1}))
+    # a cosine schedule: resumed, it goes on from the step the checkpoint reached
+    options = TuneOptions(**(QUICK | {"steps": 4, "eval_every": 2, "checkpoint_every": 1, "lr_schedule": "cosine"}))
 
     def stop(step, block, full):
         raise KeyboardInterrupt  # after the checkpoint of step 1, at step 2's measurement
