@@ -1,7 +1,7 @@
 """KV codecs and answer quality: each codec's store beside the raw store, on held-out questions.
 
     python -m benchmarks codecs [--model reader|smollm2] [--backend transformers|vllm]
-                                [--questions 300] [--calibrate] [--prompts 48]
+                                [--questions 300] [--calibrate [--package]] [--prompts 48]
 
 For a raw store and one of each codec (``ChunkStore(kv_codec=...)``), on the
 quality benchmark's held-out questions (``quality.HELD_OUT_SEED``): the bytes
@@ -16,23 +16,30 @@ The calibrated setting: the model's calibration for the raw store (the one
 this package ships, or with ``--calibrate`` one measured here on the
 calibration documents), applied to every store; with ``--calibrate`` each
 codec's store is also calibrated on its own, to show whether its codec
-changes the choice (``CalibrationRecord.codecs_checked``).
+changes the choice. ``--package`` then writes the codecs whose own choice
+is the packaged calibration's into that file's ``codecs_checked``, so that
+``recompute_ratio="auto"`` uses the packaged record in their stores too; only
+when the raw store's calibration here chose the packaged policy as well (it
+is measured on the same prompts), else nothing is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
+from blend_integrations.calibration.packaged import PACKAGED_DIR, PackagedCalibration, packaged_name
 from blend_integrations.engines import load_engine
 from blend_integrations.quality.metrics import contains, exact_match, normalize
 from blend_integrations.store import KV_CODECS, ChunkStore
 from training.data import make_examples
 
 from . import machine, write_results
-from .calibration import CALIBRATION_SEED
+from .calibration import CALIBRATION_SEED, SHIPPED
 from .quality import HELD_OUT_SEED, model_and_task, results_name
 
 TOKENS = 4  # the first greedy tokens compared with full prefill
@@ -49,6 +56,29 @@ def policy(record) -> dict:
         return {}
     choice = record.choice()
     return {"recompute_ratio": choice.ratio, **(choice.settings or {})}
+
+
+def chosen(record) -> dict:
+    """A calibration's choice (its ratio, guard and settings), to compare two calibrations by."""
+    choice = record.choice()
+    guard = None if choice.guard is None else dataclasses.asdict(choice.guard)
+    return {"ratio": choice.ratio, "guard": guard, "settings": choice.settings or {}}
+
+
+def write_checked(choices: dict, model: str, backend: str, directory: Path = PACKAGED_DIR) -> list[str]:
+    """Mark the codecs whose calibration chose the packaged one's policy in the packaged file
+    (``codecs_checked``), if the raw store's calibration here chose it too; the codecs written."""
+    path = Path(directory) / packaged_name(results_name(model), backend)
+    packaged = PackagedCalibration.from_bytes(path.read_bytes(), path)
+    shipped = chosen(packaged.record)
+    if choices["raw"]["choice"] != shipped:
+        print(f"not written: the raw store chose {choices['raw']['choice']} here, {path.name} {shipped}")
+        return []
+    same = sorted(name for name, c in choices.items() if name != "raw" and c["choice"] == shipped)
+    record = dataclasses.replace(packaged.record, codecs_checked=same)
+    path.write_bytes(dataclasses.replace(packaged, record=record).to_bytes())
+    print(f"{path.name}: codecs_checked {same}")
+    return same
 
 
 def run(args) -> dict:
@@ -72,7 +102,11 @@ def run(args) -> dict:
             if args.calibrate:
                 asked = [task.prompt(e, engine.tokenizer, engine.config.separator) for e in calibration_set]
                 record = engine.calibrate(prompts=asked, num_prompts=args.prompts)
-                choices[codec_name(codec)] = {"ratio": record.ratio, "settings": record.settings, **policy(record)}
+                choices[codec_name(codec)] = {
+                    "ratio": record.ratio,
+                    "settings": record.settings,
+                    "choice": chosen(record),
+                }
             else:
                 record = engine.calibration()
             if calibrated is None:
@@ -157,8 +191,11 @@ def markdown(report: dict) -> str:
     if report["calibrations"]:
         lines += ["", "Each store calibrated on its own (the calibration documents):", ""]
         lines += [
-            f"- {name}: ratio {c['ratio']}, settings {c['settings']}" for name, c in report["calibrations"].items()
+            f"- {name}: ratio {c['ratio']}, settings {c['settings']}; chosen: {c['choice']}"
+            for name, c in report["calibrations"].items()
         ]
+    if "codecs_checked" in cfg:
+        lines += ["", f"Written to the packaged calibration's `codecs_checked`: {cfg['codecs_checked']}."]
     return "\n".join(lines)
 
 
@@ -169,17 +206,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=300)
     parser.add_argument("--calibrate", action="store_true", help="calibrate each store on the calibration documents")
     parser.add_argument("--prompts", type=int, default=48, help="calibration prompts (with --calibrate)")
+    parser.add_argument(
+        "--package",
+        action="store_true",
+        help="with --calibrate: write the codecs that choose the packaged calibration's policy into its codecs_checked",
+    )
     parser.add_argument("--quick", action="store_true", help="8 questions, results not written")
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
     args = parser.parse_args(argv)
+    if args.package and not (args.calibrate and args.prompts == 48 and results_name(args.model) in SHIPPED):
+        parser.error(
+            f"--package needs --calibrate at the default --prompts, for a shipped model ({', '.join(SHIPPED)})"
+        )
     if args.quick:
         args.questions = 8
     report = run(args)
+    if args.package:
+        report["config"]["codecs_checked"] = write_checked(report["calibrations"], args.model, args.backend)
     text = markdown(report)
     print(text)
     if args.out and not args.quick:
         options = f" --model {args.model} --backend {args.backend} --questions {args.questions}"
         options += " --calibrate" if args.calibrate else ""
+        options += " --package" if args.package else ""
         write_results(
             args.out,
             f"codecs-{results_name(args.model)}-{args.backend}",

@@ -23,6 +23,7 @@ HELP = {
     "chunks_per_prompt": "chunks in each prompt",
     "chunk_tokens": "about how many tokens a chunk has",
     "reply_tokens": "tokens of the untuned model's reply the KL is taken on",
+    "recipe": "how questions are made from the documents: sentence (how a sentence goes on) or cloze (a missing word)",
     "full_weight": "weight of the full reading's KL beside the block reading's",
     "prompts": "training prompts made from the documents",
     "held_out": "held-out prompts for the KL shown while training",

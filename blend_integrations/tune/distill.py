@@ -43,7 +43,7 @@ from ..models.adapters import RECORD, merge_adapter
 from ..models.loading import dtype_name, resolve_device, resolve_model_dir
 from ..prompt import TokenizedPrompt, bos_id_added
 from ..store import model_fingerprint
-from .prompts import make_prompts, read_documents
+from .prompts import RECIPES, make_prompts, read_documents
 from .readings import block_reading, full_reading, kl, reply_logprobs
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class TuneOptions:
     chunks_per_prompt: int = 4
     chunk_tokens: int = 128
     reply_tokens: int = 8  # the teacher's greedy reply, on which the KL is taken
+    recipe: str = "sentence"  # how questions are made from the chunks: "sentence" or "cloze" (prompts.py)
     full_weight: float = 1.0  # the full reading's share of the loss, beside the block reading's 1
     prompts: int = 400  # training prompts made from the documents
     held_out: int = 24  # held-out prompts for the KL reported while training
@@ -93,6 +94,8 @@ class TuneOptions:
             isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not self.target >= 0
         ):
             raise ValueError(f"target must be a number >= 0 (a held-out KL), got {self.target!r}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -191,6 +194,7 @@ def tune(
         held_out=options.held_out,
         seed=options.seed,
         questions=questions,
+        recipe=options.recipe,
     )
     torch.manual_seed(options.seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)

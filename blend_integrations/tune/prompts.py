@@ -7,10 +7,17 @@ LangChain chain and the LlamaIndex synthesizer send: the model's chat
 template, a system turn, the chunks (each tokenized alone, with the engine's
 separator), and a question.
 
-The questions are the user's, or made from the chunks by this recipe: pick
-one of the prompt's chunks, a sentence of at least eight words in it, and
-ask how the sentence that begins with its first six words goes on. Tuning
-needs no right answers: the untuned model's own reply, read with full
+The questions are the user's, or made from the chunks by a recipe. Both
+recipes pick one of the prompt's chunks and a sentence of at least eight
+words in it:
+
+- ``sentence``: ask how the sentence that begins with its first six words
+  goes on (the reply quotes the rest);
+- ``cloze``: blank out the sentence's longest word (of five letters or
+  more, not its first) and ask which word is missing, so that the reply is a
+  short answer found in one chunk, as a question about a fact is.
+
+Tuning needs no right answers: the untuned model's own reply, read with full
 attention, is what the tuned model learns to give when it reads the chunks alone.
 
 Documents are split into training and held-out ones before any prompt is
@@ -32,6 +39,8 @@ from ..prompt import TokenizedPrompt
 SUFFIXES = (".txt", ".md", ".rst")
 MIN_CHUNK_TOKENS = 16  # shorter pieces are dropped: a chunk this short has nothing to read alone
 QUESTION_WORDS = 6
+RECIPES = ("sentence", "cloze")  # how questions are made from the chunks (module docstring)
+CLOZE_WORDS = 16  # the most words of the sentence a cloze question quotes
 
 
 class DocumentsError(ValueError):
@@ -92,15 +101,30 @@ def split_chunks(texts: Sequence[str], tokenizer, chunk_tokens: int) -> list[str
     return [c for c in chunks if count(c) >= MIN_CHUNK_TOKENS]
 
 
-def recipe_question(chunk: str, rng: random.Random) -> str | None:
-    """The recipe's question about ``chunk`` (see the module's docstring), or
-    None when it has no sentence of eight words or more."""
+def recipe_question(chunk: str, rng: random.Random, recipe: str = "sentence") -> str | None:
+    """The ``recipe``'s question about ``chunk`` (see the module's docstring),
+    or None when it has no sentence of eight words or more (for ``cloze``:
+    none with a word to blank)."""
     sentences = [s.split() for s in re.split(r"(?<=[.!?])\s+", " ".join(chunk.split()))]
     long = [s for s in sentences if len(s) >= 8]
-    if not long:
+    if recipe == "sentence":
+        if not long:
+            return None
+        words = rng.choice(long)[:QUESTION_WORDS]
+        return f'How does the sentence that begins "{" ".join(words)}" go on?'
+    blanks = []  # (sentence, index of its longest word)
+    for words in long:
+        words = words[:CLOZE_WORDS]
+        letters = [len(w.strip(".,;:!?\"'()[]`")) if w.strip(".,;:!?\"'()[]`").isalpha() else 0 for w in words]
+        best = max(range(1, len(words)), key=lambda i: letters[i])
+        if letters[best] >= 5:
+            blanks.append((words, best))
+    if not blanks:
         return None
-    words = rng.choice(long)[:QUESTION_WORDS]
-    return f'How does the sentence that begins "{" ".join(words)}" go on?'
+    words, i = rng.choice(blanks)
+    word = words[i].strip(".,;:!?\"'()[]`")
+    quoted = " ".join(words[:i] + [words[i].replace(word, "___")] + words[i + 1 :])
+    return f'Which word is missing from "{quoted}"? Answer with that word.'
 
 
 @dataclass(frozen=True)
@@ -121,9 +145,11 @@ def make_prompts(
     held_out: int,
     seed: int,
     questions: Sequence[str] = (),
+    recipe: str = "sentence",
 ) -> PromptSet:
     """``count`` training and ``held_out`` held-out prompts, each of up to
-    ``chunks_per_prompt`` chunks and at most ``max_prompt_tokens`` tokens."""
+    ``chunks_per_prompt`` chunks and at most ``max_prompt_tokens`` tokens;
+    their questions are ``questions``' or the ``recipe``'s."""
     rng = random.Random(seed)
     chunks = split_chunks(texts, tokenizer, chunk_tokens)
     need = 2 * chunks_per_prompt
@@ -137,12 +163,14 @@ def make_prompts(
     cut = max(chunks_per_prompt, len(chunks) // 5)
     held, train = chunks[:cut], chunks[cut:]
     return PromptSet(
-        _prompts(train, count, rng, tokenizer, separator, chunks_per_prompt, max_prompt_tokens, questions),
-        _prompts(held, held_out, rng, tokenizer, separator, chunks_per_prompt, max_prompt_tokens, questions),
+        _prompts(train, count, rng, tokenizer, separator, chunks_per_prompt, max_prompt_tokens, questions, recipe),
+        _prompts(held, held_out, rng, tokenizer, separator, chunks_per_prompt, max_prompt_tokens, questions, recipe),
     )
 
 
-def _prompts(chunks, count, rng, tokenizer, separator, per_prompt, max_tokens, questions) -> list[TokenizedPrompt]:
+def _prompts(
+    chunks, count, rng, tokenizer, separator, per_prompt, max_tokens, questions, recipe
+) -> list[TokenizedPrompt]:
     out: list[TokenizedPrompt] = []
     tries = 0
     while len(out) < count:
@@ -153,7 +181,7 @@ def _prompts(chunks, count, rng, tokenizer, separator, per_prompt, max_tokens, q
                 "use shorter chunks (--chunk-tokens), fewer chunks per prompt, or a longer --seq-len"
             )
         picked = rng.sample(chunks, min(per_prompt, len(chunks)))
-        question = rng.choice(questions) if questions else recipe_question(rng.choice(picked), rng)
+        question = rng.choice(questions) if questions else recipe_question(rng.choice(picked), rng, recipe)
         if question is None:
             continue
         tp = rag_prompt(picked, question, tokenizer, separator)
