@@ -314,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     report = run(args)
     text = markdown(report)
     print(text)
-    write_results(args.out, f"tuning-{args.backend}", "Tuning: the untuned and the tuned model", text, report,
-                  command=f"`python -m benchmarks tuning --tuned DIR --calibrate{' --ape' if args.ape else ''} --backend {args.backend}`")  # fmt: skip
+    options = (" --calibrate" if args.calibrate else "") + (" --ape" if args.ape else "")
+    command = f"`python -m benchmarks tuning --tuned DIR{options} --backend {args.backend}`"
+    write_results(
+        args.out, f"tuning-{args.backend}", "Tuning: the untuned and the tuned model", text, report, command=command
+    )
     print(f"written: {summary(args.out)}")
