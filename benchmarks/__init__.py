@@ -1,11 +1,14 @@
 """Benchmarks: ``python -m benchmarks <part>``."""
 
 import argparse
+import atexit
 import json
 import os
 import platform
 import random
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,6 +191,14 @@ def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendProm
         return BlendPrompt(prefix, order, suffix)
 
     return prompt
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new directory for a benchmark's chunk stores, removed when the
+    benchmark's process exits: a store of warmed chunks holds gigabytes."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def write_results(

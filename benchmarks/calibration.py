@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from blend_integrations.quality.metrics import contains
 from blend_integrations.store import ChunkStore
 from training.data import make_examples
 
-from . import machine, write_results
+from . import machine, scratch_dir, write_results
 from .quality import HELD_OUT_SEED, model_and_task, results_name
 
 PROBES = {
@@ -56,7 +55,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
     doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else task.doc_tokens
-    store = ChunkStore(tempfile.mkdtemp(prefix="blend-calibration-store-"), remote="")
+    store = ChunkStore(scratch_dir("blend-calibration-store-"), remote="")
     started = time.perf_counter()
     engine = load_engine(str(model_dir), store=store, backend=args.backend)
 

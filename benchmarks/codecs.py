@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from blend_integrations.quality.metrics import contains, exact_match, normalize
 from blend_integrations.store import KV_CODECS, ChunkStore
 from training.data import make_examples
 
-from . import machine, write_results
+from . import machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED, SHIPPED
 from .quality import HELD_OUT_SEED, model_and_task, results_name
 
@@ -92,7 +91,7 @@ def run(args) -> dict:
     rows, choices, config = {}, {}, {}
     raw_store = None
     for codec in CODECS:
-        store = ChunkStore(tempfile.mkdtemp(prefix=f"blend-codecs-{codec_name(codec)}-"), remote="", kv_codec=codec)
+        store = ChunkStore(scratch_dir(f"blend-codecs-{codec_name(codec)}-"), remote="", kv_codec=codec)
         with load_engine(str(model_dir), store=store, backend=args.backend) as engine:
             keys = [
                 engine.chunk_key(engine.tokenizer.encode(d, add_special_tokens=False))

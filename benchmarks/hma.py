@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 from blend_integrations.engines import load_engine
@@ -37,7 +36,7 @@ from blend_integrations.engines.vllm_contract import blend_engine_args
 from blend_integrations.prompt import BlendPrompt, tokenize_prompt
 from blend_integrations.store import ChunkStore
 
-from . import bench_model, machine, walk_attention, write_results
+from . import bench_model, machine, scratch_dir, walk_attention, write_results
 from .ttft import make_chunks
 
 PREFIX = "You are a helpful assistant. Answer from the documents."
@@ -89,7 +88,7 @@ def run(args) -> dict:
     engine = load_engine(
         model_dir,
         backend="vllm",
-        store=ChunkStore(tempfile.mkdtemp(prefix="blend-hma-bench-")),
+        store=ChunkStore(scratch_dir("blend-hma-bench-")),
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
         walk_attention=args.walk_attention,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 
@@ -29,7 +28,16 @@ from blend_integrations.engines import load_engine
 from blend_integrations.engines.vllm_contract import WALK_ATTENTION
 from blend_integrations.store import ChunkStore
 
-from . import MODEL_HELP, bench_model, compute_ceiling, machine, shuffled_prompts, walk_attention, write_results
+from . import (
+    MODEL_HELP,
+    bench_model,
+    compute_ceiling,
+    machine,
+    scratch_dir,
+    shuffled_prompts,
+    walk_attention,
+    write_results,
+)
 from .ttft import make_chunks
 
 # vLLM module attribute -> phase
@@ -164,7 +172,7 @@ def run(args) -> dict:
         model_dir,
         backend="vllm",
         dtype=args.dtype,
-        store=ChunkStore(tempfile.mkdtemp(prefix="blend-profile-")),
+        store=ChunkStore(scratch_dir("blend-profile-")),
         max_model_len=args.chunks * args.chunk_tokens + 512,
         kv_cache_gib=args.kv_cache_gib,
         walk_attention=args.walk_attention,

@@ -49,7 +49,7 @@ from blend_integrations.quality.metrics import contains, exact_match, normalize,
 from blend_integrations.store import ChunkStore
 from training.data import make_examples
 
-from . import write_results
+from . import scratch_dir, write_results
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def run(args) -> dict:
     torch.manual_seed(0)
     model_dir, task, label = model_and_task(args.model)
     args.max_tokens = args.max_tokens or task.max_tokens
-    store = ChunkStore(tempfile.mkdtemp(prefix="blend-quality-store-"))
+    store = ChunkStore(scratch_dir("blend-quality-store-"))
     modes = {name: spec for name, spec in MODES.items() if not args.modes or name in args.modes}
     engines = {}
     for changes, _ in modes.values():

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from blend_integrations.quality.metrics import contains
 from blend_integrations.store import ChunkStore
 from training.data import make_examples
 
-from . import machine, write_results
+from . import machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED
 from .quality import HELD_OUT_SEED, model_and_task
 
@@ -96,7 +95,7 @@ def run(args) -> dict:
     rows: dict[str, dict[str, dict]] = {}
     config: dict = {}
     for name, model_dir in models.items():
-        store = ChunkStore(tempfile.mkdtemp(prefix=f"blend-tuning-{name}-"), remote="")
+        store = ChunkStore(scratch_dir(f"blend-tuning-{name}-"), remote="")
         with load_engine(model_dir, store=store, backend=args.backend) as engine:
 
             def asked(examples, engine=engine):
