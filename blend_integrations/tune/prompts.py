@@ -41,6 +41,7 @@ MIN_CHUNK_TOKENS = 16  # shorter pieces are dropped: a chunk this short has noth
 QUESTION_WORDS = 6
 RECIPES = ("sentence", "cloze")  # how questions are made from the chunks (module docstring)
 CLOZE_WORDS = 16  # the most words of the sentence a cloze question quotes
+PUNCTUATION = ".,;:!?\"'()[]`"  # stripped from a word before it is measured or blanked
 
 
 class DocumentsError(ValueError):
@@ -112,18 +113,20 @@ def recipe_question(chunk: str, rng: random.Random, recipe: str = "sentence") ->
             return None
         words = rng.choice(long)[:QUESTION_WORDS]
         return f'How does the sentence that begins "{" ".join(words)}" go on?'
-    blanks = []  # (sentence, index of its longest word)
+    if recipe != "cloze":
+        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    blanks = []  # (sentence, its words without punctuation, index of its longest word)
     for words in long:
         words = words[:CLOZE_WORDS]
-        letters = [len(w.strip(".,;:!?\"'()[]`")) if w.strip(".,;:!?\"'()[]`").isalpha() else 0 for w in words]
+        bare = [w.strip(PUNCTUATION) for w in words]
+        letters = [len(b) if b.isalpha() else 0 for b in bare]
         best = max(range(1, len(words)), key=lambda i: letters[i])
         if letters[best] >= 5:
-            blanks.append((words, best))
+            blanks.append((words, bare, best))
     if not blanks:
         return None
-    words, i = rng.choice(blanks)
-    word = words[i].strip(".,;:!?\"'()[]`")
-    quoted = " ".join(words[:i] + [words[i].replace(word, "___")] + words[i + 1 :])
+    words, bare, i = rng.choice(blanks)
+    quoted = " ".join(words[:i] + [words[i].replace(bare[i], "___")] + words[i + 1 :])
     return f'Which word is missing from "{quoted}"? Answer with that word.'
 
 
