@@ -29,6 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
+from blend_integrations.calibration.choice import wilson_lower
 from blend_integrations.engines import load_engine
 from blend_integrations.quality.metrics import contains
 from blend_integrations.store import ChunkStore
@@ -194,6 +195,12 @@ def _ape(model_dir, task, calibration_set, held_out, reference, untuned: dict, c
     }
 
 
+def noise(questions: int) -> str:
+    """How far a share measured on ``questions`` questions may be from the true one."""
+    half = 0.5 - wilson_lower(questions // 2, questions, 0.975) if questions else 0.5
+    return f"With {questions} questions a share near 0.5 is known to about ±{half:.2f} (95%, Wilson interval)."
+
+
 def _table(report: dict, lead: str = "") -> list[str]:
     """One table row per model and mode, each starting with ``lead``."""
     lines = []
@@ -217,7 +224,7 @@ def markdown(report: dict) -> str:
         f"{c['questions']} held-out questions about documents tuning never read. Agreement: the first "
         f"{c['tokens_compared']} greedy tokens equal the untuned model's full prefill's (and the same model's). "
         "TTFT: the same model's full prefill / the mode, measured side by side. Default: the model's "
-        "calibration (the ratio it chose; the mean ratio used is shown).",
+        "calibration (the ratio it chose; the mean ratio used is shown). " + noise(c["questions"]),
     ]
     if "tuned_calibration" in c:
         cal = c["tuned_calibration"]
@@ -257,7 +264,7 @@ def summary(out: Path) -> Path:
         f"side by side in one run. Agreement: the first {first['tokens_compared']} greedy tokens equal the "
         "untuned model's full prefill's, or the same model's. TTFT: the same model's full prefill over the mode. "
         "Default: `recompute_ratio=\"auto\"`, each model's calibration (the untuned model's packaged one; the "
-        "tuned one calibrated on other documents first).",
+        "tuned one calibrated on other documents first). " + noise(first["questions"]),
         "",
         "| engine | model | mode | agrees with untuned full | agrees with own full | answer right | mean ratio | "
         "TTFT full / mode |",

@@ -34,11 +34,13 @@ CANNOT_FOLLOW_A_SCHEMA = pytest.mark.xfail(
 )
 OUTPUT_VERSIONS = pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
 SCHEMA_TYPES = pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+# the model and every test's store live under one directory, removed when the run ends
+SCRATCH = tempfile.TemporaryDirectory(prefix="blend-standard-")
 
 
 @functools.lru_cache(maxsize=1)
 def tiny_model() -> str:
-    return str(build_model(tempfile.mkdtemp(prefix="blend-standard-model-")))
+    return str(build_model(tempfile.mkdtemp(prefix="model-", dir=SCRATCH.name)))
 
 
 class _ChatBlendSettings:
@@ -48,7 +50,7 @@ class _ChatBlendSettings:
 
     @property
     def chat_model_params(self):
-        return {"model": tiny_model(), "store_path": tempfile.mkdtemp(prefix="blend-standard-store-")}
+        return {"model": tiny_model(), "store_path": tempfile.mkdtemp(prefix="store-", dir=SCRATCH.name)}
 
     @property
     def has_tool_calling(self):
