@@ -114,15 +114,18 @@ def codec_costs(
     work: Path, remote: str | None, shapes: dict[str, tuple], tokens: int, chunks: int, repeats: int
 ) -> dict:
     """Per KV shape and codec: bytes per token, encode and decode time per
-    chunk (the format's, checksum included), and seconds to read a prompt's
-    ``chunks`` chunks of ``tokens`` tokens whole from each tier."""
+    chunk (the format's, checksum included; decoding every layer on the CPU,
+    as a CPU walk does), on a machine with a GPU the time to put a chunk's
+    KV on it from page-locked memory (copy, and decoding there), and seconds
+    to read a prompt's ``chunks`` chunks of ``tokens`` tokens whole from each
+    tier (the bytes, as the store holds them: coded stores stay coded)."""
     rows = {}
     for shape, (layers, heads, head_dim, dtype) in shapes.items():
         g = torch.Generator().manual_seed(0)
         kvs = [torch.randn(layers, 2, heads, tokens, head_dim, generator=g).to(dtype) for _ in range(chunks)]
         keys = [f"{i:02x}" * 32 for i in range(chunks)]
         for codec in CODECS:
-            encode_s, decode_s = [], []
+            encode_s, decode_s, gpu_s = [], [], []
             for _ in range(max(1, repeats // 2)):
                 for key, kv in zip(keys, kvs):
                     entry = ChunkKV(coded_key(key, codec), kv)
@@ -130,8 +133,10 @@ def codec_costs(
                     data = encode(entry)
                     encode_s.append(time.perf_counter() - started)
                     started = time.perf_counter()
-                    _decode(data, expected_key=entry.key, adopt=False)
+                    _decode(data, expected_key=entry.key, adopt=False).values()
                     decode_s.append(time.perf_counter() - started)
+                    if torch.cuda.is_available():
+                        gpu_s.append(_to_gpu_s(_decode(data, expected_key=entry.key, adopt=False)))
             path = work / f"codec-{shape}-{codec_name(codec)}"
             options = {"kv_codec": codec, "remote_timeout_s": 120.0, "memory_limit_bytes": 2 * 2**30}
             warm = ChunkStore(path, remote=remote, **options)
@@ -156,12 +161,29 @@ def codec_costs(
                 "bytes_per_token": len(data) / tokens,
                 "encode_ms": 1000 * statistics.median(encode_s),
                 "decode_ms": 1000 * statistics.median(decode_s),
+                **({"to_gpu_ms": 1000 * statistics.median(gpu_s)} if gpu_s else {}),
                 "prompt_read_s": read_s,
             }
             warm.clear()
             warm.close()
             shutil.rmtree(path, ignore_errors=True)
     return rows
+
+
+def _to_gpu_s(entry: ChunkKV) -> float:
+    """Seconds to put every layer of ``entry`` on the GPU from page-locked
+    memory, as the walk does: a copy, and for a coded entry decoding there."""
+    kv = entry.kv.pin_memory()
+    device = torch.device("cuda")
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for layer in range(entry.num_layers):
+        if isinstance(kv, torch.Tensor):
+            kv[layer].to(device, non_blocking=True)
+        else:
+            kv.layer(layer, device)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 def _reader(tier: str, path: Path, remote: str | None, options: dict, work: Path) -> ChunkStore:
@@ -397,22 +419,32 @@ def render(report: dict) -> str:
         lines += [f"| {n} | {r['ms']:.1f} | {r['mb_per_s']:.0f} |" for n, r in threads.items()]
     codecs = report.get("codecs")
     if codecs:
+        gpu = all("to_gpu_ms" in r for r in codecs.values())
         lines += [
             "",
-            f"KV codecs (`ChunkStore(kv_codec=...)`), a prompt of {cfg['chunks']} read whole; decoding (and "
-            "encoding) is the format's, its checksum included:",
+            f"KV codecs (`ChunkStore(kv_codec=...)`), a prompt of {cfg['chunks']} read whole (the bytes the "
+            "store holds: a coded store's tiers, memory included, keep the codes, which the walk decodes layer "
+            "by layer on the engine's device); encoding and decoding are the format's, its checksum included, "
+            "decoding every layer on the CPU"
+            + ("; to the GPU: every layer copied from page-locked memory and decoded there" if gpu else "")
+            + ":",
             "",
-            "| KV shape, codec | bytes / token | of raw | encode (ms / chunk) | decode (ms / chunk) | "
+            "| KV shape, codec | bytes / token | of raw | encode (ms / chunk) | decode on the CPU (ms / chunk) | "
+            + ("to the GPU (ms / chunk) | " if gpu else "")
             + " | ".join(f"read from {t} (ms / prompt)" for t in next(iter(codecs.values()))["prompt_read_s"])
             + " |",
-            "|---|---:|---:|---:|---:|" + "---:|" * len(next(iter(codecs.values()))["prompt_read_s"]),
+            "|---|---:|---:|---:|---:|"
+            + ("---:|" if gpu else "")
+            + "---:|" * len(next(iter(codecs.values()))["prompt_read_s"]),
         ]
         for name, r in codecs.items():
             raw = codecs[name.rsplit(", ", 1)[0] + ", raw"]
             reads = " | ".join(f"{1000 * s:.0f}" for s in r["prompt_read_s"].values())
             lines.append(
                 f"| {name} | {r['bytes_per_token']:.0f} | {r['bytes_per_token'] / raw['bytes_per_token']:.3f} | "
-                f"{r['encode_ms']:.1f} | {r['decode_ms']:.1f} | {reads} |"
+                f"{r['encode_ms']:.1f} | {r['decode_ms']:.1f} | "
+                + (f"{r['to_gpu_ms']:.2f} | " if gpu else "")
+                + f"{reads} |"
             )
     throttled = report.get("throttled")
     if throttled:

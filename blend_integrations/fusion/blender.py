@@ -244,8 +244,10 @@ class Blender:
         reused = [
             ReusedSpan(
                 start + sink,
-                source.kv[:, :, heads, sink:],
+                source.kv,
                 loader.ready(source) if isinstance(source, LayerReader) else None,
+                heads=heads,
+                skip=sink,
             )
             for start, end, _, _, source in loaded
             if end - start > sink

@@ -35,6 +35,7 @@ import torch
 from torch.profiler import record_function
 
 from ..calibration import Guard
+from ..store import CodedKV
 from .attention import attention_weights
 from .layers import LayerModel
 
@@ -94,18 +95,31 @@ class ScratchCache:
 @dataclass(frozen=True)
 class ReusedSpan:
     """Reused KV for new tokens ``[start, start + n)`` (offsets into the new
-    tokens). kv: ``[num_layers, 2, num_kv_heads, n, head_dim]``, K before RoPE.
+    tokens). kv: a stored chunk's ``[num_layers, 2, num_kv_heads, skip + n,
+    head_dim]``, K before RoPE: a tensor, or a coded store's ``CodedKV``,
+    decoded one layer at a time on the walk's device; the walk reads its
+    heads ``heads`` (a tensor-parallel rank's) after its first ``skip``
+    tokens (the sink the prompt's own prefix replaces).
 
     ready: for KV still being loaded, ``ready(layer)`` returns once ``kv[layer]``
     holds its values (or raises if it never will); None: all there already."""
 
     start: int
-    kv: torch.Tensor
+    kv: torch.Tensor | CodedKV
     ready: Callable[[int], None] | None = None
+    heads: slice | None = None  # None: every head
+    skip: int = 0
 
     @property
     def end(self) -> int:
-        return self.start + self.kv.shape[3]
+        return self.start + self.kv.shape[3] - self.skip
+
+    def layer(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Layer ``layer``'s reused K and V, ``[2, heads, n, head_dim]``: a
+        view of the tensor (on the CPU), or decoded on ``device``."""
+        kv = self.kv
+        values = kv[layer] if isinstance(kv, torch.Tensor) else kv.layer(layer, device)
+        return values[:, self.heads or slice(None), self.skip :]
 
 
 @dataclass(frozen=True)
@@ -380,8 +394,9 @@ class _Loads:
         a, b = self.start + span.start, self.start + span.end
         # asynchronous from page-locked memory (the memory tier's on a
         # machine with a GPU): no wait for the GPU per chunk and layer
-        self.cache.k[layer][:, a:b].copy_(span.kv[layer, 0], non_blocking=True)
-        self.cache.v[layer][:, a:b].copy_(span.kv[layer, 1], non_blocking=True)
+        kv = span.layer(layer, self.cache.k[layer].device)
+        self.cache.k[layer][:, a:b].copy_(kv[0], non_blocking=True)
+        self.cache.v[layer][:, a:b].copy_(kv[1], non_blocking=True)
 
     def _issue(self, through: int) -> None:
         """Copy the KV at hand of every layer up to ``through`` on the copy stream."""

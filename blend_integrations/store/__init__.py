@@ -1,7 +1,7 @@
 """Store layer: the persistent, content-addressed store of per-chunk KV caches (CacheBlend)."""
 
 from .chunk_store import ChunkStore, Location
-from .codec import KV_CODECS, check_kv_codec
+from .codec import KV_CODECS, CodedKV, check_kv_codec
 from .defaults import DEFAULT_READ_BANDWIDTH, REMOTE_ENV, TIERS, default_store_path, default_store_remote
 from .format import ChunkKV, CorruptEntryError
 from .keys import RECIPE_VERSION, chunk_key, coded_key, model_fingerprint
@@ -15,6 +15,7 @@ __all__ = [
     "TIERS",
     "ChunkKV",
     "ChunkStore",
+    "CodedKV",
     "CorruptEntryError",
     "Location",
     "StoreStats",

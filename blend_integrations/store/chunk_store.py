@@ -26,9 +26,11 @@ answers again (the backfill).
 A store may keep its entries coded (``kv_codec``: ``"fp8"`` or ``"int8"``,
 ``codec.py``) in about a quarter of a float32 entry's bytes. The codec is
 part of the key an entry is kept under (``keys.coded_key``), so stores of
-several codecs share one directory or Redis database side by side; every
-tier, memory included, holds the decoded values, so a chunk reads the same
-from any tier.
+several codecs share one directory or Redis database side by side. Every
+tier, memory included, holds such an entry coded (``codec.CodedKV``): the
+memory tier keeps four times as many float32 chunks, and the walk decodes
+each layer on the engine's device, so a GPU engine moves only the codes
+over the bus and decodes them there.
 
 Beside the entries the store keeps a few small named blobs, records
 (``put_record``/``get_record``/``delete_record``), on disk and in Redis:
@@ -129,7 +131,8 @@ class ChunkStore:
     ``"int8"`` (see ``codec.py``). ``get`` and ``put`` take a chunk's plain
     key; the store reads and writes it under ``coded_key(key, kv_codec)``,
     the key its entries carry, and only its own codec's entries are its
-    hits. Reads measure the codec's own rate: its bytes, decoding included.
+    hits. Reads measure the codec's own rate: its bytes (the walk decodes,
+    counted as its compute).
     """
 
     def __init__(
@@ -234,7 +237,8 @@ class ChunkStore:
         caller recomputes and ``put``s again.
 
         The returned tensor may be shared with other callers (memory tier):
-        treat it as read-only.
+        treat it as read-only. In a coded store the entry's ``kv`` is a
+        ``CodedKV``: ``entry.values()`` decodes it.
         """
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
@@ -355,7 +359,7 @@ class ChunkStore:
 
     def put(self, entry: ChunkKV) -> None:
         """Store ``entry`` in memory, on disk and in Redis (write-through), in
-        the store's codec (memory holds the decoded values).
+        the store's codec (memory too holds it coded).
 
         Disk and Redis failures (disk full, locked database, Redis down) are
         logged and swallowed; the other tiers still get the entry. The
@@ -369,7 +373,7 @@ class ChunkStore:
         if stored != entry.key:
             entry = ChunkKV(stored, entry.kv, entry.token_ids)
         data = encode(entry)
-        if key_codec(stored) is not None:  # every tier holds what a read decodes
+        if key_codec(stored) is not None:  # every tier holds it coded, as a read finds it
             entry = _decode(data, expected_key=stored, adopt=False)
         too_big = [why for tier in self._tiers if (why := tier.too_big(len(data))) is not None]
         if too_big:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import KV_CODECS, decode_kv, encode_kv, layer_bytes
+from .codec import KV_CODECS, CodedKV, check_scales, encode_kv, layer_bytes
 from .errors import CorruptEntryError
 from .keys import key_codec
 
@@ -77,10 +77,14 @@ class ChunkKV:
     ``keys.RECIPE_VERSION``). A tensor that is not on CPU, not contiguous or
     requires grad is copied to a detached contiguous CPU tensor on
     construction, so ``kv`` always satisfies that invariant.
+
+    In a coded store (``kv_codec``) ``kv`` is a ``CodedKV`` of that shape
+    and dtype instead: ``values()`` decodes it, ``layer`` decodes one layer
+    where it is needed.
     """
 
     key: str
-    kv: torch.Tensor
+    kv: torch.Tensor | CodedKV
     # The chunk's token ids (what ``key`` hashes), when known: kept in the
     # entry's header so calibration can build probes from a store's chunks.
     token_ids: tuple[int, ...] | None = None
@@ -89,14 +93,14 @@ class ChunkKV:
         if not isinstance(self.key, str) or not self.key:
             raise ValueError("ChunkKV.key must be a non-empty str")
         kv = self.kv
-        if not isinstance(kv, torch.Tensor):
-            raise TypeError(f"ChunkKV.kv must be a torch.Tensor, got {type(kv).__name__}")
-        if kv.dim() != 5 or kv.shape[1] != 2:
+        if not isinstance(kv, (torch.Tensor, CodedKV)):
+            raise TypeError(f"ChunkKV.kv must be a torch.Tensor or a CodedKV, got {type(kv).__name__}")
+        if len(kv.shape) != 5 or kv.shape[1] != 2:
             raise ValueError(
                 f"ChunkKV.kv must have shape [num_layers, 2, num_kv_heads, num_tokens, head_dim], got {tuple(kv.shape)}"
             )
         dtype_name(kv.dtype)  # raises for unsupported dtypes
-        if kv.device.type != "cpu" or not kv.is_contiguous() or kv.requires_grad:
+        if isinstance(kv, torch.Tensor) and (kv.device.type != "cpu" or not kv.is_contiguous() or kv.requires_grad):
             object.__setattr__(self, "kv", kv.detach().to("cpu").contiguous())
         if self.token_ids is not None:
             ids = tuple(int(t) for t in self.token_ids)
@@ -125,11 +129,23 @@ class ChunkKV:
         return self.kv.dtype
 
     @property
+    def codec(self) -> str | None:
+        """The codec ``kv`` is held in (None: raw values)."""
+        return self.kv.codec if isinstance(self.kv, CodedKV) else None
+
+    @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """Bytes ``kv`` holds (a coded entry: its codes and scales)."""
+        kv = self.kv
+        return kv.nbytes if isinstance(kv, CodedKV) else kv.numel() * kv.element_size()
+
+    def values(self) -> torch.Tensor:
+        """``kv`` as a tensor (a coded entry decoded on the CPU)."""
+        return self.kv.decode() if isinstance(self.kv, CodedKV) else self.kv
 
     def __repr__(self) -> str:
-        return f"ChunkKV(key={self.key[:16]!r}..., shape={tuple(self.kv.shape)}, dtype={dtype_name(self.dtype)})"
+        coded = f", codec={self.codec}" if self.codec else ""
+        return f"ChunkKV(key={self.key[:16]!r}..., shape={tuple(self.kv.shape)}, dtype={dtype_name(self.dtype)}{coded})"
 
 
 def _require_little_endian() -> None:
@@ -145,7 +161,11 @@ def encode(entry: ChunkKV) -> bytes:
     _require_little_endian()
     kv = entry.kv
     codec = key_codec(entry.key)
-    payload = kv.reshape(-1).view(torch.uint8) if codec is None else encode_kv(kv, codec).reshape(-1)
+    if isinstance(kv, CodedKV) and kv.codec == codec:
+        payload = kv.payload.reshape(-1)
+    else:
+        values = entry.values()
+        payload = values.reshape(-1).view(torch.uint8) if codec is None else encode_kv(values, codec).reshape(-1)
     payload_bytes = payload.numel()
     fields = {"key": entry.key, "dtype": dtype_name(kv.dtype), "shape": list(kv.shape), "payload_bytes": payload_bytes}
     if codec is not None:
@@ -349,7 +369,9 @@ def _decode(data: bytes | bytearray | memoryview, *, expected_key: str, adopt: b
         if not (adopt and type(data) is bytearray):  # torch reads only a writable buffer without a warning
             data, payload_start = bytearray(mv[payload_start : payload_start + payload_bytes]), 0
         payload = torch.frombuffer(data, dtype=torch.uint8, count=payload_bytes, offset=payload_start)
-        kv = decode_kv(payload.view(shape[0], -1), layout.codec, shape[2], shape[3], shape[4], dtype)
+        payload = payload.view(shape[0], -1)
+        check_scales(payload, layout.codec, shape[2], shape[3], shape[4])
+        kv = CodedKV(payload, layout.codec, tuple(shape), dtype)
     elif adopt and type(data) is bytearray:
         # View into the caller's buffer; the tensor keeps ``data`` alive.
         kv = torch.frombuffer(data, dtype=dtype, count=numel, offset=payload_start).view(shape)

@@ -4,9 +4,10 @@ with compute.
 An entry's payload is ``[num_layers, 2, num_kv_heads, tokens, head_dim]`` in
 C order, or, coded (``codec.py``), one record of codes and scales per layer,
 so each layer is one contiguous slice of it: a reader fetches the header,
-checks it, and then reads the layers in order into the tensor it hands out
-up front (decoding each coded layer as it arrives, in the reading thread, so
-decoding too overlaps the walk), updating the checksum as it goes. The checksum covers
+checks it, and then reads the layers in order into the tensor (or, coded,
+the ``CodedKV``) it hands out up front, checking each coded layer's scales
+and updating the checksum as it goes (the walk decodes a coded layer itself,
+on its own device). The checksum covers
 the whole entry, so bytes already handed out are only known good once
 ``verify`` has passed after the last layer: a caller must be ready to throw
 away what it computed from them.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .codec import decode_kv
+from .codec import CodedKV, check_scales
 from .format import CRC_BYTES, PREFIX_BYTES, CorruptEntryError, crc_of, geometry_mismatch, header_end, read_layout
 
 
@@ -81,13 +82,19 @@ class LayerReader:
         self.token_ids = layout.token_ids(shape)
         self._payload_start = layout.payload_start
         self._buffer = bytearray(layout.payload_bytes)
-        self._codec, self._shape = layout.codec, shape
-        if layout.codec is None and layout.payload_bytes:
-            self.kv = torch.frombuffer(self._buffer, dtype=dtype).view(shape)
-        else:  # coded: decoded into it layer by layer
-            self.kv = torch.empty(shape, dtype=dtype)
+        self._shape = shape
         self.num_layers = shape[0]
         self._layer_bytes = layout.layer_bytes(shape)
+        payload = (
+            torch.frombuffer(self._buffer, dtype=torch.uint8)
+            if layout.payload_bytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        self.kv: torch.Tensor | CodedKV = (
+            payload.view(dtype).view(shape)
+            if layout.codec is None
+            else CodedKV(payload.view(self.num_layers, self._layer_bytes), layout.codec, tuple(shape), dtype)
+        )
         self._crc = zlib.crc32(head)
         self.layers_read = 0
         self.verified = False
@@ -108,10 +115,9 @@ class LayerReader:
             self._read(self._payload_start + i * n, view)
             started = time.perf_counter()
             self._crc = zlib.crc32(view, self._crc)
-            if self._codec is not None and n:
+            if isinstance(self.kv, CodedKV) and n:
                 _, _, heads, tokens, head_dim = self._shape
-                codes = torch.frombuffer(self._buffer, dtype=torch.uint8, count=n, offset=i * n).view(1, n)
-                self.kv[i] = decode_kv(codes, self._codec, heads, tokens, head_dim, self.kv.dtype)[0]
+                check_scales(self.kv.payload[i : i + 1], self.kv.codec, heads, tokens, head_dim)
             self.seconds += time.perf_counter() - started
         self.layers_read += 1
 

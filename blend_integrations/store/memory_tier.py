@@ -1,7 +1,8 @@
-"""Store layer: the memory tier, an in-process LRU of decoded entries.
+"""Store layer: the memory tier, an in-process LRU of entries as tensors.
 
 It holds the ``ChunkKV`` objects themselves (no encoding, no copy): a hit
-hands out the tensor that was put, so callers treat it as read-only. Each
+hands out the tensor (a coded store's: the ``CodedKV``, a quarter of the
+bytes) that was put, so callers treat it as read-only. Each
 process has its own; entries are content-addressed, so it is never stale.
 """
 

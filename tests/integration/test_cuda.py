@@ -116,6 +116,31 @@ def test_chunks_from_a_cpu_engine_are_used_on_cuda(model_dirs, cuda_engines, tmp
     assert chosen(blend) == pytest.approx(chosen(full), abs=TOLERANCE["float32"])
 
 
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_coded_chunks_are_decoded_on_the_gpu(model_dirs, tmp_path, docs, codec):
+    """A coded store's memory tier keeps page-locked codes; the walk copies
+    them to the GPU and decodes them there, to what decoding on the CPU gives
+    (then rounded to the engine's bfloat16), and r=1 still equals full prefill."""
+    store = ChunkStore(tmp_path, kv_codec=codec)
+    engine = load_engine(model_dirs("llama"), store=store, dtype="bfloat16", device="cuda")
+    ids = engine.tokenizer.encode(docs[0], add_special_tokens=False)
+    chunk = engine.compute_chunk(ids)
+    store.put(chunk)
+    entry = store.get(chunk.key)
+    assert entry.codec == codec and entry.kv.is_pinned()
+    for layer in range(entry.num_layers):
+        on_gpu = entry.kv.layer(layer, engine.device)
+        assert on_gpu.device.type == "cuda"
+        assert torch.equal(on_gpu.cpu(), entry.kv.layer(layer))
+    engine.warm(docs)
+    prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
+    full = engine.generate(prompt, max_tokens=8, mode="full", logprobs=1)
+    blend = engine.generate(prompt, max_tokens=8, recompute_ratio=1.0, logprobs=1)
+    assert blend.usage.chunks_hit == len(docs)
+    assert blend.token_ids == full.token_ids
+    assert chosen(blend) == pytest.approx(chosen(full), abs=TOLERANCE["bfloat16"])
+
+
 def test_stream_and_seeded_sampling_on_cuda(cuda_engines, docs):
     engine = cuda_engines("llama", "bfloat16")
     prompt = BlendPrompt("Read.", docs, QUESTION)

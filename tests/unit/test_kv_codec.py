@@ -146,7 +146,10 @@ def test_every_tier_and_way_of_reading_gives_the_same_decoded_values(tmp_path, r
         a.put(e)
         from_memory = a.get(e.key)
         assert from_memory.key == coded_key(e.key, codec)
-        assert relative_error(from_memory.kv, e.kv) < 0.04  # the decoded values, not the ones put
+        assert relative_error(from_memory.values(), e.kv) < 0.04  # the decoded values, not the ones put
+        # memory holds the codes, as the shared tiers do: a quarter of the bytes
+        assert from_memory.codec == codec and from_memory.nbytes < 0.3 * e.nbytes
+        assert a.locate(e.key) == ("memory", from_memory.nbytes)
     with ChunkStore(tmp_path / "a", memory_limit_bytes=0, kv_codec=codec) as disk:
         from_disk, disk_layers = disk.get(e.key), read_layers(disk, e.key)
     with ChunkStore(tmp_path / "b", remote=redis_url, memory_limit_bytes=0, kv_codec=codec) as b:
@@ -167,7 +170,7 @@ def test_codecs_share_a_store_side_by_side(tmp_path):
     stores["fp8"].put(e)
     assert len(stores[None]) == 3
     assert torch.equal(ChunkStore(tmp_path, memory_limit_bytes=0).get(e.key).kv, e.kv)
-    # memory holds decoded tensors; the shared tiers hold each codec's bytes
+    # every tier holds each codec's bytes
     sizes = {codec: ChunkStore(tmp_path, memory_limit_bytes=0, kv_codec=codec).locate(e.key).nbytes for codec in stores}
     assert sizes["int8"] < 0.3 * sizes[None] and sizes["fp8"] < 0.3 * sizes[None]
 

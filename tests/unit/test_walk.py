@@ -11,6 +11,8 @@ from blend_integrations.config import SELECTIONS
 from blend_integrations.fusion import KVCache, ReusedSpan, ScratchCache, forward
 from blend_integrations.fusion.attention import QUERY_GROUP, DenseAttention, query_groups, visible_keys
 from blend_integrations.models import HFDecoder
+from blend_integrations.store import CodedKV
+from blend_integrations.store.codec import encode_kv
 
 CHUNK = slice(5, 25)  # the reused tokens of a 40-token prompt
 SCHEDULE = [(1, 0.15)]  # blend: check at layer 1, recompute 15%
@@ -80,6 +82,24 @@ def test_standalone_kv_drifts_and_ratio_one_restores_full(model, ids):
     assert (reuse - full).abs().max() > 1e-3  # the chunk missed its context: not full prefill
     torch.testing.assert_close(every, full, atol=1e-4, rtol=1e-4)
     assert stats.recomputed_tokens == stats.cached_tokens == CHUNK.stop - CHUNK.start
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_a_coded_span_reads_as_its_decoded_values(model, ids, codec):
+    """A coded store's entry (``CodedKV``) is decoded by the walk one layer at
+    a time where it computes: the walk reads what decoding it whole gives,
+    after the span's sink tokens, exactly."""
+    sink = 2
+    stored = recorded(model, ids[CHUNK.start - sink : CHUNK.stop])  # the chunk with a 2-token sink ahead
+    coded = CodedKV(encode_kv(stored, codec), codec, tuple(stored.shape), stored.dtype)
+    decoded = coded.decode()
+    span = ReusedSpan(CHUNK.start, coded, skip=sink)
+    assert span.end == CHUNK.stop
+    heads = ReusedSpan(CHUNK.start, coded, heads=slice(1, 2), skip=sink)
+    assert torch.equal(heads.layer(1, torch.device("cpu")), decoded[1][:, 1:2, sink:])
+    from_codes, _ = walk(model, ids, reused=[span], schedule=SCHEDULE)
+    from_values, _ = walk(model, ids, reused=[ReusedSpan(CHUNK.start, decoded[:, :, :, sink:])], schedule=SCHEDULE)
+    assert torch.equal(from_codes, from_values)
 
 
 def test_reuse_computes_only_the_fresh_tokens(model, ids):
