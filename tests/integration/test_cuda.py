@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
-from tests.fixtures.exactness import chosen
+from tests.fixtures.exactness import chosen, exact_at_ratio_one
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False"
@@ -69,11 +69,7 @@ def test_blend_at_ratio_one_equals_full_on_cuda(cuda_engines, name, dtype, docs)
     engine = cuda_engines(name, dtype)
     engine.warm(docs)
     prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
-    full = engine.generate(prompt, max_tokens=8, mode="full", logprobs=1)
-    blend = engine.generate(prompt, max_tokens=8, recompute_ratio=1.0, logprobs=1)
-    assert blend.usage.chunks_hit == len(docs)
-    assert blend.token_ids == full.token_ids
-    assert chosen(blend) == pytest.approx(chosen(full), abs=TOLERANCE[dtype])
+    exact_at_ratio_one(engine, prompt, len(docs), max_tokens=8, tolerance=TOLERANCE[dtype])
     partial = engine.generate(prompt, max_tokens=2, recompute_ratio=0.15)
     chunk_tokens = sum(len(engine.tokenizer.encode(d, add_special_tokens=False)) for d in docs)
     assert partial.usage.recomputed_tokens == round(0.15 * chunk_tokens)
@@ -134,11 +130,7 @@ def test_coded_chunks_are_decoded_on_the_gpu(model_dirs, tmp_path, docs, codec):
         assert torch.equal(on_gpu.cpu(), entry.kv.layer(layer))
     engine.warm(docs)
     prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
-    full = engine.generate(prompt, max_tokens=8, mode="full", logprobs=1)
-    blend = engine.generate(prompt, max_tokens=8, recompute_ratio=1.0, logprobs=1)
-    assert blend.usage.chunks_hit == len(docs)
-    assert blend.token_ids == full.token_ids
-    assert chosen(blend) == pytest.approx(chosen(full), abs=TOLERANCE["bfloat16"])
+    exact_at_ratio_one(engine, prompt, len(docs), max_tokens=8, tolerance=TOLERANCE["bfloat16"])
 
 
 def test_stream_and_seeded_sampling_on_cuda(cuda_engines, docs):

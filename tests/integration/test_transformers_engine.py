@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
-from tests.fixtures.exactness import chosen
+from tests.fixtures.exactness import chosen, exact_at_ratio_one
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -78,12 +78,7 @@ def test_blend_at_ratio_one_equals_full(engines, name, docs):
 def test_bf16_blend_at_ratio_one_equals_full(engines, docs):
     engine = engines("llama", "bfloat16")
     engine.warm(docs)
-    prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
-    full = engine.generate(prompt, max_tokens=8, mode="full", logprobs=1)
-    blend = engine.generate(prompt, max_tokens=8, recompute_ratio=1.0, logprobs=1)
-    assert blend.usage.chunks_hit == len(docs)
-    assert blend.token_ids == full.token_ids
-    assert chosen(blend) == pytest.approx(chosen(full), abs=1e-3)
+    exact_at_ratio_one(engine, BlendPrompt("You answer questions.", docs[::-1], QUESTION), len(docs), max_tokens=8)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "llama3_rope", "gemma3_text", "phi3"])
