@@ -1,7 +1,7 @@
 """Store layer: the persistent tiered store of chunk KV caches, and the one
 lookup across its tiers.
 
-Tier 1 is an in-process LRU of decoded tensors (``memory_tier``); tier 2 is
+Tier 1 is an in-process LRU of tensors (``memory_tier``, coded in a coded store); tier 2 is
 a diskcache directory shared by every process and engine pointing at the
 same path (``disk_tier``); tier 3, optional, is a Redis database shared by
 machines (``remote_tier``, with its layout, size limit and eviction in

@@ -10,7 +10,7 @@ from pathlib import Path
 TIERS = ("memory", "disk", "remote")
 
 # Read bandwidth (bytes/s) a tier is assumed to have until reads measure it:
-# decoded tensors in this process, a local SSD (or the page cache), a
+# tensors in this process, a local SSD (or the page cache), a
 # 1 Gbit/s network to Redis. Set your own with ChunkStore(read_bandwidth=...).
 DEFAULT_READ_BANDWIDTH = {"memory": 10e9, "disk": 1e9, "remote": 125e6}
 
