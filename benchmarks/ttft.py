@@ -22,7 +22,7 @@ import torch
 
 from blend_integrations.config import BlendConfig
 from blend_integrations.engines import load_engine
-from blend_integrations.store import ChunkStore
+from blend_integrations.store import KV_CODECS, ChunkStore
 from tests.fixtures.local_models import sample_text
 
 from . import (
@@ -61,8 +61,9 @@ def run(args) -> Iterator[dict]:
     check_layer = 1
     # "Memory": every chunk of the prompt held in this process (the tier's limit
     # is no limit here); "disk": the same store with no memory tier.
-    memory = ChunkStore(store_dir, memory_limit_bytes=2**40, size_limit_bytes=2**40)
-    disk = ChunkStore(store_dir, memory_limit_bytes=0, size_limit_bytes=2**40)
+    stores = {"size_limit_bytes": 2**40, "kv_codec": args.kv_codec}
+    memory = ChunkStore(store_dir, memory_limit_bytes=2**40, **stores)
+    disk = ChunkStore(store_dir, memory_limit_bytes=0, **stores)
     engine = load_engine(
         model_dir,
         store=memory,
@@ -74,7 +75,8 @@ def run(args) -> Iterator[dict]:
     engine.warm(chunks, progress=True)
     for n_chunks in sizes:
         report = measure(args, engine, chunks[:n_chunks], memory, disk, check_layer)
-        report["config"] = {"model": label, "results": "ttft" + suffix, **report["config"]}
+        codec = f"-{args.kv_codec}" if args.kv_codec else ""
+        report["config"] = {"model": label, "results": "ttft" + suffix + codec, **report["config"]}
         yield report
 
 
@@ -125,6 +127,7 @@ def measure(args, engine, chunks, memory: ChunkStore, disk: ChunkStore, check_la
             "chunks": f"{len(chunks)} x {args.chunk_tokens} tokens",
             "prompt_tokens": results["full"]["prompt_tokens"],
             "check_layer": check_layer,
+            "kv_codec": args.kv_codec,
             "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d"),
@@ -163,8 +166,10 @@ def summarize(gens, L: int, c: int, mode: str, selection: str) -> dict:
 def render(report: dict) -> str:
     cfg = report["config"]
     lines = [
-        setup_line(cfg) + f"check layer {cfg['check_layer']}; "
-        f"{cfg['repeats']} rounds, every mode once per round; {cfg['date']}.",
+        setup_line(cfg)
+        + f"check layer {cfg['check_layer']}; "
+        + (f"chunks stored coded, {cfg['kv_codec']}, decoded by the walk; " if cfg.get("kv_codec") else "")
+        + f"{cfg['repeats']} rounds, every mode once per round; {cfg['date']}.",
         "",
         "| mode | TTFT median (ms) | TTFT min-max (ms) | full / mode: median of paired rounds (middle half) | computed share \\|R\\|/N | compute ceiling | share of ceiling | predicted (ms) | mode / predicted |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -250,6 +255,12 @@ def main(argv=None) -> None:
         nargs="*",
         default=["query"],
         help="query-aware selections timed beside HKVD at each ratio (mixed costs what query does)",
+    )
+    p.add_argument(
+        "--kv-codec",
+        choices=KV_CODECS,
+        help="keep the chunks coded (the store's kv_codec; results named ttft-...-CODEC): reuse and blend then "
+        "include decoding them, on the engine's device",
     )
     p.add_argument("--out", default="docs/results", help="directory for ttft.md and ttft.json ('' to skip)")
     args = p.parse_args(argv)
