@@ -79,8 +79,8 @@ class ChunkKV:
     construction, so ``kv`` always satisfies that invariant.
 
     In a coded store (``kv_codec``) ``kv`` is a ``CodedKV`` of that shape
-    and dtype instead: ``values()`` decodes it, ``layer`` decodes one layer
-    where it is needed.
+    and dtype instead: ``values()`` decodes it, and the walk decodes one
+    layer at a time where it computes (``CodedKV.layer``).
     """
 
     key: str
