@@ -27,7 +27,7 @@ FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_l
 	tests/integration/test_docs.py::test_configuration_names_every_option \
 	tests/integration/test_calibration.py::test_the_warmer_calibrates_at_ingestion_once
 
-.PHONY: install demo ui lint test unit bench clean install-frameworks test-frameworks
+.PHONY: install demo ui lint test unit bench clean install-frameworks test-frameworks system-packages
 
 # pip's output goes to $(VENV)/install.log (its last lines are shown if it fails). The stamp
 # $(VENV)/.installed makes a second `make install` (and so `make demo`) a no-op until
@@ -68,9 +68,30 @@ lint: install
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
+# The system packages the tests need: a Redis server for the store tests (they start it themselves),
+# chromium for the demo page's browser test (Playwright never downloads one) and tcmalloc, which the
+# vLLM engine preloads for vLLM's processes on a CPU. Silent when all are there; as root with apt-get
+# it installs the missing ones, otherwise it stops before the long install and names the command.
+system-packages:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	{ ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep -q libtcmalloc_minimal || missing="$$missing libtcmalloc-minimal4"; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing the system packages the tests need:$$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; \
+	else \
+		echo "the tests need the system packages$$missing, which are not installed: run" >&2; \
+		echo "  sudo apt-get install -y$$missing" >&2; \
+		echo "(or install them with your system's package manager), then make test again" >&2; \
+		exit 1; \
+	fi
+
 # tests/unit (the walk, the plan, the store tiers, the validators) and tests/integration,
 # then the LangChain and LlamaIndex tests again on their newest releases
-test: install lint
+test: system-packages install lint
 	@# one examples' store for both runs, as a user's: the examples' chunk KV is computed once (tests/conftest.py)
 	store=$$(mktemp -d); export BLEND_TEST_EXAMPLES_STORE=$$store/store; \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS) && \

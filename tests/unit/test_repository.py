@@ -1,9 +1,14 @@
-"""What the repository tracks: plain files inside the checkout, so that a fresh clone is the same on every machine."""
+"""What the repository tracks: plain files inside the checkout, so that a fresh clone is the same on every machine;
+and CI walks the README's path, so that what a fresh machine needs is installed by `make test` itself."""
 
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# anything that installs system software (pip's own installs are the Makefile's)
+SYSTEM_INSTALL = re.compile(r"\b(apt-get|apt|dpkg|dnf|yum|apk|brew|snap)\b")
 
 
 def tracked() -> list[tuple[str, str]]:
@@ -32,3 +37,41 @@ def test_every_tracked_path_stays_inside_the_checkout():
     # a tracked path under a folder that is a link on disk resolves elsewhere
     outside = [path for _, path in tracked() if not (ROOT / path).resolve().is_relative_to(root)]
     assert not outside, f"tracked paths that resolve outside the checkout: {outside}"
+
+
+def prerequisites(makefile: str, target: str) -> list[str]:
+    """A rule's prerequisites, as its ``target: ...`` line names them."""
+    rule = re.search(rf"^{re.escape(target)}:(?!=)(.*)$", makefile, re.MULTILINE)
+    assert rule is not None, f"the Makefile has no {target} rule"
+    return rule.group(1).split()
+
+
+def test_make_test_installs_the_system_packages_and_ci_installs_nothing_itself():
+    # CI must fail where a newcomer's `make test` would: were .ci/run to install a package, a fresh
+    # machine following the README could lack it while CI stays green
+    assert "system-packages" in prerequisites((ROOT / "Makefile").read_text(), "test")
+    commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in commands if SYSTEM_INSTALL.search(line)], ".ci/run installs system packages itself"
+    assert any(re.match(r"\s*make test\b", line) for line in commands), ".ci/run does not run `make test`"
+
+
+def test_system_packages_stops_and_names_the_command_where_it_cannot_install(tmp_path):
+    # a machine without apt-get, redis-server or chromium: only what the recipe itself runs is on PATH
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("make", "grep", "id"):
+        found = shutil.which(tool)
+        assert found is not None, f"{tool} is not installed"
+        (bin_dir / tool).symlink_to(found)
+    done = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), "system-packages"],
+        env={"PATH": str(bin_dir)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert re.search(r"sudo apt-get install -y redis-server chromium( libtcmalloc-minimal4)?\n", done.stderr), (
+        done.stderr
+    )
+    assert "installing" not in done.stdout
