@@ -6,10 +6,11 @@
 For the untuned model and the tuned one (``python -m blend_integrations.tune``,
 which trains on the standard library's docstrings): held-out synthetic
 questions (``quality.HELD_OUT_SEED``: documents tuning never read) asked with
-full prefill, reuse (r=0), blend at 0.05 and 0.15, and the defaults (each
-model's calibration: the untuned model's packaged one; with ``--calibrate``
-the tuned model is calibrated first on other documents, as ``benchmarks
-calibration`` does). For each: agreement of the first 4 greedy tokens with
+full prefill, reuse (r=0), blend at 0.05 and 0.15, and the defaults
+(``recompute_ratio="auto"``: the untuned model's packaged calibration; with
+``--calibrate`` the tuned model is calibrated first on other documents, as
+``benchmarks calibration`` does, and without it the tuned model blends at
+the fallback ratio; the table's row names which). For each: agreement of the first 4 greedy tokens with
 the *untuned* model's full prefill and with the same model's, the share
 answered right, and time to first token against the same model's full
 prefill, measured side by side. What tuning cost: both models' perplexity on
@@ -18,6 +19,9 @@ held-out general text (this package's docs/, which tuning never read).
 ``--ape`` (transformers engine): the untuned model read with APE's
 training-free recipe (``benchmarks/ape.py``), its temperature and scale
 chosen on the calibration documents.
+
+``--render RESULT.json`` rewrites a page from its recorded numbers, running
+no model (its title, command and any note after the table are kept).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 
 from blend_integrations.calibration.choice import wilson_lower
+from blend_integrations.config import CALIBRATION_SOURCES
 from blend_integrations.engines import load_engine
 from blend_integrations.quality.metrics import contains
 from blend_integrations.store import ChunkStore
@@ -41,7 +46,9 @@ from .quality import HELD_OUT_SEED, model_and_task
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 4  # the first greedy tokens compared with the untuned model's full prefill
-DEFAULT = "default (calibrated)"
+# recompute_ratio="auto": its row's label says where the ratio came from (``mode_label``); results written
+# before it did keyed the row "default (calibrated)" whatever the source
+DEFAULT = "default"
 MODES = {"full": {"mode": "full"}, "reuse": {"mode": "reuse"}, "blend@0.05": {"recompute_ratio": 0.05}}
 MODES |= {"blend@0.15": {"recompute_ratio": 0.15}, DEFAULT: {}}
 
@@ -195,6 +202,22 @@ def _ape(model_dir, task, calibration_set, held_out, reference, untuned: dict, c
     }
 
 
+def mode_label(mode: str, row: dict) -> str:
+    """A table row's mode; the default's names where its ratio came from, as the run recorded it
+    (``ratio_source``): the fallback ratio is no calibration, and a packaged calibration is not the user's."""
+    if mode != DEFAULT and not mode.startswith(f"{DEFAULT} ("):
+        return mode
+    names = []
+    for source in row.get("ratio_source") or []:
+        if source == "fallback":  # one ratio for every request: the mean is the fallback ratio the run used
+            names.append(f"fallback {row['mean_ratio']:g}")
+        elif source in CALIBRATION_SOURCES:
+            names.append("calibrated" if source == "calibrated" else "packaged calibration")
+        else:  # the guard raised a calibrated ratio for some requests
+            names.append(source)
+    return f"{DEFAULT} ({', '.join(names)})" if names else DEFAULT
+
+
 def noise(questions: int) -> str:
     """How far a share measured on ``questions`` questions may be from the true one."""
     half = 0.5 - wilson_lower(questions // 2, questions, 0.975) if questions else 0.5
@@ -208,7 +231,7 @@ def _table(report: dict, lead: str = "") -> list[str]:
         for mode, r in modes.items():
             ratio = "-" if r.get("mean_ratio") is None else f"{r['mean_ratio']:.3f}"
             lines.append(
-                f"| {lead}{name} | {mode} | {r['agreement']:.3f} | {r['agreement_own']:.3f} | {r['right']:.3f} | "
+                f"| {lead}{name} | {mode_label(mode, r)} | {r['agreement']:.3f} | {r['agreement_own']:.3f} | {r['right']:.3f} | "
                 f"{ratio} | {r['ttft_speedup']:.2f}x |"
             )
     return lines
@@ -223,8 +246,9 @@ def markdown(report: dict) -> str:
         "",
         f"{c['questions']} held-out questions about documents tuning never read. Agreement: the first "
         f"{c['tokens_compared']} greedy tokens equal the untuned model's full prefill's (and the same model's). "
-        "TTFT: the same model's full prefill / the mode, measured side by side. Default: the model's "
-        "calibration (the ratio it chose; the mean ratio used is shown). " + noise(c["questions"]),
+        "TTFT: the same model's full prefill / the mode, measured side by side. Default: "
+        '`recompute_ratio="auto"`, the model\'s calibration where it has one, else the fallback ratio (the row '
+        "names which; the mean ratio used is shown). " + noise(c["questions"]),
     ]
     if "tuned_calibration" in c:
         cal = c["tuned_calibration"]
@@ -263,8 +287,9 @@ def summary(out: Path) -> Path:
         f"Each engine: {first['questions']} held-out questions about documents tuning never read, every mode "
         f"side by side in one run. Agreement: the first {first['tokens_compared']} greedy tokens equal the "
         "untuned model's full prefill's, or the same model's. TTFT: the same model's full prefill over the mode. "
-        "Default: `recompute_ratio=\"auto\"`, each model's calibration (the untuned model's packaged one; the "
-        "tuned one calibrated on other documents first). " + noise(first["questions"]),
+        "Default: `recompute_ratio=\"auto\"`, each model's calibration where it has one (the untuned model's "
+        "packaged one; the tuned one's, with `--calibrate`, made on other documents first), else the fallback "
+        "ratio (the row names which). " + noise(first["questions"]),
         "",
         "| engine | model | mode | agrees with untuned full | agrees with own full | answer right | mean ratio | "
         "TTFT full / mode |",
@@ -297,11 +322,24 @@ def summary(out: Path) -> Path:
     return path
 
 
+def render(result: Path) -> Path:
+    """Rewrite ``result``'s page (the ``.md`` beside the ``.json``) from the recorded numbers, running no
+    model: its title and command, and any note written after the table, are kept."""
+    report = json.loads(result.read_text())
+    page = result.with_suffix(".md")
+    old = page.read_text()
+    start, end = old.find("\nModel: "), old.find("\nPerplexity on this package's docs/")
+    if start < 0 or end < 0:
+        raise ValueError(f"{page} is not a page `python -m benchmarks tuning` wrote: no Model: / Perplexity lines")
+    page.write_text(old[: start + 1] + markdown(report) + old[old.index("\n", end + 1) + 1 :])
+    if (result.parent / "tuning.md").is_file():  # the summary beside it shows the same rows
+        summary(result.parent)
+    return page
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks tuning", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--tuned", type=Path, required=True, help="the tuned model's directory (python -m blend_integrations.tune)"
-    )
+    parser.add_argument("--tuned", type=Path, help="the tuned model's directory (python -m blend_integrations.tune)")
     parser.add_argument("--model", default="smollm2", help="the untuned model: smollm2, gemma3-270m or a directory")
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
     parser.add_argument("--questions", type=int, default=60)
@@ -312,7 +350,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibrate", action="store_true", help="calibrate the tuned model first")
     parser.add_argument("--ape", action="store_true", help="also read the untuned model with APE's recipe")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        metavar="RESULT",
+        help="rewrite these results' pages (tuning-BACKEND.json) from their recorded numbers; runs no model",
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        for result in args.render:
+            if not result.is_file():
+                parser.error(f"--render {str(result)!r}: no such result")
+            print(f"written: {render(result)}")
+        return
+    if args.tuned is None:
+        parser.error("--tuned is required (or --render, to rewrite pages from their results)")
     if not (args.tuned / "tuning.json").is_file():
         parser.error(f"--tuned {str(args.tuned)!r} is not a tuned model: it holds no tuning.json")
     if args.ape and args.backend != "transformers":
