@@ -8,7 +8,8 @@ import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
 from blend_integrations.calibration import Calibrations, packaged_calibrations, record_name
-from tests.fixtures.exactness import chosen, exact_at_ratio_one
+from blend_integrations.store.codec import CodedKV
+from tests.fixtures.exactness import exact_at_ratio_one
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -27,6 +28,28 @@ def raw_engine(model_dirs, tmp_path_factory):
     return load_engine(model_dirs("llama"), store=ChunkStore(tmp_path_factory.mktemp("raw")), device="cpu")
 
 
+# How far a codec's stored-and-decoded KV may be from the raw KV (relative, over a chunk's K and V):
+# measured at most 0.026 (fp8) and 0.0058 (int8) over 260 sets of documents on the llama test
+# model; a decoder whose scales are 10% off gives 0.1.
+KV_ERROR_BOUND = {"fp8": 0.04, "int8": 0.015}
+# The share of what reusing KV itself moves the first token's log-probabilities from full
+# prefill that the codec may add, per mode. Measured over 260 sets of documents: "reuse" (every
+# reused token as decoded) at most 0.12 (fp8) and 0.03 (int8), and a decoder whose scales are 10%
+# off gives 0.25 or more, zeros or doubled scales 1.6 or more. "blend" at most 0.45: the codec's
+# error can move a token's deviation past another's, and blending then recomputes another token.
+LOGPROB_SHARE_BOUND = {"reuse": 0.2, "blend": 0.6}
+TOP_LOGPROBS = 20
+
+
+def logprob_gap(a, b) -> float:
+    """The largest difference between two one-token generations' log-probabilities
+    of the tokens both list (``logprobs=TOP_LOGPROBS``)."""
+    [la], [lb] = a.logprobs, b.logprobs
+    shared = la.keys() & lb.keys()
+    assert len(shared) >= TOP_LOGPROBS // 2  # near-identical distributions share most of their top tokens
+    return max(abs(la[t] - lb[t]) for t in shared)
+
+
 @pytest.mark.parametrize("codec", ["fp8", "int8"])
 def test_transformers_engine_blends_from_a_coded_store(model_dirs, tmp_path, raw_engine, docs, codec):
     engine = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path, kv_codec=codec), device="cpu")
@@ -34,15 +57,32 @@ def test_transformers_engine_blends_from_a_coded_store(model_dirs, tmp_path, raw
     assert engine.warm(docs) == len(docs) and raw_engine.warm(docs) == len(docs)
     assert stored_bytes(engine, docs, codec) <= 0.3 * stored_bytes(raw_engine, docs, None)
 
+    # what the store decodes (as the walk does, layer by layer) is the raw KV within the codec's error
+    for doc in docs:
+        ids = engine.tokenizer.encode(doc, add_special_tokens=False)
+        coded_entry = engine.store.get(engine.chunk_key(ids))
+        assert coded_entry is not None and isinstance(coded_entry.kv, CodedKV) and coded_entry.codec == codec
+        raw_kv = raw_engine.store.get(raw_engine.chunk_key(ids)).values().float()
+        error = float((coded_entry.values().float() - raw_kv).norm() / raw_kv.norm())
+        assert error < KV_ERROR_BOUND[codec], f"{codec} decodes with relative error {error:.4f}"
+
     prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
     exact_at_ratio_one(engine, prompt, len(docs))  # nothing read is used at ratio 1.0
-    coded = engine.generate(prompt, max_tokens=1, recompute_ratio=0.15, logprobs=1)
-    raw = raw_engine.generate(prompt, max_tokens=1, recompute_ratio=0.15, logprobs=1)
-    assert coded.usage.chunks_hit == raw.usage.chunks_hit == len(docs)
-    assert coded.usage.recomputed_tokens == raw.usage.recomputed_tokens > 0
-    # the same first token, its log-probability moved by the codec's small error only
-    assert coded.token_ids == raw.token_ids
-    assert chosen(coded) == pytest.approx(chosen(raw), abs=0.05)
+    full = raw_engine.generate(prompt, max_tokens=1, mode="full", logprobs=TOP_LOGPROBS)
+    for mode in ("reuse", "blend"):
+        options = {"mode": mode, "max_tokens": 1, "logprobs": TOP_LOGPROBS}
+        if mode == "blend":
+            options["recompute_ratio"] = 0.15
+        coded, raw = engine.generate(prompt, **options), raw_engine.generate(prompt, **options)
+        assert coded.usage.chunks_hit == raw.usage.chunks_hit == len(docs)
+        assert coded.usage.recomputed_tokens == raw.usage.recomputed_tokens
+        assert (raw.usage.recomputed_tokens > 0) == (mode == "blend")
+        # Log-probabilities the codec moves far less than reusing KV moves them: a decoding error
+        # as large as reuse's own would pass an absolute tolerance. (Not the chosen token: on this
+        # random model the top two can be near-tied, and fp8 flipped them in 3 of 260 sets.)
+        moved, coded_error = logprob_gap(raw, full), logprob_gap(coded, raw)
+        assert moved > 0.01  # reuse's own move is measurable on this model
+        assert coded_error < LOGPROB_SHARE_BOUND[mode] * moved, (mode, coded_error, moved)
 
     # another process with the raw codec finds none of them: its own chunks only
     other = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path), device="cpu")
@@ -108,4 +148,4 @@ def test_calibrations_are_kept_per_codec(tmp_path):
     # a record filed under the int8 name but measured raw is refused
     coded.store.put_record(coded.name, packaged.record.to_bytes())
     coded.use_store(coded.store)
-    assert coded.source() != "calibrated"
+    assert coded.source() == "fallback"  # and the shipped raw one does not hold under int8 either
