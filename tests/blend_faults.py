@@ -27,6 +27,7 @@ class _Records(logging.Handler):
 
 
 _records = _Records()
+_lost_reads: list[str] = []  # the keys blend_lose_on_rank's fault answered as missing, one per read
 
 
 class FaultInjection(BlendWorkerExtension):
@@ -61,21 +62,34 @@ class FaultInjection(BlendWorkerExtension):
     def blend_lose_on_rank(self, rank: int, chunk_ids: list[int] | None) -> None:
         """From now on, the store of tensor-parallel rank ``rank`` alone no
         longer finds the chunk ``chunk_ids`` (as if evicted between two ranks'
-        reads). None: it finds everything again."""
+        reads). None: it finds everything again; ``blend_lost_reads`` still
+        says how often the last fault fired."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         from vllm.distributed.parallel_state import get_tp_group
 
         connector = get_kv_transfer_group()
         store = connector.store
         store.__dict__.pop("get", None)
-        if chunk_ids is None or get_tp_group().rank_in_group != rank:
+        if chunk_ids is None:
+            return
+        _lost_reads.clear()
+        if get_tp_group().rank_in_group != rank:
             return
         lost = connector.planner.keys(chunk_ids)
 
         def get(key, **kwargs):
-            return None if key == lost else type(store).get(store, key, **kwargs)
+            if key != lost:
+                return type(store).get(store, key, **kwargs)
+            _lost_reads.append(key)
+            return None
 
         store.get = get
+
+    def blend_lost_reads(self) -> int:
+        """How many reads of the lost chunk this rank's store answered as a
+        miss since ``blend_lose_on_rank`` last set a fault: a test sees that
+        its fault fired."""
+        return len(_lost_reads)
 
     def blend_break_on_rank(self, rank: int, where: str | None) -> None:
         """From now on, tensor-parallel rank ``rank`` alone fails, in the

@@ -111,6 +111,9 @@ def test_a_chunk_one_rank_cannot_read_is_computed_on_every_rank(vllm_tp2, docs):
         blend = vllm_tp2.generate(prompt, max_tokens=10, recompute_ratio=1.0)
     finally:
         vllm_tp2.llm.collective_rpc("blend_lose_on_rank", args=(1, None))
+    # the fault fired: rank 1 alone read the chunk and found nothing
+    lost_reads = vllm_tp2.llm.collective_rpc("blend_lost_reads")
+    assert lost_reads[0] == 0 and lost_reads[1] >= 1, lost_reads
     # The scheduler had planned to load it and reported it so: both ranks computed it standalone instead.
     assert (blend.usage.chunks_hit, blend.fallback) == (len(docs), None)
     assert blend.token_ids == vllm_tp2.generate(prompt, max_tokens=10, mode="full").token_ids
