@@ -37,7 +37,6 @@ from blend_integrations.config import FALLBACK_RATIO
 from blend_integrations.engines import load_engine
 from blend_integrations.quality.metrics import contains
 from blend_integrations.store import ChunkStore
-from training.data import make_examples
 
 from . import machine, scratch_dir, write_results
 from .quality import HELD_OUT_SEED, model_and_task, results_name
@@ -54,7 +53,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
 def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
-    doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else task.doc_tokens
+    doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else None
     store = ChunkStore(scratch_dir("blend-calibration-store-"), remote="")
     started = time.perf_counter()
     engine = load_engine(str(model_dir), store=store, backend=args.backend)
@@ -62,9 +61,9 @@ def run(args) -> dict:
     def asked(examples):
         return [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
 
-    calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=doc_tokens)
+    calibration_set = task.examples(args.prompts, CALIBRATION_SEED, doc_tokens)
     calibration_docs = sorted({d for e in calibration_set for d in e.documents})
-    held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=doc_tokens)
+    held_out = task.examples(args.questions, HELD_OUT_SEED, doc_tokens)
     seen = set(calibration_docs) & {d for e in held_out for d in e.documents}
     assert not seen, f"{len(seen)} held-out documents were calibrated on"
     t0 = time.perf_counter()

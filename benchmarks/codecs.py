@@ -35,7 +35,6 @@ from blend_integrations.calibration.packaged import PACKAGED_DIR, PackagedCalibr
 from blend_integrations.engines import load_engine
 from blend_integrations.quality.metrics import contains, exact_match, normalize
 from blend_integrations.store import KV_CODECS, ChunkStore
-from training.data import make_examples
 
 from . import machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED, SHIPPED
@@ -82,8 +81,8 @@ def write_checked(choices: dict, model: str, backend: str, directory: Path = PAC
 
 def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
-    held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
-    calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=task.doc_tokens)
+    held_out = task.examples(args.questions, HELD_OUT_SEED)
+    calibration_set = task.examples(args.prompts, CALIBRATION_SEED)
     right = exact_match if task.accuracy == "em" else contains
     started = time.perf_counter()
     reference: list[tuple[list[int], str]] = []  # full prefill's tokens and answer, per question

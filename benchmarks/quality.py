@@ -63,6 +63,11 @@ class Task:
     accuracy: str  # "em" or "contains"
     max_tokens: int  # enough for the answer: the reader replies with it alone, a chat model in a sentence
     question_template: str = RAG_QUESTION  # a base model (no chat template) gets a completion prompt
+    n_docs: tuple[int, int] = (6, 10)  # documents per question
+
+    def examples(self, n: int, seed: int, doc_tokens: tuple[int, int] | None = None) -> list:
+        """``n`` questions of this task, deterministic from ``seed`` (``training.data.make_examples``)."""
+        return make_examples(n, seed=seed, doc_tokens=doc_tokens or self.doc_tokens, n_docs=self.n_docs)
 
     def prompt(self, example, tokenizer, separator: str = BlendConfig().separator) -> TokenizedPrompt:
         """An example's question as this task asks it: ``rag_prompt`` with the task's system prompt and question line."""
@@ -97,6 +102,9 @@ TASKS = {
         "Question: {question}\nAnswer:",
     ),
 }
+# The Qwen2.5-Coder models read longer documents: five of 200-300 words (about 1,900 prompt tokens).
+for _name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
+    TASKS[_name] = Task(f"quality-{_name}", (200, 300), TASKS["smollm2"].system, "contains", 16, n_docs=(5, 5))
 HELD_OUT_SEED = 20_000  # training draws from other seeds
 DEFAULT = BlendConfig()
 
@@ -168,14 +176,10 @@ def model_and_task(model: str | None) -> tuple[Path, Task, str]:
     """The checkpoint directory, the task and the label in the results of ``--model``."""
     if model in (None, "reader"):
         return reader_model_dir(), TASKS["reader"], "blend_integrations/quality/reader"
-    if model == "smollm2":
-        from blend_integrations.models.smollm2 import LABEL, smollm2_dir
+    from blend_integrations.models.packaged import MODELS
 
-        return smollm2_dir(), TASKS["smollm2"], LABEL
-    if model == "gemma3-270m":
-        from blend_integrations.models.packaged import GEMMA3_270M
-
-        return GEMMA3_270M.checkpoint(), TASKS["gemma3-270m"], GEMMA3_270M.label
+    if model in MODELS:
+        return MODELS[model].checkpoint(), TASKS[model], MODELS[model].label
     return Path(model), TASKS["reader"], str(model)
 
 
@@ -208,7 +212,7 @@ def run(args) -> dict:
         else None
     )
 
-    examples = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=task.doc_tokens)
+    examples = task.examples(args.questions, HELD_OUT_SEED)
     prompts = [task.prompt(e, tokenizer) for e in examples]
     engine.warm([d for e in examples for d in e.documents], progress=True)  # progress goes to stderr
     rows: dict[str, list[dict]] = {name: [] for name in modes}
@@ -568,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--model",
         default="reader",
-        help="reader (the bundled reader model, the default), smollm2, gemma3-270m, or a checkpoint directory",
+        help="reader (the bundled reader model, the default), a packaged model (smollm2, gemma3-270m, "
+        "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), or a checkpoint directory",
     )
     parser.add_argument("--modes", nargs="*", help=f"subset of: {', '.join(MODES)}")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU")

@@ -70,6 +70,16 @@ def gemma3_gguf():
 
 
 @pytest.fixture(scope="session")
+def qwen05_gguf():
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF file (joined from its six packages),
+    converted once per machine to bfloat16 into the user cache, as ``smollm2_gguf``."""
+    from blend_integrations.models.packaged import QWEN25_CODER_05B
+
+    QWEN25_CODER_05B.checkpoint()
+    return QWEN25_CODER_05B.gguf()
+
+
+@pytest.fixture(scope="session")
 def examples_store(tmp_path_factory):
     """One store for the examples, the notebook and the quickstart page, as a user's: the first
     of them to run computes the examples' chunk KV in it, the others read it. Nothing calibrates

@@ -152,6 +152,7 @@ def forward(
     guard: Guard | None = None,
     schedule_for: Callable[[float], list[tuple[int, float]]] | None = None,
     kv_target: object | None = None,
+    ranking: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, WalkStats]:
     """Run the new tokens ``ids`` through every layer, appending their KV to
     ``cache``. Returns the float32 logits of the last token (None when
@@ -174,7 +175,10 @@ def forward(
     token is always computed, since its hidden state gives them.
     ``kv_target``: an engine's own KV cache that the adapter writes every
     layer into and attends there (``LayerModel.attention``); None: the dense
-    ``cache`` alone.
+    ``cache`` alone. ``ranking`` (``[T]``), if given, ranks the reused tokens
+    at every check layer in place of ``selection``: the oracle benchmark hands
+    the walk a token set (each token's true deviation from full prefill) to
+    measure the recompute apart from the selection.
     """
     T = ids.shape[0]
     start, end = cache.length, cache.length + T
@@ -262,9 +266,8 @@ def forward(
                 with record_function("walk.check"):
                     reused_rows = is_reused[active]
                     rows = torch.nonzero(reused_rows).flatten()
-                    fresh, stored = (k, K) if deviation == "k" else (v, V)
                     # before the fresh KV overwrites the reused KV
-                    scores = {"deviation": _over_ranks(model, _deviation(fresh, stored, start, act, rows.to(device)))}
+                    scores = {"deviation": _deviation_score(model, deviation, (k, K), (v, V), start, act, rows)}
                     if captured is None:  # the first check layer: every reused token is still active
                         share = DeviationShares.of(scores["deviation"])
                         if guard is not None and schedule_for is not None and ratio is not None:
@@ -292,7 +295,11 @@ def forward(
                 if query_attention is not None:
                     scores["query"] = query_attention[act[rows.to(device)]]
                 keep = ~reused_rows
-                chosen = _choose(scores, selection, round(checks[layer] * num_reused))
+                count = round(checks[layer] * num_reused)
+                if ranking is None:
+                    chosen = _choose(scores, selection, count)
+                else:
+                    chosen = ranking[act[rows.to(device)]].topk(min(count, rows.numel())).indices
                 keep[rows[chosen.cpu()]] = True
                 recomputed = int((keep & reused_rows).sum())
             if keep is not None:
@@ -451,6 +458,19 @@ class DeviationShares:
         n = len(self.cumulative)
         count = min(round(r * n), n)
         return 1.0 if n == 0 else (self.cumulative[count - 1] if count else 0.0)
+
+
+def _deviation_score(model: LayerModel, deviation: str, keys, values, start, act, rows) -> torch.Tensor:
+    """Per reused row, how far its fresh K or V (``deviation`` "k", "v") is
+    from its reused one, summed over a tensor-parallel group's heads; "kv":
+    the key and the value deviation, each over its mean across the rows, added
+    (the two differ in scale by orders of magnitude)."""
+    rows = rows.to(act.device)
+    chosen = [pair for name, pair in (("k", keys), ("v", values)) if name in deviation]
+    parts = [_over_ranks(model, _deviation(fresh, stored, start, act, rows)) for fresh, stored in chosen]
+    if len(parts) == 1:
+        return parts[0]
+    return sum(part / part.mean().clamp(min=torch.finfo(part.dtype).tiny) for part in parts)
 
 
 def _deviation(fresh, stored, start, act, rows):

@@ -285,3 +285,42 @@ def test_queries_far_apart_attend_in_separate_groups():
     scores = torch.einsum("hqd,hkd->hqk", q, K.repeat_interleave(2, dim=0)) * D**-0.5
     weights = scores.masked_fill(~visible_keys(reuse, T, None), float("-inf")).softmax(-1)
     torch.testing.assert_close(got, weights @ V.repeat_interleave(2, dim=0), atol=1e-5, rtol=1e-5)
+
+
+def test_a_given_ranking_chooses_the_recomputed_tokens(model, ids):
+    """``ranking`` (the oracle benchmark's token set) replaces the selection:
+    the kept tokens are its top ``ratio`` of the reused ones, whatever the
+    deviation says, and the walk otherwise costs what a deviation blend costs."""
+    span = [ReusedSpan(CHUNK.start, recorded(model, ids[CHUNK]))]
+    _, deviation = walk(model, ids, reused=span, schedule=[(1, 0.25)])
+    ranking = torch.zeros(len(ids))
+    ranking[CHUNK] = torch.arange(
+        CHUNK.stop - CHUNK.start, 0, -1, dtype=torch.float32
+    )  # the chunk's first tokens first
+    _, given = walk(model, ids, reused=span, schedule=[(1, 0.25)], ranking=ranking)
+    assert given.kept == tuple(range(CHUNK.start, CHUNK.start + 5))  # a quarter of 20
+    assert given.kept != deviation.kept and given.token_layers == deviation.token_layers
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.35])
+def test_key_and_value_deviation_together_weigh_each_by_its_mean(model, ids, ratio):
+    """deviation="kv" ranks by the key deviation over its mean plus the value
+    deviation over its mean, computed here from the check layer's own keys
+    and values. At these ratios key and value deviation alone choose
+    differently (so the sum is seen to weigh both: it sides with values at
+    0.3 and with keys at 0.35 on this model)."""
+    span = [ReusedSpan(CHUNK.start, recorded(model, ids[CHUNK]))]
+    kept = {d: walk(model, ids, reused=span, schedule=[(1, ratio)], deviation=d)[1].kept for d in ("k", "v", "kv")}
+    assert kept["k"] != kept["v"]
+    # the check layer's fresh K (after RoPE) and V against the reused ones, by hand: layer 0 computed
+    # every token, so layer 1's fresh K and V are full prefill's
+    full, reused = recorded(model, ids), recorded(model, ids[CHUNK])
+    rotary = model.rotary(torch.arange(len(ids)))
+    rows = torch.arange(CHUNK.start, CHUNK.stop)
+    with torch.inference_mode():
+        fresh_k = rotary(1, full[1, 0].clone())[:, rows]
+        old_k = rotary(1, torch.cat([full[1, 0, :, : CHUNK.start], reused[1, 0], full[1, 0, :, CHUNK.stop :]], 1))
+    dk = (fresh_k - old_k[:, rows]).pow(2).sum(dim=(0, 2))
+    dv = (full[1, 1][:, rows] - reused[1, 1]).pow(2).sum(dim=(0, 2))
+    both = dk / dk.mean() + dv / dv.mean()
+    assert set(kept["kv"]) == set((CHUNK.start + both.topk(round(ratio * 20)).indices).tolist())

