@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .distill import TuneError, TuneOptions, tune
+from .distill import TuneError, TuneOptions, option_flag, resumed_options, tune
 from .prompts import DocumentsError
 
 HELP = {
@@ -42,21 +42,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--documents", nargs="+", required=True, metavar="PATH", help="text files or folders")
     parser.add_argument("--out", required=True, help="directory of the tuned model (must not exist)")
     parser.add_argument("--questions", metavar="FILE", help="questions, one per line (default: the recipe's)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT.partial")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint in OUT.partial with its options (any given must equal them, --steps aside)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     defaults = TuneOptions()
     for f in dataclasses.fields(TuneOptions):
-        if f.name == "steps":  # None: the default, or the checkpoint's with --resume
-            parser.add_argument("--steps", type=int, help=HELP["steps"] + f" (default {defaults.steps})")
-            continue
+        # SUPPRESS: an option left out is absent from args, so --resume can tell it from one given
         kind = {"int": int, "float": float}.get(str(f.type), float if f.name == "target" else str)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), type=kind, default=getattr(defaults, f.name), help=HELP[f.name]
-        )
+        text = HELP[f.name] + (f" (default {defaults.steps})" if f.name == "steps" else "")
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=argparse.SUPPRESS, help=text)
     args = parser.parse_args(argv)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneOptions) if hasattr(args, f.name)}
     try:
-        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneOptions) if f.name != "steps"}
-        options = TuneOptions(**given, **({} if args.steps is None else {"steps": args.steps}))
+        if args.resume:
+            options = resumed_options(args.out, given)
+            kept = [
+                option_flag(f.name, getattr(options, f.name))
+                for f in dataclasses.fields(options)
+                if f.name not in given
+            ]
+            if kept:  # what the run goes on with that the command line did not say
+                print(f"resuming with the checkpoint's {', '.join(kept)}", file=sys.stdout)
+        else:
+            options = TuneOptions(**given)
         questions = []
         if args.questions:
             questions = [q.strip() for q in Path(args.questions).read_text().splitlines() if q.strip()]
@@ -69,7 +80,6 @@ def main(argv: list[str] | None = None) -> None:
             options=options,
             questions=questions,
             resume=args.resume,
-            steps=args.steps,
             progress=not args.no_progress,
             on_eval=lambda step, block, full: tqdm.write(
                 f"step {step}: held-out KL block {block:.4f}, full {full:.4f}"

@@ -31,9 +31,10 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -130,10 +131,41 @@ class TuneResult:
     steps: int
     held_out_kl: list[tuple[int, float, float]] = field(default_factory=list)  # (step, block KL, full KL)
     seconds: float = 0.0
+    learning_rates: list[float] = field(default_factory=list)  # the rate each step took, resumed ones included
 
 
 class TuneError(ValueError):
     """Tuning cannot start as asked; nothing was written."""
+
+
+def resumed_options(out: str | os.PathLike, given: Mapping[str, Any] | None = None) -> TuneOptions:
+    """The options of the unfinished tuning into ``out`` (its checkpoint's), with the ``given`` ones (by
+    field name). A given option may only equal the checkpoint's, ``steps`` aside (a resumed tuning may
+    stop sooner or go on longer): resuming with other options would train on other prompts or at
+    another rate than the steps done, so a TuneError names each that differs."""
+    out = Path(out)
+    saved = TuneOptions(**_read_meta(out.with_name(out.name + ".partial") / CHECKPOINT)["options"])
+    _refuse_other_options(given or {}, saved)
+    return dataclasses.replace(saved, **(given or {}))
+
+
+def _refuse_other_options(given: Mapping[str, Any], saved: TuneOptions) -> None:
+    differing = [
+        f"{option_flag(name, value)} differs from the checkpoint's {_shown(getattr(saved, name))}"
+        for name, value in given.items()
+        if name != "steps" and value != getattr(saved, name)
+    ]
+    if differing:
+        raise TuneError(f"--resume: {'; '.join(differing)}: resume with the checkpoint's options or start a new run")
+
+
+def option_flag(name: str, value: object) -> str:
+    """An option as the command line takes it: "--learning-rate 5e-05"."""
+    return f"--{name.replace('_', '-')} {_shown(value)}"
+
+
+def _shown(value: object) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def tune(
@@ -150,14 +182,15 @@ def tune(
 ) -> TuneResult:
     """Tune ``model`` on prompts made from ``documents`` and write the tuned
     model directory to ``out`` (see the module's docstring). ``resume``:
-    continue from the checkpoint in ``out + ".partial"``, with its options.
-    ``steps``: the total steps, in place of the options' (or the
-    checkpoint's): a resumed tuning may stop sooner or go on longer."""
+    continue from the checkpoint in ``out + ".partial"``, with its options;
+    ``options`` given with it must equal them, but for ``steps``
+    (``resumed_options``). ``steps``: the total steps, in place of the
+    options' (or the checkpoint's): a resumed tuning may stop sooner or go on
+    longer."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
-    options = options or TuneOptions()
     out = Path(out)
     work = out.with_name(out.name + ".partial")
     if out.exists():
@@ -173,9 +206,15 @@ def tune(
                 f"--resume: the checkpoint in {str(checkpoint)!r} was made from {meta['base_model']!r} "
                 f"(fingerprint {meta['base_fingerprint'][:12]}), not from {str(model)!r} ({fingerprint[:12]})"
             )
-        options = TuneOptions(**meta["options"])
+        saved = TuneOptions(**meta["options"])
+        if options is None:
+            options = saved
+        else:  # never replaced silently: options given must be the checkpoint's, but for the steps
+            _refuse_other_options(dataclasses.asdict(options), saved)
     elif work.exists():
         raise TuneError(f"{str(work)!r} holds an unfinished tuning: pass --resume to continue it, or remove it")
+    if options is None:
+        options = TuneOptions()
     if steps is not None:
         options = dataclasses.replace(options, steps=steps)
     texts = read_documents(documents)
@@ -258,6 +297,7 @@ def tune(
         loss = block + options.full_weight * full
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        result.learning_rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
         result.steps += 1
@@ -324,7 +364,12 @@ def _save_checkpoint(model, optimizer, result: TuneResult, checkpoint: Path, bas
     torch.save(
         {
             "optimizer": optimizer.state_dict(),
-            "progress": {"steps": result.steps, "held_out_kl": result.held_out_kl, "seconds": result.seconds},
+            "progress": {
+                "steps": result.steps,
+                "held_out_kl": result.held_out_kl,
+                "seconds": result.seconds,
+                "learning_rates": result.learning_rates,
+            },
             "python_rng": random.getstate(),
             "torch_rng": torch.get_rng_state(),
         },

@@ -3,6 +3,7 @@ on generated text, its output in both engines, and its errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -134,13 +135,14 @@ def test_bad_input_is_refused_and_leaves_nothing(model_dirs, documents, tmp_path
     assert "argument --target: invalid float value: 'low'" in done.stderr
 
 
+def stop(step, block, full):
+    raise KeyboardInterrupt  # with checkpoint_every=1 and eval_every=2: after step 1's checkpoint, at step 2's measurement
+
+
 def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(model_dirs, documents, tmp_path):
     out = tmp_path / "out"
     # a cosine schedule: resumed, it goes on from the step the checkpoint reached
     options = TuneOptions(**(QUICK | {"steps": 4, "eval_every": 2, "checkpoint_every": 1, "lr_schedule": "cosine"}))
-
-    def stop(step, block, full):
-        raise KeyboardInterrupt  # after the checkpoint of step 1, at step 2's measurement
 
     with pytest.raises(KeyboardInterrupt):
         tune(model_dirs("llama"), [documents], out, options=options, progress=False, on_eval=stop)
@@ -159,6 +161,48 @@ def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(mod
     assert result.steps == 3 and (out / "tuning.json").is_file() and not partial.exists()
     record = json.loads((out / "tuning.json").read_text())
     assert [k["step"] for k in record["held_out_kl"]] == [0, 2, 3] and record["options"]["steps"] == 3
+    # each step took the rate a run of 3 steps never stopped takes at that step: the schedule went on from
+    # the checkpoint's step (a restarted one would give step 2 the first step's rate) and decays over the new total
+    whole = tune(
+        model_dirs("llama"),
+        [documents],
+        tmp_path / "whole",
+        options=dataclasses.replace(options, steps=3),
+        progress=False,
+    )
+    rates = whole.learning_rates
+    assert len(rates) == 3 and rates[0] == options.learning_rate > rates[1] > rates[2] > 0, rates
+    assert result.learning_rates == rates
+
+
+def test_resume_refuses_other_options_than_the_checkpoints_and_says_which_it_keeps(model_dirs, documents, tmp_path):
+    out = tmp_path / "out"
+    options = TuneOptions(**(QUICK | {"steps": 2, "eval_every": 2, "checkpoint_every": 1, "learning_rate": 5e-5}))
+    with pytest.raises(KeyboardInterrupt):
+        tune(model_dirs("llama"), [documents], out, options=options, progress=False, on_eval=stop)
+    meta = out.with_name("out.partial") / "checkpoint" / "meta.json"
+    saved = meta.read_text()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    command = ["-m", "blend_integrations.tune", model_dirs("llama"), "--documents", str(documents), "--out", str(out),
+               "--resume", "--no-progress"]  # fmt: skip
+    # given and not the checkpoint's: refused, each with both values; one equal to it (--seed 0) and --steps may be given
+    done = run_python(*command, "--learning-rate", "1e-4", "--rank", "8", "--seed", "0", "--steps", "3",
+                      timeout=300, env=env, returncode=2)  # fmt: skip
+    assert (
+        "error: --resume: --rank 8 differs from the checkpoint's 16; --learning-rate 0.0001 differs from the "
+        "checkpoint's 5e-05: resume with the checkpoint's options or start a new run"
+    ) in done.stderr
+    assert "resuming" not in done.stdout and meta.read_text() == saved and not out.exists()
+    with pytest.raises(TuneError, match=r"--resume: --learning-rate 0\.0001 differs from the checkpoint's 5e-05: "):
+        tune(
+            model_dirs("llama"), [documents], out, options=dataclasses.replace(options, learning_rate=1e-4), resume=True
+        )
+    # left out, an option is the checkpoint's, and the command says which it kept
+    done = run_python(*command, "--seed", "0", timeout=600, env=env)
+    kept = done.stdout.splitlines()[0]
+    assert kept.startswith("resuming with the checkpoint's --steps 2, --rank 16, --alpha 32, --learning-rate 5e-05,")
+    assert "--seed" not in kept
+    assert json.loads((out / "tuning.json").read_text())["options"] == dataclasses.asdict(options)
 
 
 def test_the_adapter_alone_merges_once_into_the_same_checkpoint(tuned, model_dirs, tmp_path):
