@@ -92,6 +92,7 @@ def serve_command(
         dtype=dtype,
         tensor_parallel_size=tensor_parallel_size,
         walk_attention=walk_attention,
+        model_dir=model if os.path.isdir(model) else None,
     )
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     for name, value in args.items():

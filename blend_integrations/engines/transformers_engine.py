@@ -48,7 +48,7 @@ class TransformersEngine(Engine):
         self.config = config or BlendConfig()
         store = engine_store(store, self.config)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, model_dir)
         self.dtype_name = dtype_name(self.dtype)
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # The walk calls the model's modules and attends itself; the model's own

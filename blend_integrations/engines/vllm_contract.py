@@ -104,12 +104,15 @@ def blend_engine_args(
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
     walk_attention: str = "auto",
+    model_dir: str | None = None,
 ) -> dict:
     """The vLLM engine arguments blending needs, by vLLM's argument names: the
     embedded engine passes them to ``vllm.LLM``, the server launcher as flags.
-    dtype "auto" is float32 on CPU, bfloat16 on CUDA, as for the transformers engine."""
+    dtype "auto" resolves as for the transformers engine (``resolve_dtype``:
+    bfloat16 on CUDA, and on a CPU with bfloat16 instructions for a bfloat16
+    checkpoint, ``model_dir``; else float32)."""
     args = {
-        "dtype": dtype_name(resolve_dtype(dtype, torch.device("cuda" if on_gpu else "cpu"))),
+        "dtype": dtype_name(resolve_dtype(dtype, torch.device("cuda" if on_gpu else "cpu"), model_dir)),
         "max_model_len": max_model_len,
         "tensor_parallel_size": tensor_parallel_size,
         "load_format": "blend",  # vLLM's default loading; hands the model to the connector

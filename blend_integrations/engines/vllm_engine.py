@@ -110,6 +110,7 @@ class VLLMEngine(Engine):
             config=self.config,
             on_gpu=on_gpu,
             dtype=dtype,
+            model_dir=model_dir,
             max_model_len=max_model_len or int(hf_config.max_position_embeddings),
             tensor_parallel_size=tensor_parallel_size,
             walk_attention=walk_attention,

@@ -3,7 +3,9 @@ runs in. One resolution for every engine, the server and the chunk keys."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -41,10 +43,38 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or a torch device, got {device!r}") from exc
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto": bfloat16 on CUDA, float32 on the CPU (CPU bf16 matmuls are slow)."""
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def checkpoint_dtype(model_dir: str | os.PathLike | None) -> str | None:
+    """The dtype a checkpoint directory's config names ("bfloat16", ...), None if none."""
+    if model_dir is None:
+        return None
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    named = config.get("dtype") or config.get("torch_dtype")
+    return named if isinstance(named, str) else None
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, device: torch.device, model_dir: str | os.PathLike | None = None
+) -> torch.dtype:
+    """ "auto": bfloat16 on CUDA; on a CPU, bfloat16 for a bfloat16 checkpoint
+    (``model_dir``) where the CPU multiplies bfloat16 natively (there a 0.5B
+    model's prefill ran several times faster than in float32), else float32
+    (without those instructions CPU bfloat16 matmuls are slow)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (checkpoint_dtype(model_dir) == "bfloat16" and cpu_has_bfloat16()):
+            return torch.bfloat16
+        return torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")

@@ -41,7 +41,7 @@ import torch
 from ..config import BlendConfig
 from ..models import check_supported
 from ..models.adapters import RECORD, merge_adapter
-from ..models.loading import dtype_name, resolve_device, resolve_model_dir
+from ..models.loading import cpu_has_bfloat16, dtype_name, resolve_device, resolve_model_dir
 from ..prompt import TokenizedPrompt, bos_id_added
 from ..store import model_fingerprint
 from .prompts import RECIPES, make_prompts, read_documents
@@ -108,15 +108,6 @@ class TuneOptions:
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def cpu_has_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_tune_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -14,10 +14,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from blend_integrations import ChunkStore, load_engine
 from blend_integrations.chat import rag_prompt
 from blend_integrations.models.gguf import converted_dir
+from blend_integrations.models.loading import cpu_has_bfloat16, resolve_dtype
 from blend_integrations.models.packaged import MODELS, QWEN25_CODER_05B, QWEN25_CODER_15B
 from blend_integrations.prompt import bos_id_added
 from tests.fixtures.exactness import exact_at_ratio_one
@@ -31,16 +33,25 @@ DOCS = [
 QUESTION = "Who founded Harbor Press?"
 
 
+# dtype "auto" on a CPU: the checkpoint's bfloat16 where the CPU multiplies it natively, else float32
+AUTO = "bfloat16" if cpu_has_bfloat16() else "float32"
+
+
 @pytest.fixture(scope="module")
 def qwen05_engine(qwen05_gguf, tmp_path_factory):
-    """The transformers engine on the converted 0.5B checkpoint, in the dtype it was converted to."""
+    """The transformers engine on the converted 0.5B checkpoint, dtype "auto"."""
     engine = load_engine(
-        str(converted_dir(qwen05_gguf, dtype="bfloat16")),
-        store=ChunkStore(tmp_path_factory.mktemp("qwen-store")),
-        dtype="bfloat16",
-        device="cpu",
+        str(QWEN25_CODER_05B.checkpoint()), store=ChunkStore(tmp_path_factory.mktemp("qwen-store")), device="cpu"
     )
     return engine, rag_prompt(DOCS, QUESTION, engine.tokenizer, engine.config.separator)
+
+
+def test_auto_takes_a_bfloat16_checkpoints_dtype_where_the_cpu_has_bfloat16(qwen05_gguf, smollm2_gguf):
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, QWEN25_CODER_05B.checkpoint()) == getattr(torch, AUTO)
+    assert resolve_dtype("auto", cpu, converted_dir(smollm2_gguf)) == torch.float32  # a float32 checkpoint
+    assert resolve_dtype("auto", torch.device("cuda"), converted_dir(smollm2_gguf)) == torch.bfloat16
+    assert resolve_dtype("float32", cpu, QWEN25_CODER_05B.checkpoint()) == torch.float32
 
 
 def test_the_packaged_models_are_named_and_pinned():
@@ -113,27 +124,23 @@ def test_a_joined_file_that_is_not_the_pinned_one_is_refused(qwen05_wheels, tmp_
 
 def test_qwen_on_the_transformers_engine(qwen05_engine):
     engine, prompt = qwen05_engine
-    assert engine.num_layers == 24 and bos_id_added(engine.tokenizer) is None
+    assert engine.num_layers == 24 and bos_id_added(engine.tokenizer) is None and engine.dtype_name == AUTO
     engine.warm(DOCS)
     full = exact_at_ratio_one(engine, prompt, num_chunks=4, max_tokens=12, tolerance=0.0)
     assert "Ada Lind" in full.text  # a real model reads its documents
 
 
 def test_qwen_on_the_vllm_engine(qwen05_engine, qwen05_gguf, tmp_path):
-    """vLLM serves the same checkpoint in bfloat16 and shares the transformers
-    engine's chunks; blend at r=1 gives its own full prefill's tokens (the walk
-    and vLLM's kernels round bfloat16 differently: log-probabilities within 0.05)."""
+    """vLLM serves the same checkpoint in the same dtype and shares the
+    transformers engine's chunks; blend at r=1 gives its own full prefill's
+    tokens (the walk and vLLM's kernels round bfloat16 differently:
+    log-probabilities within 0.05)."""
     engine, prompt = qwen05_engine
     llm = load_engine(
-        str(converted_dir(qwen05_gguf, dtype="bfloat16")),
-        backend="vllm",
-        store=engine.store,
-        dtype="bfloat16",
-        max_model_len=2048,
-        kv_cache_gib=1,
+        str(QWEN25_CODER_05B.checkpoint()), backend="vllm", store=engine.store, max_model_len=2048, kv_cache_gib=1
     )
     try:
-        assert llm.fingerprint == engine.fingerprint
+        assert (llm.fingerprint, llm.dtype_name) == (engine.fingerprint, AUTO)
         engine.warm(DOCS)
         full = exact_at_ratio_one(llm, prompt, num_chunks=4, max_tokens=12, tolerance=0.05)
         assert "Ada Lind" in full.text
