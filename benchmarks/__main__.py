@@ -6,7 +6,22 @@ import sys
 
 from blend_integrations.engines.vllm_host import tcmalloc_preload
 
-from . import calibration, codecs, drift, fuzz, hma, newcomer, oracle, profile, quality, readme, store, ttft, tuning, vllm_bench
+from . import (
+    calibration,
+    codecs,
+    drift,
+    fuzz,
+    hma,
+    newcomer,
+    oracle,
+    profile,
+    quality,
+    readme,
+    store,
+    ttft,
+    tuning,
+    vllm_bench,
+)
 
 PARTS = {
     "ttft": ttft.main,

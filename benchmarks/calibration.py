@@ -46,7 +46,13 @@ PROBES = {
     "documents": "built by calibrate() from the documents alone",
 }
 # The models whose calibrations ship with the package (``--package``), by the name a user knows them by.
-SHIPPED = {"reader": "the bundled reader", "smollm2": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
+SHIPPED = {
+    "reader": "the bundled reader",
+    "smollm2": "SmolLM2-135M-Instruct",
+    "gemma3-270m": "Gemma 3 270M",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
+    "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct",
+}
 CALIBRATION_SEED = 30_000  # the documents calibration probes; the held-out questions use HELD_OUT_SEED
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 
@@ -249,7 +255,8 @@ def summary(out: Path) -> Path:
         )
     path = out / "calibration.md"
     path.write_text(
-        "\n".join(lines) + "\n\nCommand: `python -m benchmarks calibration --model reader|smollm2|gemma3-270m "
+        "\n".join(lines)
+        + "\n\nCommand: `python -m benchmarks calibration --model reader|smollm2|gemma3-270m|qwen2.5-coder-0.5b|qwen2.5-coder-1.5b "
         "--backend transformers|vllm` (each run rewrites this page from every result beside it).\n"
     )
     return path
@@ -257,7 +264,7 @@ def summary(out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks calibration", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="reader", help="reader, smollm2, gemma3-270m or a checkpoint directory")
+    parser.add_argument("--model", default="reader", help=f"{', '.join(SHIPPED)} or a checkpoint directory")
     parser.add_argument("--backend", default="transformers", choices=("transformers", "vllm"))
     parser.add_argument("--prompts", type=int, default=48, help="calibration probe prompts")
     parser.add_argument("--questions", type=int, default=60, help="held-out questions")

@@ -27,20 +27,22 @@ deviation a check layer must predict sits. Agreement: the first 4 generated
 tokens equal full prefill's (on (b) and (c) the reference's full prefill).
 
     python -m benchmarks oracle --model qwen2.5-coder-1.5b --backend vllm [--questions 12]
-        [--ratios 0.05 0.15 0.3] [--settings deviation query ...] [--dtype bfloat16]
+        [--ratios 0.05 0.1 0.15 0.3] [--settings deviation query ...] [--dtype auto]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from blend_integrations.config import BlendConfig
+from blend_integrations.config import BlendConfig, computed_share
 from blend_integrations.engines import load_engine
 from blend_integrations.fusion.walk import KVCache, ReusedSpan, forward
 from blend_integrations.store import ChunkStore
@@ -49,7 +51,7 @@ from . import machine, scratch_dir, write_results
 from .quality import BASE, HELD_OUT_SEED, model_and_task, results_name
 
 AGREE_TOKENS = 4  # agreement: the first tokens equal full prefill's, as calibration counts it
-RATIOS = (0.05, 0.15, 0.3)
+RATIOS = (0.05, 0.1, 0.15, 0.3)
 
 
 def gradual_layers(num_layers: int) -> list[int]:
@@ -64,10 +66,16 @@ def selection_settings(num_layers: int) -> dict[str, dict]:
     return {
         "deviation": {},
         "k-deviation": {"deviation": "k"},
+        "kv-deviation": {"deviation": "kv"},
         "query": {"selection": "query"},
         "mixed": {"selection": "mixed"},
         "gradual": {"check_layers": gradual_layers(num_layers)},
+        # EPIC's LegoLink: every chunk's first tokens recomputed, besides the selection
         "sink4": {"sink_tokens": 4},
+        # ProphetKV: the query's attention over every layer of a reuse pass picks the tokens, which
+        # are then recomputed at every layer; no layer is computed for every token (check layer 0
+        # projects every token's K and V, which no context changes there, and attends for the kept)
+        "prophet": {"selection": "query", "check_layers": [0]},
     }
 
 
@@ -175,7 +183,9 @@ def top_rows(scores: torch.Tensor, rows: torch.Tensor, ratio: float, n: int) -> 
 
 
 def median_speedup(full: list[float], other: list[float]) -> float:
-    return round(statistics.median(full) / statistics.median(other), 2)
+    """The median over prompts of full prefill's time over the mode's, each
+    pair measured on the same prompt minutes apart at most."""
+    return round(statistics.median(f / o for f, o in zip(full, other, strict=True)), 2)
 
 
 def run(args) -> dict:
@@ -273,7 +283,7 @@ def run(args) -> dict:
             "mean_prompt_tokens": round(statistics.fmean(len(tp) for tp in prompts)),
             "documents_per_question": list(task.n_docs),
             "ratios": list(args.ratios),
-            "settings": {name: BASE | changes for name, changes in settings.items()},
+            "settings": {name: config.with_settings(changes).settings() for name, changes in settings.items()},
             "agree_tokens": AGREE_TOKENS,
             "seed": HELD_OUT_SEED,
             "minutes": round((time.time() - started) / 60, 1),
@@ -301,26 +311,41 @@ def markdown(report: dict) -> str:
         f"blend at ratio 1 gave full prefill's tokens on {sum(exact)} of {len(exact)} prompts checked.",
         "",
         f"Agrees: the first {c['agree_tokens']} tokens equal full prefill's. Speedup: full prefill's median time "
-        "to first token over the mode's, measured side by side on the same prompts. Recall: the share of the "
+        "to first token over the mode's on each prompt, measured side by side, median over prompts. Recall: the share of the "
         "oracle set (at the same ratio) the selection recomputed.",
         "",
     ]
-    m = report["modes"]
-    lines += [f"| mode | {' | '.join(f'{r:.2f}' for r in c['ratios'])} |", "|---|" + "---:|" * len(c["ratios"])]
-    lines.append(
-        f"| (d) reuse | {m['reuse']['agree']:.3f}, {m['reuse']['speedup']:.2f}x |" + " |" * (len(c["ratios"]) - 1)
-    )
-    names = [n.rsplit("@", 1)[0] for n in m if n.endswith(f"@{c['ratios'][0]:.2f}")]
+    m, ratios = report["modes"], c["ratios"]
+    head = [f"| mode | {' | '.join(f'{r:.2f}' for r in ratios)} |", "|---|" + "---:|" * len(ratios)]
+    names = [n.rsplit("@", 1)[0] for n in m if n.endswith(f"@{ratios[0]:.2f}")]
+    label = lambda name: name if name.startswith("(") else f"(a) blend, {name}"  # noqa: E731
+    lines += ["Agreement with full prefill (in brackets: recall of the oracle set):", "", *head]
+    lines.append(f"| (d) reuse | {m['reuse']['agree']:.3f} |" + " |" * (len(ratios) - 1))
     for name in names:
+        rows = [m[f"{name}@{r:.2f}"] for r in ratios]
+        cells = [f"{x['agree']:.3f}" + (f" ({x['recall']:.2f})" if "recall" in x else "") for x in rows]
+        lines.append(f"| {label(name)} | {' | '.join(cells)} |")
+    full_ms, reuse_ms = full["ttft_ms"], m["reuse"]["ttft_ms"]
+    lines += [
+        "",
+        f"Speedup over full prefill (in brackets: measured time over predicted; reuse {m['reuse']['speedup']:.2f}x, "
+        f"{reuse_ms:.0f} ms). Predicted: reuse's time, twice for a selection by the query's attention (its reuse "
+        "pass), plus the share of the reused token-layers the setting computes times (full - reuse):",
+        "",
+        *head,
+    ]
+    for name in names:
+        if "speedup" not in m[f"{name}@{ratios[0]:.2f}"]:
+            continue
+        settings = c["settings"][name]
         cells = []
-        for r in c["ratios"]:
+        for r in ratios:
             row = m[f"{name}@{r:.2f}"]
-            cell = f"{row['agree']:.3f}"
-            if "speedup" in row:
-                cell += f", {row['speedup']:.2f}x, recall {row['recall']:.2f}"
-            cells.append(cell)
-        label = name if name.startswith("(") else f"(a) blend, {name}"
-        lines.append(f"| {label} | {' | '.join(cells)} |")
+            share = computed_share(tuple(settings["check_layers"]), r, c["layers"])
+            passes = 2 if settings["selection"] != "deviation" else 1
+            predicted = passes * reuse_ms + share * (full_ms - reuse_ms)
+            cells.append(f"{row['speedup']:.2f}x ({row['ttft_ms'] / predicted:.2f})")
+        lines.append(f"| {label(name)} | {' | '.join(cells)} |")
     lines += ["", "Settings of (a): " + "; ".join(f"{n}: {s}" for n, s in c["settings"].items()), ""]
     dev = report["deviation_by_layer"]
     lines += [
@@ -346,7 +371,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (float32 on a CPU), float32 or bfloat16")
     parser.add_argument("--exact", type=int, default=2, help="prompts on which blend at ratio 1 is checked")
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
+    parser.add_argument("--render", nargs="+", metavar="JSON", help="rewrite these results' pages from their JSON")
     args = parser.parse_args(argv)
+    if args.render:
+        for path in map(Path, args.render):
+            page = path.with_suffix(".md")
+            title, command = page.read_text().split("\n\n", 2)[:2]
+            page.write_text(f"{title}\n\n{command}\n\n{markdown(json.loads(path.read_text()))}\n")
+        return
     if any(not 0.0 < r < 1.0 for r in args.ratios):
         parser.error("--ratios must lie strictly between 0 and 1")
     known = selection_settings(28)

@@ -1,0 +1,73 @@
+"""The oracle benchmark (benchmarks/oracle.py) on the bundled reader: its
+reference walk, its patch and its recompute given a token set are full
+prefill where they must be, and the benchmark writes its tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import oracle
+from benchmarks.quality import BASE, HELD_OUT_SEED, TASKS
+from blend_integrations import BlendConfig, ChunkStore, load_engine
+from blend_integrations.quality import reader_model_dir
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory):
+    engine = load_engine(
+        str(reader_model_dir()), store=ChunkStore(tmp_path_factory.mktemp("store")), config=BlendConfig(**BASE)
+    )
+    example = TASKS["reader"].examples(1, HELD_OUT_SEED)[0]
+    engine.warm(example.documents)
+    return engine, TASKS["reader"].prompt(example, engine.tokenizer)
+
+
+def test_the_oracle_at_every_token_is_full_prefill(reader):
+    """Patching every chunk token with full prefill's KV, or recomputing all of
+    them with a given ranking, gives full prefill's tokens; patching none of
+    them leaves the reused KV, whose deviation the reference measures."""
+    engine, tp = reader
+    walk = oracle.Oracle(engine, tokens=4)
+    with torch.inference_mode():
+        ref = walk.reference(tp)
+        assert ref.tokens == engine.generate(tp, mode="full", max_tokens=4).token_ids[:4]
+        layers = engine.num_layers
+        every = torch.ones(layers, len(tp), dtype=torch.bool)
+        assert walk.patched(tp, ref, every) == ref.tokens
+        ranking = torch.zeros(len(tp))
+        ranking[ref.chunk_rows] = 1.0
+        assert walk.recomputed(tp, ref, ranking, 1.0, check_layer=1) == ref.tokens
+    dv, dk, rows = oracle.deviations(ref)
+    assert rows.numel() == sum(b - a for a, b in tp.chunk_spans)
+    assert dv.shape == dk.shape == (layers, rows.numel())
+    # the first layer's values and keys (before RoPE) depend on no context; later layers' do
+    assert float(dv[0].max()) < 1e-6 and float(dk[0].max()) < 1e-6
+    assert float(dv[layers - 1].mean()) > 1e-3
+
+
+def test_the_benchmark_writes_and_renders_its_tables(tmp_path, capsys):
+    oracle.main(
+        ["--model", "reader", "--questions", "2", "--ratios", "0.15", "--settings", "deviation", "prophet"]
+        + ["--out", str(tmp_path)]
+    )
+    report = json.loads((tmp_path / "oracle-reader-transformers.json").read_text())
+    assert report["full"]["exact_at_ratio_one"] == [True, True]
+    modes = report["modes"]
+    assert set(modes) == {
+        "reuse",
+        "deviation@0.15",
+        "prophet@0.15",
+        "(b) recompute, oracle set@0.15",
+        "(c) oracle patch, one set@0.15",
+        "(c) oracle patch, set per layer@0.15",
+    }
+    assert all(0.0 <= m["agree"] <= 1.0 for m in modes.values())
+    assert 0.0 <= modes["deviation@0.15"]["recall"] <= 1.0 and modes["prophet@0.15"]["speedup"] > 0
+    assert report["config"]["settings"]["prophet"]["check_layers"] == [0]
+    page = (tmp_path / "oracle-reader-transformers.md").read_text()
+    assert "| (a) blend, prophet |" in page and "Deviation by layer" in page
+    oracle.main(["--render", str(tmp_path / "oracle-reader-transformers.json")])
+    assert (tmp_path / "oracle-reader-transformers.md").read_text() == page
