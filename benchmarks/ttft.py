@@ -6,6 +6,8 @@ chunks of 512 tokens each in a new order every run, chunks warmed in the
 store beforehand. Prints each mode's median TTFT, the speedup over full
 prefill, and the compute ceiling of DESIGN section 5 for the recompute set
 actually used (``compute_ceiling``: token-layers of full prefill over the mode's).
+With several ``--kv-codec`` values every codec's store is timed in the same
+rounds, against one full prefill per round (``ttft-codecs.md``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,10 +33,12 @@ from . import (
     compute_ceiling,
     machine,
     model_options,
+    scratch_dir,
     setup_line,
     shuffled_prompts,
     write_results,
 )
+from .codecs import codec_name
 
 
 def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> list[list[int]]:
@@ -51,37 +54,45 @@ def make_chunks(tokenizer, n_chunks: int, chunk_tokens: int, seed: int = 0) -> l
 
 
 def run(args) -> Iterator[dict]:
-    """One report per prompt size in ``args.chunks`` (one engine, one store),
-    each as soon as it is measured."""
+    """One report per prompt size in ``args.chunks`` (one engine, a store per
+    codec in ``args.kv_codecs``), each as soon as it is measured."""
     torch.manual_seed(0)
     sizes = sorted(args.chunks)
     context = max(8192, 2 ** (max(sizes) * args.chunk_tokens + 256).bit_length())
     model_dir, label, suffix = bench_model(args.model, **model_options(args), context=context)
-    store_dir = tempfile.mkdtemp(prefix="blend-bench-store-")
     check_layer = 1
-    # "Memory": every chunk of the prompt held in this process (the tier's limit
-    # is no limit here); "disk": the same store with no memory tier.
-    stores = {"size_limit_bytes": 2**40, "kv_codec": args.kv_codec}
-    memory = ChunkStore(store_dir, memory_limit_bytes=2**40, **stores)
-    disk = ChunkStore(store_dir, memory_limit_bytes=0, **stores)
+    # Per codec, "memory": every chunk of the prompt held in this process (the
+    # tier's limit is no limit here); "disk": the same store with no memory tier.
+    stores = {}
+    for codec in args.kv_codecs:
+        store_dir = scratch_dir(f"blend-bench-store-{codec_name(codec)}-")
+        options = {"size_limit_bytes": 2**40, "kv_codec": codec}
+        stores[codec] = (
+            ChunkStore(store_dir, memory_limit_bytes=2**40, **options),
+            ChunkStore(store_dir, memory_limit_bytes=0, **options),
+        )
     engine = load_engine(
         model_dir,
-        store=memory,
+        store=stores[args.kv_codecs[0]][0],
         dtype=args.dtype,
         device=args.device,
         config=BlendConfig(check_layers=(check_layer,)),
     )
     chunks = make_chunks(engine.tokenizer, max(sizes), args.chunk_tokens)
-    engine.warm(chunks, progress=True)
+    for memory, _ in stores.values():
+        engine.store = memory
+        engine.warm(chunks, progress=True)
+    name = "-codecs" if len(stores) > 1 else f"-{args.kv_codecs[0]}" if args.kv_codecs[0] else ""
     for n_chunks in sizes:
-        report = measure(args, engine, chunks[:n_chunks], memory, disk, check_layer)
-        codec = f"-{args.kv_codec}" if args.kv_codec else ""
-        report["config"] = {"model": label, "results": "ttft" + suffix + codec, **report["config"]}
+        report = measure(args, engine, chunks[:n_chunks], stores, check_layer)
+        report["config"] = {"model": label, "results": "ttft" + suffix + name, **report["config"]}
         yield report
 
 
-def measure(args, engine, chunks, memory: ChunkStore, disk: ChunkStore, check_layer: int) -> dict:
-    """Every mode's TTFT on prompts of ``chunks`` in a new order each round."""
+def measure(args, engine, chunks, stores: dict[str | None, tuple[ChunkStore, ChunkStore]], check_layer: int) -> dict:
+    """Every mode's TTFT on prompts of ``chunks`` in a new order each round,
+    from each codec's (memory, disk) stores in ``stores``. One store: today's
+    report; several: ``results`` by codec name, each beside the same full prefill."""
     L = engine.layers.num_layers
     prompt = shuffled_prompts(chunks)
     # (name, mode, ratio, selection)
@@ -91,48 +102,59 @@ def measure(args, engine, chunks, memory: ChunkStore, disk: ChunkStore, check_la
     cases += [(f"blend@{r:.2f} {s}", "blend", r, s) for s in args.selections for r in args.ratios]
     # The same reuse and blend with every chunk read from disk (no in-process memory tier).
     cases += [("reuse (disk)", "reuse", None, None), ("blend@0.15 (disk)", "blend", 0.15, None)]
-    gens: dict[str, list] = {name: [] for name, *_ in cases}
+    # Full prefill reads no store: one per round serves every codec. The codecs
+    # take turns at each mode, so each codec's ratio pairs with that round's full.
+    first = next(iter(stores))
+    turns = [(first, cases[0])] + [(codec, case) for case in cases[1:] for codec in stores]
+    gens: dict[tuple[str | None, str], list] = {(codec, case[0]): [] for codec, case in turns}
+    for codec in stores:
+        gens[codec, "full"] = gens[first, "full"]
     # Modes take turns within every round, so drift in machine speed hits all alike.
     for round_ in range(args.repeats + 1):
-        for name, mode, ratio, selection in cases:
+        for codec, (name, mode, ratio, selection) in turns:
+            memory, disk = stores[codec]
             engine.store = disk if name.endswith("(disk)") else memory
             g = engine.generate(prompt(), max_tokens=1, mode=mode, recompute_ratio=ratio, selection=selection)
             if round_:  # round 0 warms up
-                gens[name].append(g)
-    engine.store = memory
-    results = {
-        name: summarize(gens[name], L, check_layer, mode, selection or "deviation")
-        for name, mode, _, selection in cases
-    }
-
-    # Speedup: the median over rounds of full / mode within the same round.
-    # Paired ratios cancel the slow swings in machine speed that a shared VM
-    # shows (seen here: the same prefill varying by 30% between minutes).
-    for name, row in results.items():
-        paired = [f.ttft_s / g.ttft_s for f, g in zip(gens["full"], gens[name])]
-        row["speedup"] = statistics.median(paired)
-        # the middle half of the rounds' ratios: how far one round strays
-        row["speedup_quartiles"] = _quartiles(paired)
-        row["of_ceiling"] = row["speedup"] / row["ceiling"]
-        # What the engine's own full and reuse times predict: reuse, plus the
-        # computed share (1 / ceiling) of what full prefill adds to it.
-        full, reuse = results["full"]["ttft_ms"], results["reuse"]["ttft_ms"]
-        row["predicted_ms"] = reuse + (full - reuse) / row["ceiling"]
-        row["of_predicted"] = row["ttft_ms"] / row["predicted_ms"]
+                gens[codec, name].append(g)
+    engine.store = stores[first][0]
+    by_codec = {}
+    for codec in stores:
+        results = {
+            name: summarize(gens[codec, name], L, check_layer, mode, selection or "deviation")
+            for name, mode, _, selection in cases
+        }
+        # Speedup: the median over rounds of full / mode within the same round.
+        # Paired ratios cancel the slow swings in machine speed that a shared VM
+        # shows (seen here: the same prefill varying by 30% between minutes).
+        for name, row in results.items():
+            paired = [f.ttft_s / g.ttft_s for f, g in zip(gens[codec, "full"], gens[codec, name])]
+            row["speedup"] = statistics.median(paired)
+            # the middle half of the rounds' ratios: how far one round strays
+            row["speedup_quartiles"] = _quartiles(paired)
+            row["of_ceiling"] = row["speedup"] / row["ceiling"]
+            # What the engine's own full and reuse times predict: reuse, plus the
+            # computed share (1 / ceiling) of what full prefill adds to it.
+            full, reuse = results["full"]["ttft_ms"], results["reuse"]["ttft_ms"]
+            row["predicted_ms"] = reuse + (full - reuse) / row["ceiling"]
+            row["of_predicted"] = row["ttft_ms"] / row["predicted_ms"]
+        by_codec[codec_name(codec)] = results
+    single = len(stores) == 1
+    codecs = {"kv_codec": first} if single else {"kv_codecs": list(by_codec)}
     return {
         "config": {
             "dtype": engine.dtype_name,
             "machine": machine(),
             "device": str(engine.device),
             "chunks": f"{len(chunks)} x {args.chunk_tokens} tokens",
-            "prompt_tokens": results["full"]["prompt_tokens"],
+            "prompt_tokens": by_codec[codec_name(first)]["full"]["prompt_tokens"],
             "check_layer": check_layer,
-            "kv_codec": args.kv_codec,
+            **codecs,
             "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d"),
         },
-        "results": results,
+        "results": by_codec[codec_name(first)] if single else by_codec,
     }
 
 
@@ -186,6 +208,33 @@ def render(report: dict) -> str:
         "\npredicted = reuse + (full - reuse) / compute ceiling: the time this engine's own full prefill and "
         "reuse predict for the tokens a blend computes (1 / ceiling is the share of token-layers computed)."
     )
+    return "\n".join(lines)
+
+
+def render_codecs(report: dict) -> str:
+    """Several codecs' stores side by side: each mode's median TTFT and full / mode per codec."""
+    cfg = report["config"]
+    codecs = cfg["kv_codecs"]
+    lines = [
+        setup_line(cfg)
+        + f"check layer {cfg['check_layer']}; a store per codec ({', '.join(codecs)}), each warmed with the "
+        "same chunks; in a coded store every tier, memory included, keeps the codes and the walk decodes every "
+        f"layer on every reuse; {cfg['repeats']} rounds, each one full prefill (it reads no store) then every "
+        f"codec's modes in turn; {cfg['date']}. full / mode: the median of the rounds' paired ratios "
+        "(middle half), each codec's against the same full prefill.",
+        "",
+        "| mode | " + " | ".join(f"{c} (ms) | {c}: full / mode" for c in codecs) + " |",
+        "|---|" + "---:|---:|" * len(codecs),
+    ]
+    for name in report["results"][codecs[0]]:
+        cells = []
+        for c in codecs:
+            r = report["results"][c][name]
+            q1, q3 = r["speedup_quartiles"]
+            cells.append(
+                f"{r['ttft_ms']:.0f} | {r['speedup']:.2f}x" + ("" if name == "full" else f" ({q1:.2f}-{q3:.2f})")
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -258,32 +307,44 @@ def main(argv=None) -> None:
     )
     p.add_argument(
         "--kv-codec",
-        choices=KV_CODECS,
+        nargs="+",
+        choices=("raw", *KV_CODECS),
+        default=["raw"],
         help="keep the chunks coded (the store's kv_codec; results named ttft-...-CODEC): reuse and blend then "
-        "include decoding them, on the engine's device",
+        "include decoding them, on the engine's device; several codecs are timed side by side in one run, a store "
+        "each, against the same full prefill (results named ttft-...-codecs)",
     )
-    p.add_argument("--out", default="docs/results", help="directory for ttft.md and ttft.json ('' to skip)")
+    p.add_argument(
+        "--out", default="docs/results", help="directory for the results, ttft.md and ttft.json by default ('' to skip)"
+    )
     args = p.parse_args(argv)
+    if len(set(args.kv_codec)) < len(args.kv_codec):
+        p.error(f"argument --kv-codec: a codec given twice: {' '.join(args.kv_codec)}")
+    args.kv_codecs = [None if c == "raw" else c for c in args.kv_codec]
+    show = render if len(args.kv_codecs) == 1 else render_codecs
     reports = []
     for report in run(args):
         reports.append(report)
-        print(render(report) + "\n", flush=True)
-    text = "\n\n".join(render(r) for r in reports)
+        print(show(report) + "\n", flush=True)
+    text = "\n\n".join(show(r) for r in reports)
     if args.out:
         stem = reports[0]["config"]["results"]
         if len(reports) > 1:
             stem += "-" + "-".join(f"{round(r['config']['prompt_tokens'] / 1024)}k" for r in reports)
         command = " ".join(["python -m benchmarks ttft", *(argv if argv is not None else sys.argv[1:])])
+        single = len(args.kv_codecs) == 1
         out = write_results(
             args.out,
             stem,
-            "Time to first token: full prefill vs reuse vs blend",
+            "Time to first token: full prefill vs reuse vs blend"
+            + ("" if single else f", from stores kept {', '.join(args.kv_codec)}"),
             text,
             reports[0] if len(reports) == 1 else {"runs": reports},
             command=f"`{command}`" + (" (`make bench` runs it)." if command == "python -m benchmarks ttft" else "."),
-            extra=f"\n![TTFT per mode, and speedup against the computed share]({stem}.png)\n",
+            extra=f"\n![TTFT per mode, and speedup against the computed share]({stem}.png)\n" if single else "",
         )
-        plot(reports[-1], out / f"{stem}.png")
+        if single:
+            plot(reports[-1], out / f"{stem}.png")
 
 
 if __name__ == "__main__":
