@@ -11,7 +11,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home: set
 import gradio as gr
 import pandas as pd
 
-from .session import RECOMPUTED, REUSED, AskError, DemoSession, highlighted, summary
+from .session import RECOMPUTED, REUSED, AskError, DemoSession, highlighted, summary, verdict
 
 COLORS = {RECOMPUTED: "#f97316", REUSED: "#dbeafe"}
 EXPLAINED = (
@@ -23,8 +23,19 @@ EXPLAINED = (
 
 
 def _table(stats: dict[str, object]) -> str:
-    rows = "\n".join(f"| {name} | {value} |" for name, value in stats.items())
+    # a fallback's reason is free text: a "|" or a line break in it would end its cell
+    cells = {name: str(value).replace("|", "\\|").replace("\n", " ") for name, value in stats.items()}
+    rows = "\n".join(f"| {name} | {value} |" for name, value in cells.items())
     return f"| | |\n|---|---:|\n{rows}"
+
+
+def _ttft_plot(history: list[dict]) -> gr.ScatterPlot:
+    """The session's TTFTs by question. Questions are categories "1", "2", ...
+    in asking order: on a numeric axis Vega-Lite ticks one question as
+    "1.000000" and several at fractions of a question."""
+    data = pd.DataFrame(history, columns=["question", "answer", "ttft_ms"]).astype({"question": str})
+    numbers = sorted({h["question"] for h in history})
+    return gr.ScatterPlot(value=data, sort=[str(n) for n in numbers])
 
 
 def _reordered(order: list[str], picked: list[str]) -> list[str]:
@@ -74,8 +85,11 @@ def build_page(session: DemoSession, documents: dict[str, str]) -> gr.Blocks:
                         label="Recompute ratio",
                         info='"auto": the calibrated policy (full prefill where blending cannot hold quality)',
                         scale=1,
+                        elem_id="ratio-mode",
                     )
-                    ratio = gr.Slider(0.0, 1.0, value=0.15, step=0.05, label="fixed ratio", scale=2)
+                    ratio = gr.Slider(
+                        0.0, 1.0, value=0.15, step=0.05, label="fixed ratio", scale=2, elem_id="fixed-ratio"
+                    )
                 ask = gr.Button("Ask", variant="primary", elem_id="ask")
                 message = gr.Markdown("", elem_id="message")
                 with gr.Row():
@@ -89,7 +103,15 @@ def build_page(session: DemoSession, documents: dict[str, str]) -> gr.Blocks:
                         full_stats = gr.Markdown(elem_id="full-stats")
         gr.Markdown(f"### What blending recomputed\n{EXPLAINED}")
         marks = gr.HighlightedText(color_map=COLORS, show_legend=True, label="the prompt's documents", elem_id="marks")
-        plot = gr.ScatterPlot(x="question", y="ttft_ms", color="answer", title="Time to first token (ms) per question")
+        plot = gr.ScatterPlot(
+            x="question",
+            y="ttft_ms",
+            color="answer",
+            title="Time to first token per question",
+            x_title="question",
+            y_title="TTFT (ms)",
+            elem_id="ttft-plot",
+        )
 
         picked.change(lambda p, o: gr.update(value=_reordered(o, p)), [picked, order], order)
         reverse.click(lambda o: o[::-1], order, order)
@@ -132,8 +154,8 @@ def build_page(session: DemoSession, documents: dict[str, str]) -> gr.Blocks:
                 blend_stats: _table(summary(blend)),
                 full_stats: _table(summary(full)),
                 marks: highlighted(session.engine, blend, answered.prompt),
-                plot: pd.DataFrame(session.history),
-                message: f"Blending answered {full.ttft_s / blend.ttft_s:.2f}x sooner than full prefill.",
+                plot: _ttft_plot(session.history),
+                message: verdict(blend, full),
             }
 
         # one question at a time on the one engine: a second tab's waits in Gradio's queue

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..chat import rag_prompt
+from ..config import CALIBRATION_SOURCES
 from ..engines import Engine, Generation, load_engine
 from ..prompt import PromptError, TokenizedPrompt
 from ..store import ChunkStore
@@ -77,7 +78,8 @@ class DemoSession:
         self.load_s: float | None = None
         self._loaded = threading.Event()
         self._turn = threading.Lock()
-        self.history: list[dict] = []  # per answered question: its number and each answer's TTFT (ms)
+        self.questions = 0  # questions answered in this session, every tab's
+        self.history: list[dict] = []  # per answer (two a question): the question's number, the side, its TTFT (ms)
 
     def start(self) -> DemoSession:
         threading.Thread(target=self._load, name="blend-ui-load", daemon=True).start()
@@ -148,9 +150,9 @@ class DemoSession:
                     setattr(answered, side, getattr(answered, side) + delta)
                     yield answered
                 answered.generations[side] = stream.result()
-            number = len(self.history) + 1
+            self.questions += 1
             self.history += [
-                {"question": number, "answer": side, "ttft_ms": 1000 * gen.ttft_s}
+                {"question": self.questions, "answer": side, "ttft_ms": float(f"{1000 * gen.ttft_s:.3g}")}
                 for side, gen in answered.generations.items()
             ]
         yield answered
@@ -179,7 +181,7 @@ def highlighted(engine: Engine, generation: Generation, prompt: TokenizedPrompt)
 def summary(generation: Generation) -> dict[str, object]:
     """What a pane shows under its answer."""
     usage = generation.usage
-    return {
+    shown: dict[str, object] = {
         "TTFT (ms)": round(1000 * generation.ttft_s),
         "tokens read from the store": usage.cached_tokens,
         "tokens recomputed": usage.recomputed_tokens,
@@ -187,3 +189,39 @@ def summary(generation: Generation) -> dict[str, object]:
         "ratio source": usage.ratio_source,
         "chunks hit / missed": f"{usage.chunks_hit} / {usage.chunks_missed}",
     }
+    if generation.fallback is not None:
+        shown["fell back to full prefill"] = generation.fallback
+    return shown
+
+
+def verdict(blend: Generation, full: Generation) -> str:
+    """What the page says of the blend side against full prefill. Only a
+    real blend (chunks reused, ratio below 1) is a gain to time; a blend
+    side that fell back, or that ran as full prefill, says so and why."""
+    usage = blend.usage
+    if blend.fallback is not None:
+        return f"**Blending fell back to full prefill:** {blend.fallback}. Both answers are full prefill's."
+    ratio, source = usage.recompute_ratio, usage.ratio_source
+    if ratio is not None and ratio >= 1.0:
+        if source in CALIBRATION_SOURCES:
+            whose = "shipped with this package" if source == "packaged" else "in this store"
+            why = f"the calibration for this model ({whose}) chose ratio 1.0: no lower ratio kept its answers"
+        elif source == "guard":
+            why = "the calibration's per-request guard raised the ratio to 1.0 for this prompt"
+        else:
+            asked = "the ratio asked for" if source == "request" else f"the ratio ({source})"
+            why = f"{asked} is 1.0, so every token read from the store was recomputed"
+        return f"**Blending ran as full prefill:** {why}."
+    if usage.chunks_hit == 0 or usage.cached_tokens == 0:
+        if usage.chunks_computed:
+            why = "the loading controller computed the stored documents instead of loading them"
+        else:
+            why = "the store held none of these documents yet (they are stored now: ask again and they are hits)"
+        return f"**Blending ran as full prefill:** {why}."
+    speedup = full.ttft_s / blend.ttft_s
+    how = f"{usage.recomputed_tokens} of {usage.cached_tokens} stored tokens recomputed"
+    if ratio is not None:
+        how = f"ratio {ratio:g}, {how}"
+    if speedup >= 1:
+        return f"Blending answered {speedup:.2f}x sooner than full prefill ({how})."
+    return f"Blending answered {1 / speedup:.2f}x later than full prefill ({how})."
