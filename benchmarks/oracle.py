@@ -282,6 +282,7 @@ def run(args) -> dict:
             "questions": len(prompts),
             "mean_prompt_tokens": round(statistics.fmean(len(tp) for tp in prompts)),
             "documents_per_question": list(task.n_docs),
+            "two_hop_share": task.two_hop_share,
             "ratios": list(args.ratios),
             "settings": {name: config.with_settings(changes).settings() for name, changes in settings.items()},
             "agree_tokens": AGREE_TOKENS,
@@ -295,8 +296,19 @@ def run(args) -> dict:
             "exact_at_ratio_one": exact,
         },
         "modes": table,
+        # each question's hops, and per mode whether it agreed (in question order)
+        "per_question": {
+            "hops": [e.hops for e in examples],
+            "agree": {n: r["agree"] for n, r in rows.items() if "agree" in r},
+        },
         "deviation_by_layer": {"v": mean_by_layer(v_profile), "k": mean_by_layer(k_profile)},
     }
+
+
+def hop_counts(report: dict) -> str:
+    """ " (N 1-hop, M 2-hop)" where the report has its questions' hops."""
+    hops = report.get("per_question", {}).get("hops")
+    return f" ({hops.count(1)} 1-hop, {hops.count(2)} 2-hop)" if hops else ""
 
 
 def markdown(report: dict) -> str:
@@ -304,7 +316,7 @@ def markdown(report: dict) -> str:
     exact = full["exact_at_ratio_one"]
     lines = [
         f"Model {c['model']} ({c['layers']} layers, {c['dtype']}) on the {c['backend']} engine; {c['machine']}; "
-        f"{c['questions']} held-out questions, {c['documents_per_question'][0]} documents each, "
+        f"{c['questions']} held-out questions{hop_counts(report)}, {c['documents_per_question'][0]} documents each, "
         f"{c['mean_prompt_tokens']} prompt tokens on average; {c['date']}.",
         "",
         f"Full prefill: time to first token {full['ttft_ms']:.0f} ms (median), answers right {full['right']:.3f}; "
