@@ -191,7 +191,13 @@ def test_what_a_policy_costs():
     assert policy_cost({**base, "selection": "query"}, 0.1, 4) == pytest.approx(policy_cost(base, 0.1, 4) + 0.05)
     assert default_variants(BlendConfig(), 4) == [
         {"check_layers": [1, 2]},
-        {"selection": "query"},
+        {"selection": "query", "check_layers": [0]},  # ProphetKV's: no layer computed for every token
+        {"deviation": "k"},
+        {"sink_tokens": 2},
+    ]
+    # from the query selection at layer 0, a deviation selection needs a layer past it
+    assert default_variants(BlendConfig(check_layers=(0,), selection="query"), 4) == [
+        {"selection": "deviation", "check_layers": [1]},
         {"deviation": "k"},
         {"sink_tokens": 2},
     ]
