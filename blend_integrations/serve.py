@@ -59,6 +59,7 @@ from .http_edge import (
 )
 from .models.gguf import gguf_file
 from .models.loading import resolve_model_dir
+from .models.packaged import MODELS
 from .store import ChunkStore
 
 MIDDLEWARES = ("blend_integrations.serve.CheckBlendParams", "blend_integrations.serve.CalibrationRoute")
@@ -310,8 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, extra = parser.parse_known_args(argv)
-    # A GGUF file is served from its converted checkpoint, the one every engine and the chunk keys use.
-    model = resolve_model_dir(args.model) if gguf_file(args.model) is not None else args.model
+    # A GGUF file, or a packaged model's name, is served from its converted checkpoint, the one every
+    # engine and the chunk keys use.
+    packaged = args.model in MODELS and not os.path.exists(args.model)
+    model = resolve_model_dir(args.model) if gguf_file(args.model) is not None or packaged else args.model
     tp = args.tensor_parallel_size
     if tp < 1:
         parser.error(f"--tensor-parallel-size must be at least 1, got {tp}")

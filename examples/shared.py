@@ -72,7 +72,9 @@ def document_folder(text: str) -> Path:
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
-        "--model", help="checkpoint directory, GGUF file or hub id; default: SmolLM2-135M-Instruct (see above)"
+        "--model",
+        help="a packaged model (smollm2, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), checkpoint directory, "
+        "GGUF file or hub id; default: SmolLM2-135M-Instruct (see above)",
     )
     parser.add_argument("--backend", default="transformers", choices=["transformers", "vllm"])
     parser.add_argument("--store", help="chunk store directory (default: the user cache)")

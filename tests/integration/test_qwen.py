@@ -19,7 +19,7 @@ import torch
 from blend_integrations import ChunkStore, load_engine
 from blend_integrations.chat import rag_prompt
 from blend_integrations.models.gguf import converted_dir
-from blend_integrations.models.loading import cpu_has_bfloat16, resolve_dtype
+from blend_integrations.models.loading import cpu_has_bfloat16, resolve_dtype, resolve_model_dir
 from blend_integrations.models.packaged import MODELS, QWEN25_CODER_05B, QWEN25_CODER_15B
 from blend_integrations.prompt import bos_id_added
 from tests.fixtures.exactness import exact_at_ratio_one
@@ -146,3 +146,12 @@ def test_qwen_on_the_vllm_engine(qwen05_engine, qwen05_gguf, tmp_path):
         assert "Ada Lind" in full.text
     finally:
         llm.close()
+
+
+def test_a_packaged_model_loads_by_its_name(qwen05_engine):
+    """``load_engine("qwen2.5-coder-0.5b")`` (and every ``--model`` that goes
+    through ``resolve_model_dir``) is the packaged checkpoint."""
+    engine, _ = qwen05_engine
+    assert resolve_model_dir("qwen2.5-coder-0.5b") == str(QWEN25_CODER_05B.checkpoint())
+    by_name = load_engine("qwen2.5-coder-0.5b", store=engine.store, device="cpu")
+    assert (by_name.fingerprint, by_name.dtype_name) == (engine.fingerprint, engine.dtype_name)
