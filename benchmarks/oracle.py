@@ -316,7 +316,7 @@ def markdown(report: dict) -> str:
     exact = full["exact_at_ratio_one"]
     lines = [
         f"Model {c['model']} ({c['layers']} layers, {c['dtype']}) on the {c['backend']} engine; {c['machine']}; "
-        f"{c['questions']} held-out questions{hop_counts(report)}, {c['documents_per_question'][0]} documents each, "
+        f"{c['questions']} held-out questions{hop_counts(report)}, {'-'.join(map(str, sorted(set(c['documents_per_question']))))} documents each, "
         f"{c['mean_prompt_tokens']} prompt tokens on average; {c['date']}.",
         "",
         f"Full prefill: time to first token {full['ttft_ms']:.0f} ms (median), answers right {full['right']:.3f}; "
