@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..fusion import PrefillPlan, PrefillStats
-from ..fusion.walk import DeviationShares
+from ..fusion.selection import DeviationShares
 from . import stream_usage
 from .blend_metrics import BlendCounters
 from .vllm_contract import not_blended

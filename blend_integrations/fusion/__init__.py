@@ -1,7 +1,8 @@
 """The plan and walk layers: the CacheBlend algorithm in engine-neutral torch code.
 
 ``plan.py`` decides what happens to each chunk of a request, ``walk.py`` runs
-the layers, and ``blender.py`` carries a plan out with the store and the walk.
+the layers (``selection.py``: how its check layers choose the tokens to
+recompute), and ``blender.py`` carries a plan out with the store and the walk.
 """
 
 from .blender import Blender, PrefillStats

@@ -27,7 +27,8 @@ from .controller import LoadingStats
 from .layers import LayerModel, agreed
 from .pipeline import LayerLoader, LoadFailed
 from .plan import COMPUTE, MISS, ChunkKeys, Planner, PrefillPlan, measured_rates
-from .walk import DeviationShares, KVCache, ReusedSpan, ScratchCache, WalkStats, forward
+from .selection import DeviationShares
+from .walk import KVCache, ReusedSpan, ScratchCache, WalkStats, forward
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from torch.profiler import record_function
 
 from ..calibration import Guard
 from ..store import CodedKV
-from .attention import attention_weights
 from .layers import LayerModel
+from .selection import DeviationShares, choose, deviation_score, over_ranks, query_attention
 
 
 @dataclass
@@ -209,10 +209,10 @@ def forward(
     is_query = torch.zeros(T, dtype=torch.bool)
     if query_start is not None:
         is_query[query_start : T - 1 if logits else T] = True
-    query_attention = None  # per new token, the query's attention summed over layers (query-aware blend)
+    query_mass = None  # per new token, the query's attention summed over layers (query-aware blend)
     first_pass = 0  # token-layers of its reuse pass
     if schedule and selection != "deviation" and bool(is_query.any()):
-        query_attention = torch.zeros(T, device=device)
+        query_mass = torch.zeros(T, device=device)
         _, first = forward(
             model,
             cache,
@@ -220,19 +220,19 @@ def forward(
             reused=reused,
             query_start=query_start,
             logits=logits,
-            relevance=query_attention,
+            relevance=query_mass,
             kv_target=kv_target,
         )
         first_pass = first.token_layers
         cache.length = start  # the blend walk below writes every row again
-        query_attention = _over_ranks(model, query_attention)
+        query_mass = over_ranks(model, query_mass)
     act = active.to(device)  # the same indices on the model's device
     h = model.embed(ids[act])
     attention = None  # how the active tokens attend: built for each active set, shared by its layers
     token_layers = 0
     # A query-aware walk's first pass left every layer's reused KV in the cache,
     # rotated, and no row of it has been written since: the blend walk reads it there.
-    to_load = () if query_attention is not None else reused
+    to_load = () if query_mass is not None else reused
     loads = _Loads(cache, start, to_load, load_from, model.num_layers, device)
     try:
         for layer in range(model.num_layers):
@@ -267,7 +267,7 @@ def forward(
                     reused_rows = is_reused[active]
                     rows = torch.nonzero(reused_rows).flatten()
                     # before the fresh KV overwrites the reused KV
-                    scores = {"deviation": _deviation_score(model, deviation, (k, K), (v, V), start, act, rows)}
+                    scores = {"deviation": deviation_score(model, deviation, (k, K), (v, V), start, act, rows)}
                     if captured is None:  # the first check layer: every reused token is still active
                         share = DeviationShares.of(scores["deviation"])
                         if guard is not None and schedule_for is not None and ratio is not None:
@@ -283,7 +283,7 @@ def forward(
                 assert q is not None  # made with K and V: a scoring pass does not defer queries
                 with record_function("walk.query_scoring"):
                     queries = torch.nonzero(is_query[active]).flatten().to(device)
-                    relevance += _query_attention(
+                    relevance += query_attention(
                         q[:, queries],
                         K,
                         positions[act[queries]],
@@ -292,12 +292,12 @@ def forward(
                         model.softcaps[layer],
                     )[start:]
             if layer in checks:
-                if query_attention is not None:
-                    scores["query"] = query_attention[act[rows.to(device)]]
+                if query_mass is not None:
+                    scores["query"] = query_mass[act[rows.to(device)]]
                 keep = ~reused_rows
                 count = round(checks[layer] * num_reused)
                 if ranking is None:
-                    chosen = _choose(scores, selection, count)
+                    chosen = choose(scores, selection, count)
                 else:
                     chosen = ranking[act[rows.to(device)]].topk(min(count, rows.numel())).indices
                 keep[rows[chosen.cpu()]] = True
@@ -431,78 +431,3 @@ class _Loads:
     def close(self) -> None:
         if self.stream is not None:
             self.compute.wait_stream(self.stream)
-
-
-def _over_ranks(model: LayerModel, scores: torch.Tensor) -> torch.Tensor:
-    """Per-token scores summed over a tensor-parallel group's heads: each rank
-    scores its own heads, and every rank must choose the same tokens."""
-    return scores if model.tp is None else model.tp.sum(scores)
-
-
-@dataclass(frozen=True)
-class DeviationShares:
-    """``shares(r)``: the part of the total deviation at the first check layer
-    that the top ``r`` of the reused tokens hold. ``cumulative[i]`` is that
-    part for the top ``i + 1`` tokens (empty when nothing deviates: every
-    share is 1.0); plain floats, so it travels from vLLM's worker as it is."""
-
-    cumulative: tuple[float, ...]
-
-    @classmethod
-    def of(cls, deviation: torch.Tensor) -> DeviationShares:
-        summed = deviation.float().sort(descending=True).values.cumsum(0)
-        total = float(summed[-1]) if summed.numel() else 0.0
-        return cls(tuple((summed / total).tolist()) if total > 0 else ())  # (): every share is 1.0
-
-    def __call__(self, r: float) -> float:
-        n = len(self.cumulative)
-        count = min(round(r * n), n)
-        return 1.0 if n == 0 else (self.cumulative[count - 1] if count else 0.0)
-
-
-def _deviation_score(model: LayerModel, deviation: str, keys, values, start, act, rows) -> torch.Tensor:
-    """Per reused row, how far its fresh K or V (``deviation`` "k", "v") is
-    from its reused one, summed over a tensor-parallel group's heads; "kv":
-    the key and the value deviation, each over its mean across the rows, added
-    (the two differ in scale by orders of magnitude)."""
-    rows = rows.to(act.device)
-    chosen = [pair for name, pair in (("k", keys), ("v", values)) if name in deviation]
-    parts = [_over_ranks(model, _deviation(fresh, stored, start, act, rows)) for fresh, stored in chosen]
-    if len(parts) == 1:
-        return parts[0]
-    return sum(part / part.mean().clamp(min=torch.finfo(part.dtype).tiny) for part in parts)
-
-
-def _deviation(fresh, stored, start, act, rows):
-    """Per reused row (``rows``, indices into the active tokens): squared L2
-    distance over heads and dims between its fresh and its reused K or V."""
-    old = stored[:, start + act[rows]]
-    return (fresh[:, rows].float() - old.float()).pow(2).sum(dim=(0, 2))
-
-
-def _query_attention(q, K, q_pos, window, scale, softcap=None):
-    """Attention the queries ``q`` ``[H, Q, D]`` (at sorted positions
-    ``q_pos``) pay to each key of ``K`` ``[Hkv, N, D]``: softmax over every key
-    each query sees (causal, within its sliding window; scores soft-capped as
-    the layer caps them), summed over heads and queries; ``[N]``."""
-    mass = torch.zeros(K.shape[1], device=q.device)
-    for keys, weights in attention_weights(q, K, q_pos, window, scale, softcap):
-        mass[keys] += weights.sum(dim=(0, 1, 2))
-    return mass
-
-
-def _choose(scores: dict[str, torch.Tensor], selection: str, count: int) -> torch.Tensor:
-    """Indices of the ``count`` reused rows to keep: the top by deviation, by
-    query attention, or (mixed) half by query attention and the rest by
-    deviation. Without query scores (no query tokens) it ranks by deviation."""
-    deviation = scores["deviation"]
-    count = min(count, deviation.numel())
-    if selection == "deviation" or "query" not in scores:
-        return deviation.topk(count).indices
-    query = scores["query"]
-    if selection == "query":
-        return query.topk(count).indices
-    first = query.topk((count + 1) // 2).indices
-    rest = deviation.clone()
-    rest[first] = -1.0  # deviations are >= 0: the chosen rows come last
-    return torch.cat([first, rest.topk(count - first.numel()).indices])

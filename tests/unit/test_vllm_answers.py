@@ -14,7 +14,7 @@ from blend_integrations.engines import stream_usage
 from blend_integrations.engines.vllm_answers import Answers, PassReport, blend_details
 from blend_integrations.fusion import PrefillPlan, PrefillStats
 from blend_integrations.fusion.plan import LOAD, ChunkPlan
-from blend_integrations.fusion.walk import DeviationShares
+from blend_integrations.fusion.selection import DeviationShares
 
 PLAN = PrefillPlan(
     "blend", 0.1, (ChunkPlan(2, 12, "a", LOAD), ChunkPlan(12, 22, "b", LOAD)), 0, ratio_source="calibrated"

@@ -1,0 +1,91 @@
+"""Walk layer: how a check layer chooses the reused tokens to recompute.
+
+Scores per reused token (deviation of fresh from reused K or V, or the
+query's attention from a reuse pass), the choice of the top ones, and the
+share of the deviation a choice covers (which the calibration's guard reads).
+The walk (``walk.py``) calls these at its check layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import attention_weights
+from .layers import LayerModel
+
+
+def over_ranks(model: LayerModel, scores: torch.Tensor) -> torch.Tensor:
+    """Per-token scores summed over a tensor-parallel group's heads: each rank
+    scores its own heads, and every rank must choose the same tokens."""
+    return scores if model.tp is None else model.tp.sum(scores)
+
+
+@dataclass(frozen=True)
+class DeviationShares:
+    """``shares(r)``: the part of the total deviation at the first check layer
+    that the top ``r`` of the reused tokens hold. ``cumulative[i]`` is that
+    part for the top ``i + 1`` tokens (empty when nothing deviates: every
+    share is 1.0); plain floats, so it travels from vLLM's worker as it is."""
+
+    cumulative: tuple[float, ...]
+
+    @classmethod
+    def of(cls, deviation: torch.Tensor) -> DeviationShares:
+        summed = deviation.float().sort(descending=True).values.cumsum(0)
+        total = float(summed[-1]) if summed.numel() else 0.0
+        return cls(tuple((summed / total).tolist()) if total > 0 else ())  # (): every share is 1.0
+
+    def __call__(self, r: float) -> float:
+        n = len(self.cumulative)
+        count = min(round(r * n), n)
+        return 1.0 if n == 0 else (self.cumulative[count - 1] if count else 0.0)
+
+
+def deviation_score(model: LayerModel, deviation: str, keys, values, start, act, rows) -> torch.Tensor:
+    """Per reused row, how far its fresh K or V (``deviation`` "k", "v") is
+    from its reused one, summed over a tensor-parallel group's heads; "kv":
+    the key and the value deviation, each over its mean across the rows, added
+    (the two differ in scale by orders of magnitude)."""
+    rows = rows.to(act.device)
+    chosen = [pair for name, pair in (("k", keys), ("v", values)) if name in deviation]
+    parts = [over_ranks(model, _deviation(fresh, stored, start, act, rows)) for fresh, stored in chosen]
+    if len(parts) == 1:
+        return parts[0]
+    return sum(part / part.mean().clamp(min=torch.finfo(part.dtype).tiny) for part in parts)
+
+
+def _deviation(fresh, stored, start, act, rows):
+    """Per reused row (``rows``, indices into the active tokens): squared L2
+    distance over heads and dims between its fresh and its reused K or V."""
+    old = stored[:, start + act[rows]]
+    return (fresh[:, rows].float() - old.float()).pow(2).sum(dim=(0, 2))
+
+
+def query_attention(q, K, q_pos, window, scale, softcap=None):
+    """Attention the queries ``q`` ``[H, Q, D]`` (at sorted positions
+    ``q_pos``) pay to each key of ``K`` ``[Hkv, N, D]``: softmax over every key
+    each query sees (causal, within its sliding window; scores soft-capped as
+    the layer caps them), summed over heads and queries; ``[N]``."""
+    mass = torch.zeros(K.shape[1], device=q.device)
+    for keys, weights in attention_weights(q, K, q_pos, window, scale, softcap):
+        mass[keys] += weights.sum(dim=(0, 1, 2))
+    return mass
+
+
+def choose(scores: dict[str, torch.Tensor], selection: str, count: int) -> torch.Tensor:
+    """Indices of the ``count`` reused rows to keep: the top by deviation, by
+    query attention, or (mixed) half by query attention and the rest by
+    deviation. Without query scores (no query tokens) it ranks by deviation."""
+    deviation = scores["deviation"]
+    count = min(count, deviation.numel())
+    if selection == "deviation" or "query" not in scores:
+        return deviation.topk(count).indices
+    query = scores["query"]
+    if selection == "query":
+        return query.topk(count).indices
+    first = query.topk((count + 1) // 2).indices
+    rest = deviation.clone()
+    rest[first] = -1.0  # deviations are >= 0: the chosen rows come last
+    return torch.cat([first, rest.topk(count - first.numel()).indices])
