@@ -12,13 +12,8 @@ import pytest
 from blend_integrations import BlendPrompt, ChunkStore, load_engine
 from blend_integrations.models.gguf import converted_dir
 from blend_integrations.prompt import bos_id_added
+from tests.fixtures.documents import DOCS
 
-DOCS = [
-    "Harbor Press was founded in 1921 by Ada Lind in the port town of Bergen.",
-    "Kestrel Glassworks made bottles for the breweries of the valley until 1950.",
-    "The city library moved into the old customs house in 1987.",
-    "Tessel Mills was built on the river Lenn in 1902 and made paper.",
-]
 # a completion prompt, as a base model reads one
 PROMPT = BlendPrompt(
     "Read the documents and answer the question.\n\n",

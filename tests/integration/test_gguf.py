@@ -13,14 +13,7 @@ from blend_integrations.chat import rag_prompt
 from blend_integrations.models.gguf import DONE, GGUFError, converted_dir
 from blend_integrations.models.loading import resolve_model_dir
 from blend_integrations.prompt import bos_id_added
-
-DOCS = [
-    "Harbor Press was founded in 1921 by Ada Lind in the port town of Bergen.",
-    "Kestrel Glassworks made bottles for the breweries of the valley until 1950.",
-    "The city library moved into the old customs house in 1987.",
-    "Tessel Mills was built on the river Lenn in 1902 and made paper.",
-]
-QUESTION = "Who founded Harbor Press?"
+from tests.fixtures.documents import DOCS, QUESTION
 
 
 @pytest.fixture(scope="session")

@@ -22,16 +22,8 @@ from blend_integrations.models.gguf import converted_dir
 from blend_integrations.models.loading import cpu_has_bfloat16, resolve_dtype, resolve_model_dir
 from blend_integrations.models.packaged import MODELS, QWEN25_CODER_05B, QWEN25_CODER_15B
 from blend_integrations.prompt import bos_id_added
+from tests.fixtures.documents import DOCS, QUESTION
 from tests.fixtures.exactness import exact_at_ratio_one
-
-DOCS = [
-    "Harbor Press was founded in 1921 by Ada Lind in the port town of Bergen.",
-    "Kestrel Glassworks made bottles for the breweries of the valley until 1950.",
-    "The city library moved into the old customs house in 1987.",
-    "Tessel Mills was built on the river Lenn in 1902 and made paper.",
-]
-QUESTION = "Who founded Harbor Press?"
-
 
 # dtype "auto" on a CPU: the checkpoint's bfloat16 where the CPU multiplies it natively, else float32
 AUTO = "bfloat16" if cpu_has_bfloat16() else "float32"
