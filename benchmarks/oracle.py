@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=12)
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
     parser.add_argument("--settings", nargs="*", help="a subset of the selection settings (default: all)")
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on a CPU), float32 or bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto (as the engines resolve it), float32 or bfloat16")
     parser.add_argument("--exact", type=int, default=2, help="prompts on which blend at ratio 1 is checked")
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
     parser.add_argument("--render", nargs="+", metavar="JSON", help="rewrite these results' pages from their JSON")

@@ -288,7 +288,11 @@ def main(argv: list[str] | None = None) -> None:
         default=BlendConfig().selection,
         help="how recomputed tokens are chosen: by KV deviation (CacheBlend), by the query's attention, or half each",
     )
-    parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto: bfloat16 on CUDA, and on a CPU with bfloat16 instructions for a bfloat16 checkpoint; else float32",
+    )
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU backend: GiB of RAM for the KV cache")
     parser.add_argument(
         "--tensor-parallel-size",
