@@ -189,3 +189,11 @@ class FaultInjection(BlendWorkerExtension):
         finally:
             model.walk_attention, model._kernel = chosen
         return kept[0], kept[1], float((caches[0] - caches[1]).abs().max())
+
+    def blend_model_runner(self) -> dict:
+        """Which of vLLM's model runners this worker runs, and what its
+        environment says (``VLLM_USE_V2_MODEL_RUNNER``)."""
+        import os
+
+        runner = type(self.model_runner)
+        return {"runner": f"{runner.__module__}.{runner.__name__}", "env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}

@@ -148,6 +148,14 @@ def blend_engine_args(
     return args
 
 
+# vLLM 0.32 on a GPU defaults to its Model Runner V2, whose connector path this
+# connector has never run on; its V1 runner is the one tested (and the CPU
+# backend's default). vLLM reads the choice only from its environment, so the
+# embedded engine and the server launcher start vLLM's processes with it
+# (``blend_engine_env``), and the connector refuses V2 by name (``vllm_limits``).
+V1_MODEL_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
 # vLLM logs its whole config at start-up, kv_connector_extra_config included,
 # so a Redis password must stay out of it: the config carries the URL with the
 # password shown as *** and store_remote_in_env, and the full URL travels in
@@ -165,10 +173,11 @@ def _remote_config(store: ChunkStore) -> dict:
 
 def blend_engine_env(store: ChunkStore, *, tensor_parallel_size: int = 1, on_gpu: bool = False) -> dict[str, str]:
     """The environment variables vLLM's processes need besides the engine
-    arguments: the store's Redis URL when it has a password, and on CPU
-    tcmalloc preloaded (``tcmalloc_preload``) and, with tensor parallelism,
-    a thread binding vLLM can start with."""
-    env = {}
+    arguments: vLLM's V1 model runner (``V1_MODEL_RUNNER``), the store's
+    Redis URL when it has a password, and on CPU tcmalloc preloaded
+    (``tcmalloc_preload``) and, with tensor parallelism, a thread binding
+    vLLM can start with."""
+    env = dict(V1_MODEL_RUNNER)
     if store.remote is not None and redact(store.remote) != store.remote:
         env[REMOTE_ENV] = store.remote
     if not on_gpu:

@@ -8,6 +8,11 @@ hand out wrong KV without a word, so the connector refuses to start with
 them (both of its sides, in every vLLM process), and the embedded engine
 says which one before anything else (``VLLMEngine``). docs/limits.md lists
 them, with the settings shown safe instead.
+
+Some are refused only until a GPU run shows them safe: they are vLLM's
+defaults or common choices on a GPU (asynchronous scheduling, Model Runner
+V2, an fp8 KV cache, context parallelism), and this connector has only run
+on vLLM's CPU backend, which has none of them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ def refused_settings(vllm_config: Any) -> list[tuple[str, str]]:
     """``(setting, why)`` for each setting of a ``VllmConfig`` the connector refuses."""
     role = vllm_config.kv_transfer_config.kv_role
     load_format = vllm_config.load_config.load_format
+    parallel = vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     checks = [
         (
             vllm_config.cache_config.enable_prefix_caching,
@@ -71,6 +79,35 @@ def refused_settings(vllm_config: Any) -> list[tuple[str, str]]:
             vllm_config.parallel_config.pipeline_parallel_size > 1,
             "pipeline_parallel_size",
             "the blend pass walks every layer in one worker; split the model with tensor_parallel_size instead",
+        ),
+        (
+            parallel.decode_context_parallel_size > 1,
+            "decode_context_parallel_size",
+            "decode context parallelism shards a request's KV by token over the ranks, and the blend pass "
+            "writes every token's KV into its own rank's blocks (its slots assume the whole sequence is local); "
+            "start vLLM without --decode-context-parallel-size",
+        ),
+        (
+            parallel.prefill_context_parallel_size > 1,
+            "prefill_context_parallel_size",
+            "prefill context parallelism shards a request's KV by token over the ranks, and the blend pass "
+            "writes every token's KV into its own rank's blocks (its slots assume the whole sequence is local); "
+            "start vLLM without --prefill-context-parallel-size",
+        ),
+        (
+            cache_dtype not in ("auto", model_dtype),
+            "kv_cache_dtype",
+            f"kv_cache_dtype is {cache_dtype!r} and the model's dtype {model_dtype}: a KV cache in another "
+            "dtype (fp8 and the other quantized ones above all) holds KV the blend pass's attention, over "
+            "its own dense copy, never read, and quantized with scales its writes are not shown to share "
+            "(not yet checked on a GPU); start vLLM with --kv-cache-dtype auto",
+        ),
+        (
+            vllm_config.use_v2_model_runner,
+            "use_v2_model_runner",
+            "vLLM's Model Runner V2 (its default on a GPU) runs KV connectors on a path this connector has "
+            "never been run on; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 in its environment (the embedded "
+            "engine and python -m blend_integrations.serve set it)",
         ),
     ]
     return [(name, why) for refused, name, why in checks if refused]

@@ -36,27 +36,78 @@ REFUSED = {
     "enable_lora": {"enable_lora": True},
     "pipeline_parallel_size": {"pipeline_parallel_size": 2},
     "async_scheduling": {},  # vLLM's CPU backend never schedules asynchronously: set below as a GPU's config has it
+    # vLLM's CPU config refuses both context parallelisms itself (DCP must divide tensor_parallel_size=1,
+    # and its V1 model runner has no PCP): set below on the built config, as a GPU's with them has them.
+    "decode_context_parallel_size": {},
+    "prefill_context_parallel_size": {},
+    "kv_cache_dtype": {"kv_cache_dtype": "fp8"},
+    # Model Runner V2, vLLM's default on a GPU: building it on a CPU fails (it needs Triton), so the
+    # config is built with V1 and VLLM_USE_V2_MODEL_RUNNER=1 is set below, read when the connector checks.
+    "use_v2_model_runner": {},
+}
+SET_AFTER_BUILD = {
+    "async_scheduling": ("scheduler_config", True),
+    "decode_context_parallel_size": ("parallel_config", 2),
+    "prefill_context_parallel_size": ("parallel_config", 2),
 }
 
 
+@pytest.fixture
+def v2_model_runner(monkeypatch):
+    """VLLM_USE_V2_MODEL_RUNNER=1 for the rest of the test, read by vLLM's
+    config when asked (vLLM reads its environment lazily, unless an engine
+    started in this process cached it: uncached for this test)."""
+    import vllm.envs as envs
+
+    monkeypatch.setattr(envs, "__getattr__", getattr(envs.__getattr__, "__wrapped__", envs.__getattr__))
+
+    def switch(on: bool) -> None:
+        if on:
+            monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        else:
+            monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+
+    return switch
+
+
 @pytest.mark.parametrize("setting", REFUSED)
-def test_the_connector_refuses_each_setting_by_name(model_dirs, tmp_path, setting):
+def test_the_connector_refuses_each_setting_by_name(model_dirs, tmp_path, setting, v2_model_runner):
     """Each side of the connector refuses to start in a vLLM configured so
     (as a hand-started ``vllm serve`` could be), naming the setting."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from blend_integrations.engines.vllm_connector import BlendConnector
 
+    v2_model_runner(False)
     config = vllm_config(model_dirs("llama"), tmp_path, **REFUSED[setting])
-    if setting == "async_scheduling":
-        config.scheduler_config.async_scheduling = True
+    if setting in SET_AFTER_BUILD:
+        part, value = SET_AFTER_BUILD[setting]
+        setattr(getattr(config, part), setting, value)
+    if setting == "use_v2_model_runner":
+        assert config.use_v2_model_runner is False
+        v2_model_runner(True)
+        assert config.use_v2_model_runner is True  # read from the environment when asked
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(UnsupportedSetting, match=f"the blend connector refuses {setting}: ") as refused:
             BlendConnector(config, role)
         assert refused.value.settings == [setting]
         assert "docs/limits.md" in str(refused.value)
+    if setting == "use_v2_model_runner":
+        assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(refused.value)
+        v2_model_runner(False)
     # and what blending needs, untouched, starts
     BlendConnector(vllm_config(model_dirs("llama"), tmp_path), KVConnectorRole.SCHEDULER)
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "bfloat16"])
+def test_a_kv_cache_in_another_dtype_than_the_models_is_refused(model_dirs, tmp_path, dtype):
+    """Every fp8 KV cache, and one in another plain dtype than the model's
+    (this model is float32), until a GPU run shows it safe."""
+    from blend_integrations.engines.vllm_limits import refused_settings
+
+    config = vllm_config(model_dirs("llama"), tmp_path, kv_cache_dtype=dtype)
+    [(name, why)] = refused_settings(config)
+    assert name == "kv_cache_dtype" and f"kv_cache_dtype is {dtype!r} and the model's dtype float32" in why
 
 
 def test_the_embedded_engine_refuses_prefix_caching_by_name(model_dirs, tmp_path):

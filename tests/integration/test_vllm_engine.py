@@ -228,10 +228,12 @@ def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeyp
     assert "hunter2" not in json.dumps(args)
     assert extra["store_remote"] == "redis://blend:***@cache-host:6380/3" and extra["store_remote_in_env"] is True
     assert (extra["store_remote_size_limit_bytes"], extra["store_remote_timeout_s"]) == (2**20, 0.5)
-    # on a CPU, with tcmalloc preloaded for vLLM's processes where it is installed
+    # on a CPU, with tcmalloc preloaded for vLLM's processes where it is installed; everywhere with
+    # vLLM's V1 model runner (vllm_limits refuses V2, vLLM's default on a GPU)
     preload = tcmalloc_preload()
-    assert blend_engine_env(store) == {"BLEND_STORE_REMOTE": url} | ({"LD_PRELOAD": preload} if preload else {})
-    assert blend_engine_env(store, on_gpu=True) == {"BLEND_STORE_REMOTE": url}
+    v1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert blend_engine_env(store) == v1 | {"BLEND_STORE_REMOTE": url} | ({"LD_PRELOAD": preload} if preload else {})
+    assert blend_engine_env(store, on_gpu=True) == v1 | {"BLEND_STORE_REMOTE": url}
 
     # the connector's side: the full URL from the environment vLLM's processes inherit
     with pytest.raises(
@@ -263,7 +265,7 @@ def test_engine_args_carry_the_redis_tier_without_its_password(tmp_path, monkeyp
     assert (extra["store_remote"], extra["store_remote_in_env"], blend_engine_env(plain, on_gpu=True)) == (
         "redis://cache-host:6380/3",
         False,
-        {},
+        v1,
     )
     assert connector_store_args(extra)["remote"] == "redis://cache-host:6380/3"
 
@@ -321,6 +323,19 @@ def test_vllm_workers_run_on_tcmalloc_where_it_is_installed(vllm_engine):
     assert vllm_engine.llm.collective_rpc("blend_allocator") == [expected]
 
 
+def test_vllm_workers_run_vllms_v1_model_runner(vllm_engine):
+    """The engine starts vLLM's processes with VLLM_USE_V2_MODEL_RUNNER=0
+    (``blend_engine_env``): on a GPU vLLM would pick its Model Runner V2, which
+    the connector refuses (``vllm_limits``); on a CPU V1 is vLLM's default too."""
+    [worker] = vllm_engine.llm.collective_rpc("blend_model_runner")
+    assert worker["env"] == "0"
+    # V1: vllm/v1/worker/{cpu,gpu}_model_runner.py; V2: vllm/v1/worker/{cpu,gpu}/model_runner.py
+    assert worker["runner"] in (
+        "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+    )
+
+
 def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, capsys):
     from blend_integrations import serve
 
@@ -329,6 +344,7 @@ def test_serve_passes_the_redis_url_in_the_environment(tmp_path, monkeypatch, ca
     serve.main(["some/model", "--store", str(tmp_path), "--store-remote", url, "--print", "--port", "8000"])
     words = shlex.split(capsys.readouterr().out)
     assert f"BLEND_STORE_REMOTE={url}" in words  # the environment to run it with
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in words[: words.index("-m")]  # vLLM's V1 model runner (vllm_limits)
     cmd = words[words.index("-m") - 1 :]
     assert "hunter2" not in " ".join(cmd) and cmd[-2:] == ["--port", "8000"]
     extra = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
