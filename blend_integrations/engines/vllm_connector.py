@@ -96,7 +96,7 @@ from .blend_metrics import BlendCounters, store_reads
 from .vllm_answers import Answers, PassReport
 from .vllm_contract import BlendParams, blend_params_of
 from .vllm_host import process_allocator
-from .vllm_limits import check_vllm_config
+from .vllm_limits import check_vllm_config, kv_block_size
 from .vllm_messages import BlendConnectorMetadata, BlendJob, BlendWorkerMetadata
 from .vllm_served import ServedModel, served_tokenizer
 from .vllm_stats import BlendConnectorStats, BlendPromMetrics
@@ -114,7 +114,7 @@ class BlendConnector(KVConnectorBase_V1):
         served = ServedModel.of(vllm_config)
         self.config = served.config
         self.walk_attention = served.walk_attention
-        self.block_size = vllm_config.cache_config.block_size
+        self.block_size = kv_block_size(vllm_config, kv_cache_config)  # the KV cache spec's (vllm_limits)
         self.tokenizer_name = vllm_config.model_config.tokenizer
         store_args = dict(served.store_args)
         if role == KVConnectorRole.SCHEDULER:

@@ -118,3 +118,39 @@ def check_vllm_config(vllm_config: Any) -> None:
     problems = refused_settings(vllm_config)
     if problems:
         raise UnsupportedSetting(problems)
+
+
+def kv_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Tokens per block of the KV cache the blend pass writes: the block
+    size of its KV cache group's spec, what vLLM's own slot mapping uses (an
+    attention backend may set it apart from ``cache_config.block_size``).
+    The connector writes the blocks of group 0 (``block_ids[0]``), so every
+    attention layer must be in that one group: vLLM turns its hybrid KV cache
+    manager off for this connector (it does not declare ``SupportsHMA``), and
+    then puts a model's sliding-window and full layers (Gemma 2 and 3) in one
+    group of full-attention specs. Several groups, or a group of something
+    else than attention KV (a Mamba state), are refused by name."""
+    if kv_cache_config is None:
+        # No spec to read: vLLM 0.32 and 0.33 give both sides one, but a caller may not (the
+        # scheduler side never uses the block size). The setting is then the best there is.
+        return int(vllm_config.cache_config.block_size)
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec if groups else None
+    layers = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    if len(groups) != 1 or not all(isinstance(s, AttentionSpec) for s in layers):
+        kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
+        raise UnsupportedSetting(
+            [
+                (
+                    "kv_cache_groups",
+                    f"vLLM made {len(groups)} KV cache group(s) for this model: {kinds or 'none'}; the blend "
+                    "pass writes attention KV into one group's blocks, so every layer must be in one group of "
+                    "attention KV (start vLLM with --disable-hybrid-kv-cache-manager, and serve a model with "
+                    "attention layers only)",
+                )
+            ]
+        )
+    assert spec is not None  # one group
+    return int(spec.block_size)

@@ -110,6 +110,46 @@ def test_a_kv_cache_in_another_dtype_than_the_models_is_refused(model_dirs, tmp_
     assert name == "kv_cache_dtype" and f"kv_cache_dtype is {dtype!r} and the model's dtype float32" in why
 
 
+def kv_cache_config(*groups):
+    """vLLM's own ``KVCacheConfig`` with these ``(layer names, spec)`` groups."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for names, spec in groups],
+    )
+
+
+def test_the_worker_reads_its_block_size_from_the_kv_cache_spec(model_dirs, tmp_path):
+    """The blend pass's cache slots use the block size of the KV cache group
+    it writes, as vLLM's own slot mapping does, not ``cache_config.block_size``
+    (an attention backend may set it apart). Several groups, or one that
+    holds no attention KV, are refused by name on both sides."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from blend_integrations.engines.vllm_connector import BlendConnector
+
+    config = vllm_config(model_dirs("llama"), tmp_path)
+    assert config.cache_config.block_size == 32
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    worker = BlendConnector(config, KVConnectorRole.WORKER, kv_cache_config((layers, full)))
+    assert worker.block_size == 16
+    # without a KV cache config (vLLM 0.32 gives both sides one; a caller may not): the setting
+    assert BlendConnector(config, KVConnectorRole.SCHEDULER).block_size == 32
+
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
+    mamba = MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,))
+    for groups in [((layers[:2], full), (layers[2:], window)), ((layers, mamba),)]:
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(UnsupportedSetting, match="refuses kv_cache_groups: vLLM made") as refused:
+                BlendConnector(config, role, kv_cache_config(*groups))
+            assert refused.value.settings == ["kv_cache_groups"]
+
+
 def test_the_embedded_engine_refuses_prefix_caching_by_name(model_dirs, tmp_path):
     """The reported bug: with vLLM's prefix cache on, a full-prefill request
     after a blended one got the blended answer. Now the engine does not start,
