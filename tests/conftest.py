@@ -131,6 +131,9 @@ def any_engine(request):
 
 
 VLLM_REDIS_PASSWORD = "vllm-secret"
+# The session vLLM engine's KV cache in tokens: above max_model_len (2048), so vLLM starts, and below
+# a few prompts' worth, so concurrent requests are preempted.
+KV_CACHE_TOKENS = 3072
 
 
 @pytest.fixture(scope="session")
@@ -140,19 +143,25 @@ def vllm_engine(model_dirs, store, redis_server):
     Its store is the session store's directory with the session's Redis server as its remote tier,
     reached as a user with a password, so that the password's way into vLLM's processes is used too.
     """
+    from blend_integrations.engines.vllm_contract import engine_block_size
+    from blend_integrations.models.loading import resolve_device
+
     redis_server.client().acl_setuser(
         "blend", enabled=True, passwords=[f"+{VLLM_REDIS_PASSWORD}"], keys=["*"], categories=["+@all"]
     )
     remote = f"redis://blend:{VLLM_REDIS_PASSWORD}@127.0.0.1:{redis_server.port}/0"
-    # A small KV cache (96 blocks of 32 tokens) so that concurrent requests get preempted for real.
-    # Its worker extension can also inject faults into the blend pass (tests/blend_faults.py).
+    # A small KV cache (KV_CACHE_TOKENS) so that concurrent requests get preempted for real, asked for
+    # in blocks of the size the engine sets (32 tokens on a CPU: 96 blocks; 16 on a GPU, where
+    # kv_cache_gib does not apply). Its worker extension can also inject faults into the blend pass
+    # (tests/blend_faults.py).
+    on_gpu = resolve_device("auto").type == "cuda"
     engine = load_engine(
         model_dirs("llama"),
         backend="vllm",
         store=ChunkStore(store.path, remote=remote),
         max_model_len=2048,
         kv_cache_gib=1,
-        num_gpu_blocks_override=96,
+        num_gpu_blocks_override=KV_CACHE_TOKENS // engine_block_size(on_gpu),
         disable_log_stats=False,
         # SDPA here, vLLM's kernel in the family and tensor-parallel tests: both ways are
         # tested on any CPU ("auto" picks one per machine; its test makes the worker choose).

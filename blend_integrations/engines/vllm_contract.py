@@ -143,9 +143,20 @@ def blend_engine_args(
         # worked (vllm_limits; vLLM's CPU backend never schedules asynchronously).
         "async_scheduling": False,
     }
+    args["block_size"] = engine_block_size(on_gpu)
     if not on_gpu:
-        args |= {"enforce_eager": True, "block_size": 32}  # the CPU backend needs blocks of a multiple of 32
+        args["enforce_eager"] = True
     return args
+
+
+def engine_block_size(on_gpu: bool) -> int:
+    """Tokens per KV cache block the engine arguments set (``block_size``),
+    known before vLLM starts, so that a KV cache sized in tokens can be asked
+    for in blocks (``num_gpu_blocks_override``): 32 on a CPU (its backend
+    needs a multiple of 32), 16 on a GPU (FlashAttention's own, and what
+    vLLM's other CUDA attention backends accept too). The connector reads the
+    block size vLLM settles on from its KV cache spec (``vllm_limits.kv_block_size``)."""
+    return 16 if on_gpu else 32
 
 
 # vLLM 0.32 on a GPU defaults to its Model Runner V2, whose connector path this

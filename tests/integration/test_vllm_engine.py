@@ -16,6 +16,7 @@ from blend_integrations.engines.vllm_contract import (
     blend_engine_env,
     check_vllm_version,
     connector_store_args,
+    engine_block_size,
 )
 from blend_integrations.engines.vllm_host import tcmalloc_library, tcmalloc_preload
 from blend_integrations.fusion.plan import Planner
@@ -175,12 +176,32 @@ def test_unsupported_vllm_version(version):
     check_vllm_version("0.33.0")
 
 
+def test_the_session_engines_kv_cache_is_sized_in_tokens(vllm_engine):
+    """conftest asks for KV_CACHE_TOKENS (3,072) in blocks of the size the
+    engine arguments set (32 tokens on a CPU, 16 on a GPU's FlashAttention):
+    whatever the block size, vLLM holds that many tokens, over max_model_len."""
+    import torch
+
+    cache = vllm_engine.llm.llm_engine.vllm_config.cache_config
+    on_gpu = torch.cuda.is_available()
+    assert cache.block_size == engine_block_size(on_gpu) == (16 if on_gpu else 32)
+    assert cache.num_gpu_blocks * cache.block_size == 3072 > vllm_engine.context_length
+
+
+def test_engine_args_set_the_block_size_on_either_device(tmp_path):
+    store = ChunkStore(tmp_path, remote="")
+    for on_gpu, size in ((False, 32), (True, 16)):
+        args = blend_engine_args(store=store, config=BlendConfig(), max_model_len=2048, on_gpu=on_gpu)
+        assert args["block_size"] == engine_block_size(on_gpu) == size
+
+
 def test_preempted_requests_are_blended_again(vllm_engine):
     """When vLLM preempts a request for lack of KV blocks and resumes it later in new
     blocks, the connector must run the blend pass into those blocks again."""
     from tests.fixtures.local_models import sample_text
 
-    # 12 requests of about 12 blocks each at their end: well over the engine's 96 blocks (8 sat on the edge)
+    # 12 requests of about 380 tokens each at their end: well over the engine's KV cache of 3,072 tokens
+    # (conftest's KV_CACHE_TOKENS; 8 requests sat on the edge)
     docs = [" ".join(sample_text(6, seed=7000 + i)) for i in range(12)]
     vllm_engine.warm(docs)
     prompts = [
