@@ -197,3 +197,19 @@ class FaultInjection(BlendWorkerExtension):
 
         runner = type(self.model_runner)
         return {"runner": f"{runner.__module__}.{runner.__name__}", "env": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}
+
+    def blend_memory_limit(self, limit: int | None, rank: int | None = None) -> None:
+        """From now on, the blend pass of tensor-parallel rank ``rank`` (every
+        rank: None) may allocate at most ``limit`` bytes beyond vLLM's budget,
+        as ``kv_connector_extra_config.blend_memory_limit_bytes`` would set it;
+        None: the engine's own setting again."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from blend_integrations.engines.vllm_served import ServedModel
+
+        connector = get_kv_transfer_group()
+        if limit is None:
+            connector.memory_limit_bytes = ServedModel.of(connector._vllm_config).memory_limit_bytes
+        elif rank is None or get_tp_group().rank_in_group == rank:
+            connector.memory_limit_bytes = limit

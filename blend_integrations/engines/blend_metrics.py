@@ -33,6 +33,7 @@ REASONS = (
     "planning_failed",  # the scheduler could not plan the blend pass
     "prompt_logprobs",  # prompt logprobs were asked for: vLLM computes every prompt token
     "blend_pass_failed",  # the worker's blend pass failed; vLLM recomputed the prompt
+    "blend_memory",  # the blend pass would not fit in free memory (vllm_memory); vLLM computed the prompt
 )
 # Histogram buckets of the recompute ratio.
 RATIO_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)

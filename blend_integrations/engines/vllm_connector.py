@@ -55,8 +55,12 @@ may set ``store_path``, ``store_size_limit_bytes``, ``store_memory_limit_bytes``
 the Redis tier's ``store_remote`` (a URL, or null for none; missing:
 ``$BLEND_STORE_REMOTE``), ``store_remote_in_env`` (true: ``store_remote`` has its
 password replaced by ``***`` and the full URL is ``$BLEND_STORE_REMOTE``),
-``store_remote_size_limit_bytes``, ``store_remote_timeout_s``, and
-``blend_config`` (``BlendConfig`` fields); everything has a default.
+``store_remote_size_limit_bytes``, ``store_remote_timeout_s``,
+``blend_memory_limit_bytes`` (the most a blend pass may allocate beyond
+vLLM's budget, ``vllm_memory``: before it starts, a pass that would not fit
+in that or in free memory is failed, and vLLM computes the request in full,
+reason "blend_memory"), and ``blend_config`` (``BlendConfig`` fields);
+everything has a default.
 
 vLLM 0.32 and 0.33 (``SUPPORTED_VLLM``; tests/unit/test_vllm_versions.py
 reads both) call this connector the same way. 0.33 adds hooks that keep
@@ -97,6 +101,8 @@ from .vllm_answers import Answers, PassReport
 from .vllm_contract import BlendParams, blend_params_of
 from .vllm_host import process_allocator
 from .vllm_limits import check_vllm_config, kv_block_size
+from .vllm_memory import REASON as MEMORY_REASON
+from .vllm_memory import NotEnoughMemory, check_pass_memory, pass_memory, pooled_tokens
 from .vllm_messages import BlendConnectorMetadata, BlendJob, BlendWorkerMetadata
 from .vllm_served import ServedModel, served_tokenizer
 from .vllm_stats import BlendConnectorStats, BlendPromMetrics
@@ -114,6 +120,7 @@ class BlendConnector(KVConnectorBase_V1):
         served = ServedModel.of(vllm_config)
         self.config = served.config
         self.walk_attention = served.walk_attention
+        self.memory_limit_bytes = served.memory_limit_bytes  # vllm_memory: None, free memory alone
         self.block_size = kv_block_size(vllm_config, kv_cache_config)  # the KV cache spec's (vllm_limits)
         self.tokenizer_name = vllm_config.model_config.tokenizer
         store_args = dict(served.store_args)
@@ -135,7 +142,7 @@ class BlendConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_names: list[str] = []
         self._unsaved: list[PrefillStats] = []
-        self._failed: dict[str, str] = {}  # req_id -> cause, of blend passes that failed, until reported
+        self._failed: dict[str, tuple[str, str]] = {}  # req_id -> (cause, reason) of failed passes, until reported
         self._reports: dict[str, PassReport] = {}  # req_id -> what its blend pass did, until reported
         self._invalid_blocks: set[int] = set()  # their blocks, until reported
         _CONNECTORS.add(self)
@@ -264,7 +271,7 @@ class BlendConnector(KVConnectorBase_V1):
             # step ran) or that the scheduler could not plan (its reason stays) changes nothing.
             for req_id, why in meta.failed.items():
                 if req_id in self._answers.planned:
-                    self._fall_back(req_id, why, "blend_pass_failed", logged=True)
+                    self._fall_back(req_id, why, meta.reasons.get(req_id, "blend_pass_failed"), logged=True)
             for req_id, report in meta.reports.items():
                 self._answers.report(req_id, report)
         self._answers.settle()
@@ -331,11 +338,7 @@ class BlendConnector(KVConnectorBase_V1):
                     self._run(job)
                 except Exception as exc:
                     self._survive(exc, f"the blend pass of request {job.req_id}")
-                    why = f"the blend pass failed: {type(exc).__name__}: {exc}"
-                    peer = isinstance(exc, RanksFailed) and exc.cause is None  # the rank that failed tells why
-                    if not peer:
-                        logger.error("request %s: %s; vLLM computes it in full", job.req_id, why, exc_info=True)
-                    self._fail(job, None if peer else why)
+                    self._fail(job, *self._failure(job.req_id, exc))
 
     @functools.cached_property
     def _ranks(self) -> VLLMRanks | None:
@@ -354,11 +357,26 @@ class BlendConnector(KVConnectorBase_V1):
             logger.critical("%s failed on tensor-parallel rank %d between collectives", what, self._ranks.rank)
             raise exc
 
-    def _fail(self, job: BlendJob, why: str | None) -> None:
+    def _failure(self, req_id: str, exc: Exception) -> tuple[str | None, str]:
+        """Log why a blend pass failed; (why, reason) to report, why None on a
+        rank that stopped for another's (which tells why)."""
+        cause = exc.cause if isinstance(exc, RanksFailed) else exc
+        if cause is None:
+            return None, "blend_pass_failed"
+        if isinstance(cause, NotEnoughMemory):  # checked before the pass allocated anything
+            rank = f"tensor-parallel rank {self._ranks.rank}: " if self._ranks is not None else ""
+            why = f"{rank}{cause}"
+            logger.warning("request %s is computed in full, not blended: %s", req_id, why)
+            return why, MEMORY_REASON
+        why = f"the blend pass failed: {type(exc).__name__}: {exc}"
+        logger.error("request %s: %s; vLLM computes it in full", req_id, why, exc_info=True)
+        return why, "blend_pass_failed"
+
+    def _fail(self, job: BlendJob, why: str | None, reason: str = "blend_pass_failed") -> None:
         """Report the job's blocks as failed to load (vLLM then computes the
         request in full), and tell the scheduler why (None: another rank does)."""
         if why is not None:
-            self._failed[job.req_id] = why
+            self._failed[job.req_id] = (why, reason)
         self._invalid_blocks.update(job.block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -374,6 +392,12 @@ class BlendConnector(KVConnectorBase_V1):
         with contextlib.ExitStack() as stack:
             with agreed(self._ranks):
                 blender = self._attach()
+                # What the pass allocates beyond vLLM's budget, against what is free: every rank decides here
+                need = pass_memory(
+                    blender.model, job.plan, len(job.token_ids), pooled_tokens=pooled_tokens(blender.request_caches)
+                )
+                ranks = self._ranks.size if self._ranks is not None else 1
+                check_pass_memory(need, blender.model.device, ranks=ranks, limit=self.memory_limit_bytes)
                 # The walk writes every layer into the request's blocks and attends there.
                 layers = [self._kv_caches[name] for name in self._layer_names]
                 paged = PagedCache(layers, job.block_ids, self.block_size)
@@ -396,7 +420,9 @@ class BlendConnector(KVConnectorBase_V1):
         if rates == self._rates and not failed and not reports:
             return None
         self._rates = rates
-        return BlendWorkerMetadata(rates, failed, reports)
+        causes = {req_id: why for req_id, (why, _) in failed.items()}
+        reasons = {req_id: reason for req_id, (_, reason) in failed.items()}
+        return BlendWorkerMetadata(rates, causes, reports, reasons)
 
     def save_unsaved(self) -> None:
         """Store the chunks that missed. A chunk that cannot be saved is

@@ -34,11 +34,14 @@ class BlendWorkerMetadata(KVConnectorWorkerMetadata):
     loading controller (read bandwidth per store tier in bytes/s, and
     "compute", the walk's token-layers per second; None until measured), the
     requests whose blend pass failed this step, with the cause, and what the
-    passes that ran did (the same on every tensor-parallel rank)."""
+    passes that ran did (the same on every tensor-parallel rank). ``reasons``:
+    a failed pass's ``blend_metrics.REASONS`` name, where it is not
+    "blend_pass_failed" ("blend_memory": ``vllm_memory``)."""
 
     rates: dict[str, float | None]
     failed: dict[str, str] = field(default_factory=dict)
     reports: dict[str, PassReport] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # The workers of one engine blend in lockstep: the slowest sets the pace.
@@ -48,6 +51,7 @@ class BlendWorkerMetadata(KVConnectorWorkerMetadata):
             {k: _slowest(v, other.rates.get(k)) for k, v in self.rates.items()},
             {**other.failed, **self.failed},
             {**other.reports, **self.reports},
+            {**other.reasons, **self.reasons},
         )
 
 

@@ -15,6 +15,7 @@ from ..models.loading import resolve_model_dir
 from ..prompt import bos_id_added
 from ..store import ChunkStore, model_fingerprint
 from .vllm_contract import check_walk_attention, connector_store_args
+from .vllm_memory import MEMORY_LIMIT_KEY, check_memory_limit
 
 
 @functools.lru_cache(maxsize=4)
@@ -44,6 +45,7 @@ class ServedModel:
     config: BlendConfig
     store_args: dict  # ``ChunkStore`` arguments
     walk_attention: str  # how the blend pass attends on a kernel backend (``vllm_contract.WALK_ATTENTION``)
+    memory_limit_bytes: int | None = None  # the most a blend pass may allocate beyond vLLM's (``vllm_memory``)
 
     @classmethod
     def of(cls, vllm_config) -> ServedModel:
@@ -59,6 +61,7 @@ class ServedModel:
             BlendConfig(**extra.get("blend_config", {})),
             connector_store_args(extra),
             check_walk_attention(extra.get("walk_attention", "auto")),
+            check_memory_limit(extra.get(MEMORY_LIMIT_KEY)),
         )
 
     def calibrations(self, store: ChunkStore) -> Calibrations:

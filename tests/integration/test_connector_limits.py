@@ -150,6 +150,26 @@ def test_the_worker_reads_its_block_size_from_the_kv_cache_spec(model_dirs, tmp_
             assert refused.value.settings == ["kv_cache_groups"]
 
 
+def test_the_blend_memory_limit_is_read_and_checked_on_both_sides(model_dirs, tmp_path):
+    """``kv_connector_extra_config.blend_memory_limit_bytes`` (vllm_memory):
+    a non-negative integer, or the connector does not start, naming it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from blend_integrations.engines.vllm_connector import BlendConnector
+
+    config = vllm_config(model_dirs("llama"), tmp_path)
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    assert "blend_memory_limit_bytes" not in extra  # no limit but free memory, by default
+    assert BlendConnector(config, KVConnectorRole.SCHEDULER).memory_limit_bytes is None
+    extra["blend_memory_limit_bytes"] = 2**30
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        assert BlendConnector(config, role).memory_limit_bytes == 2**30
+    extra["blend_memory_limit_bytes"] = "1GiB"
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="blend_memory_limit_bytes must be a non-negative integer .* got '1GiB'"):
+            BlendConnector(config, role)
+
+
 def test_the_embedded_engine_refuses_prefix_caching_by_name(model_dirs, tmp_path):
     """The reported bug: with vLLM's prefix cache on, a full-prefill request
     after a blended one got the blended answer. Now the engine does not start,

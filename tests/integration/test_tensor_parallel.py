@@ -144,6 +144,32 @@ def test_a_pass_that_fails_on_one_rank_falls_back_on_every_rank(vllm_tp2, docs, 
     assert again.token_ids == full.token_ids
 
 
+@pytest.mark.timeout(600)  # ranks that disagreed would wait for each other forever
+def test_a_pass_one_rank_has_no_memory_for_falls_back_on_every_rank(vllm_tp2, docs):
+    """Rank 1 alone is short of memory for the blend pass (a limit of 1 byte
+    on it): the ranks decide together before the walk, so neither enters
+    its collectives alone; the request is computed in full with reason
+    "blend_memory", naming the rank, and the engine goes on blending."""
+    vllm_tp2.warm(docs)
+    prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+    full = vllm_tp2.generate(prompt, max_tokens=10, mode="full")
+    before = vllm_tp2.stats()
+    vllm_tp2.llm.collective_rpc("blend_memory_limit", args=(1, 1))
+    try:
+        short = vllm_tp2.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+    finally:
+        vllm_tp2.llm.collective_rpc("blend_memory_limit", args=(None,))
+    assert short.fallback.startswith("tensor-parallel rank 1: not enough memory for the blend pass")
+    assert short.usage.cached_tokens == 0 and short.token_ids == full.token_ids
+    after = vllm_tp2.stats()
+    assert after.get("requests_full_blend_memory", 0) - before.get("requests_full_blend_memory", 0) == 1
+    workers = [p for rank in vllm_tp2.llm.collective_rpc("blend_pending") for p in rank if p["side"] == "worker"]
+    assert len(workers) == 2 and all(p["failed"] == p["invalid_blocks"] == 0 for p in workers)  # both reported
+    again = vllm_tp2.generate(prompt, max_tokens=10, recompute_ratio=1.0)
+    assert (again.fallback, again.usage.chunks_hit) == (None, len(docs))
+    assert again.token_ids == full.token_ids
+
+
 @pytest.mark.timeout(600)
 def test_saving_chunks_that_fails_on_one_rank_stops_both_ranks_together(vllm_tp2, docs):
     """Rank 1 alone cannot compute a missed chunk to save it: both ranks drop

@@ -555,6 +555,31 @@ def test_a_failing_blend_pass_costs_one_request_not_the_engine(vllm_engine, docs
     assert again.fallback is None and again.usage.chunks_hit == 3 and again.token_ids == full[2]
 
 
+def test_a_blend_pass_short_of_memory_falls_back_before_it_starts(vllm_engine, docs):
+    """The worker checks what a blend pass would allocate beyond vLLM's budget
+    against free memory and ``blend_memory_limit_bytes`` before it starts;
+    short of it (a limit of 1 byte here) the request is computed in full, with
+    reason "blend_memory", the answer is full prefill's, and the engine goes on."""
+    vllm_engine.warm(docs)
+    prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
+    full = vllm_engine.generate(prompt, max_tokens=8, mode="full")
+    before = vllm_engine.stats()
+    vllm_engine.llm.collective_rpc("blend_memory_limit", args=(1,))
+    try:
+        short = vllm_engine.generate(prompt, max_tokens=8, recompute_ratio=1.0)
+    finally:
+        vllm_engine.llm.collective_rpc("blend_memory_limit", args=(None,))
+    assert short.fallback.startswith("not enough memory for the blend pass: it needs about ")
+    assert "over blend_memory_limit_bytes=1" in short.fallback and "the dense KV copy" in short.fallback
+    assert (short.usage.cached_tokens, short.usage.chunks_hit) == (0, 0)
+    assert short.token_ids == full.token_ids
+    after = vllm_engine.stats()
+    assert after.get("requests_full_blend_memory", 0) - before.get("requests_full_blend_memory", 0) == 1
+    again = vllm_engine.generate(prompt, max_tokens=8, recompute_ratio=1.0)
+    assert (again.fallback, again.usage.chunks_hit) == (None, len(docs))
+    assert again.token_ids == full.token_ids
+
+
 def test_stats_count_what_the_generations_reported(vllm_engine, docs):
     """The embedded engine's stats() counts each finished request once, as the
     server's /metrics does: by outcome, with the reused and recomputed tokens."""
