@@ -132,18 +132,34 @@ class FaultInjection(BlendWorkerExtension):
         else:
             raise ValueError(f"unknown fault {where!r}")
 
-    def blend_choose_attention(self) -> dict:
+    def blend_choose_attention(self, walk_attention: str = "auto", broken_kernel: bool = False) -> dict:
         """Make this worker choose how connector jobs attend as
-        walk_attention="auto" does (timing the kernel and SDPA), then restore
-        the engine's own setting. Returns the choice and what was measured."""
+        ``walk_attention`` does (timing the kernel and SDPA, and checking that
+        they agree), then restore the engine's own setting. ``broken_kernel``:
+        the backend's kernel answers 10% off for the choice (a kernel that
+        reads the cache otherwise than the walk writes it). Returns the choice
+        and what was measured."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         model = get_kv_transfer_group()._attach().model
         setting = model.walk_attention, model._kernel, model.attention_probe
-        model.walk_attention, model._kernel = "auto", None
+        model.walk_attention, model._kernel = walk_attention, None
+        impls = {id(m.impl): m.impl for m in model.attn_modules}.values()
+        if broken_kernel:
+            for impl in impls:
+                forward = impl.forward
+
+                def off(*args, forward=forward, **kwargs):
+                    out = forward(*args, **kwargs)
+                    out.mul_(1.1)
+                    return out
+
+                impl.forward = off
         try:
             return {"kernel": model.attends_with_kernel(), "probe": model.attention_probe}
         finally:
+            for impl in impls:
+                impl.__dict__.pop("forward", None)
             model.walk_attention, model._kernel, model.attention_probe = setting
 
     def blend_walk_both_ways(self, token_ids: list[int], spans: list[tuple[int, int]], ratio: float, selection: str):

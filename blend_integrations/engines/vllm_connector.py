@@ -394,7 +394,11 @@ class BlendConnector(KVConnectorBase_V1):
                 blender = self._attach()
                 # What the pass allocates beyond vLLM's budget, against what is free: every rank decides here
                 need = pass_memory(
-                    blender.model, job.plan, len(job.token_ids), pooled_tokens=pooled_tokens(blender.request_caches)
+                    blender.model,
+                    job.plan,
+                    len(job.token_ids),
+                    pooled_tokens=pooled_tokens(blender.request_caches),
+                    kernel=isinstance(blender.model, VLLMDecoder) and blender.model.attends_with_kernel(),
                 )
                 ranks = self._ranks.size if self._ranks is not None else 1
                 check_pass_memory(need, blender.model.device, ranks=ranks, limit=self.memory_limit_bytes)

@@ -91,10 +91,15 @@ class PassMemory:
         return ", ".join(f"{name} {size / MiB:.1f} MiB" for name, size in parts)
 
 
-def pass_memory(model: Any, plan: PrefillPlan, num_tokens: int, *, pooled_tokens: int = 0) -> PassMemory:
+def pass_memory(
+    model: Any, plan: PrefillPlan, num_tokens: int, *, pooled_tokens: int = 0, kernel: bool = False
+) -> PassMemory:
     """What a blend pass of ``num_tokens`` tokens under ``plan`` allocates on
     one rank of ``model`` (a ``LayerModel``); ``pooled_tokens``: the dense
-    cache a CPU's ``ScratchCache`` keeps for it already."""
+    cache a CPU's ``ScratchCache`` keeps for it already; ``kernel``: the pass
+    attends with the attention backend's kernel (``VLLMDecoder.attends_with_kernel``),
+    which reads vLLM's paged cache and keeps no scores: its temporaries are
+    the queries' token-major copy and the output."""
     size = torch.empty((), dtype=model.dtype).element_size()
     layers, kv_heads, heads, dim = model.num_layers, model.num_kv_heads, model.num_heads, model.head_dim
     tokens = num_tokens
@@ -112,7 +117,9 @@ def pass_memory(model: Any, plan: PrefillPlan, num_tokens: int, *, pooled_tokens
     per_call = queries if on_gpu else min(queries, QUERY_GROUP)
     windows = len(set(model.windows)) or 1
     attention = 0
-    if queries:
+    if queries and kernel:
+        attention = 2 * heads * queries * dim * size
+    elif queries:
         scores = 2 * heads * per_call * tokens * 4  # float32 scores and their softmax
         expanded = 2 * heads * tokens * dim * size if heads != kv_heads else 0  # K, V repeated per query head
         attention = scores + expanded + windows * queries * tokens * size

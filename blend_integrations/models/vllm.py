@@ -33,9 +33,18 @@ from .hf import check_supported, heads_first, layer_windows, post_norm_finish, q
 
 logger = logging.getLogger(__name__)
 
-# Attention backends whose kernel the blend pass drives (tested here); on any
-# other the walk writes the paged cache the same way and attends with SDPA.
-KERNEL_BACKENDS = ("CPU_ATTN",)
+# Attention backends whose kernel the blend pass drives; on any other the walk
+# writes the paged cache the same way and attends with SDPA. CPU_ATTN is tested
+# here; FlashAttention and vLLM's Triton kernel take the same metadata and
+# cache layout, and until a GPU run shows them (docs/offline-gpu.md) the
+# probe's agreement check (``KERNEL_AGREEMENT``) stands between them and a
+# wrong answer.
+KERNEL_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
+# The kernel is used only where its output on the probe's random queries and
+# KV agrees with SDPA's to this share of SDPA's largest output: a kernel that
+# reads the cache differently than the walk writes it is caught once, at
+# start, and the pass attends with SDPA instead.
+KERNEL_AGREEMENT = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 # Which of the kernel and SDPA attends faster (``VLLMDecoder.attends_with_kernel``)
 # depends on the CPU: on a Zen 4 with AVX-512 the kernel (249 against 359 ms
 # for the benchmark's blend pass at 0.15), on a Zen 3 with AVX2 SDPA (27
@@ -191,8 +200,9 @@ class VLLMDecoder:
 
     def attends_with_kernel(self) -> bool:
         """Whether connector jobs attend with the backend's kernel rather than
-        SDPA: never on backends not in ``KERNEL_BACKENDS``; else as
-        ``walk_attention`` says, "auto" measuring both once."""
+        SDPA: never on backends not in ``KERNEL_BACKENDS`` or where the kernel
+        disagrees with SDPA on the probe; else as ``walk_attention`` says,
+        "auto" measuring both once."""
         if self._kernel is None:
             self._kernel = False
             backend = self.attn_modules[0].attn_backend if self.vllm_config is not None else None
@@ -210,53 +220,92 @@ class VLLMDecoder:
                     )
                     for window, modules in groups.items()
                 }
-                self._kernel = self.walk_attention == "kernel" or self._kernel_is_faster(groups)
+                agrees, faster = self._probe_kernel(groups)
+                self._kernel = agrees and (self.walk_attention == "kernel" or faster)
         return self._kernel
 
     @torch.inference_mode()
-    def _kernel_is_faster(self, groups: dict[int | None, list]) -> bool:
-        """Time the kernel and SDPA on an active set like a blend's at 0.15
+    def _probe_kernel(self, groups: dict[int | None, list]) -> tuple[bool, bool]:
+        """Run the kernel and SDPA on an active set like a blend's at 0.15
         (every 7th token of a 2048-token prompt after its first 256, and the
-        last 16), best of 3 each, in scratch blocks, for a layer without a
-        window if there is one; log the outcome."""
+        last 16) over the same random KV, written into scratch blocks of the
+        layer's own cache layout by the backend's ``do_kv_cache_update``, best
+        of 3 each, for a layer without a window if there is one. Returns
+        whether the kernel's output agrees with SDPA's (``KERNEL_AGREEMENT``)
+        and whether it is faster (``KERNEL_MARGIN``); logs both."""
         window = None if None in groups else next(iter(groups))
         module, builder = groups[window][0], self._builders[window]
+        name = module.attn_backend.get_name()
         block_size = builder.block_size
         n = 2048
         positions = torch.cat([torch.arange(256, n - 16, 7), torch.arange(n - 16, n)]).to(self.device)
         H, Hkv, D, A = self.num_heads, self.num_kv_heads, self.head_dim, positions.numel()
         blocks = -(-n // block_size)
-        shape = (blocks, Hkv, block_size, 2 * D)  # CPU_ATTN's cache layout, keys and values side by side
-        target = PagedCache([torch.randn(shape, dtype=self.dtype, device=self.device)], list(range(blocks)), block_size)
-        metadata = builder.build(0, kernel_runs(positions, target, target.slots(n, self.device)))
-        q = torch.randn(H, A, D, dtype=self.dtype, device=self.device)
+        bound = getattr(module, "kv_cache", None)  # the layer's cache as vLLM bound it: its layout
+        if isinstance(bound, torch.Tensor) and bound.dim() == 4 and bound.shape[0] >= blocks:
+            scratch = torch.empty_like(bound[:blocks])
+        else:  # not bound yet: CPU_ATTN's and FlashAttention's layout, keys and values side by side
+            scratch = torch.empty((blocks, Hkv, block_size, 2 * D), dtype=self.dtype, device=self.device)
+        target = PagedCache([scratch], list(range(blocks)), block_size)
+        slots = target.slots(n, self.device)
         K, V = (torch.randn(Hkv, n, D, dtype=self.dtype, device=self.device) for _ in range(2))
+        module.impl.do_kv_cache_update(
+            module, K.transpose(0, 1).contiguous(), V.transpose(0, 1).contiguous(), scratch, slots
+        )
+        metadata = builder.build(0, kernel_runs(positions, target, slots))
+        q = torch.randn(H, A, D, dtype=self.dtype, device=self.device)
         softcap = self.softcaps[self.attn_modules.index(module)]  # the kernel caps as that layer does
         dense = DenseAttention(
             positions, 0, n, windows=[window], scaling=self.scaling, dtype=self.dtype, softcaps=[softcap]
         )
         query, out = q.transpose(0, 1).contiguous(), torch.empty(A, H, D, dtype=self.dtype, device=self.device)
 
-        def kernel() -> None:
-            module.impl.forward(module, query, None, None, target.kv_caches[0], metadata, out)
+        def kernel() -> torch.Tensor:
+            module.impl.forward(module, query, None, None, scratch, metadata, out)
+            return out.transpose(0, 1)
+
+        def sdpa() -> torch.Tensor:
+            return dense(0, q, K, V)
 
         times: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+        results: dict[str, torch.Tensor] = {}
         for _ in range(3):
-            for name, run in (("kernel", kernel), ("sdpa", lambda: dense(0, q, K, V))):
+            for label, run in (("kernel", kernel), ("sdpa", sdpa)):
+                _synchronize(self.device)
                 start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
+                results[label] = run()
+                _synchronize(self.device)
+                times[label].append(time.perf_counter() - start)
+        expected = results["sdpa"].float()
+        error = float((results["kernel"].float() - expected).abs().max() / expected.abs().max().clamp(min=1e-6))
+        agrees = error <= KERNEL_AGREEMENT.get(self.dtype, 3e-2)
         kernel_s, sdpa_s = min(times["kernel"]), min(times["sdpa"])
-        self.attention_probe = {"kernel_ms": kernel_s * 1e3, "sdpa_ms": sdpa_s * 1e3}
+        self.attention_probe = {"kernel_ms": kernel_s * 1e3, "sdpa_ms": sdpa_s * 1e3, "kernel_error": error}
         faster = kernel_s <= sdpa_s * KERNEL_MARGIN
+        if not agrees:
+            logger.error(
+                "blend pass attention: SDPA over the walk's dense KV; %s's kernel disagrees with SDPA on the probe "
+                "(largest difference %.3g of the largest output), so it is not used",
+                name,
+                error,
+            )
+            return False, faster
         logger.info(
-            "blend pass attention: %s (on a blend-like active set, %s kernel %.1f ms, SDPA %.1f ms)",
-            f"{module.attn_backend.get_name()}'s kernel" if faster else "SDPA over the walk's dense KV",
-            module.attn_backend.get_name(),
+            "blend pass attention: %s (on a blend-like active set, %s kernel %.1f ms, SDPA %.1f ms; they agree "
+            "to %.2g)",
+            f"{name}'s kernel" if faster or self.walk_attention == "kernel" else "SDPA over the walk's dense KV",
+            name,
             kernel_s * 1e3,
             sdpa_s * 1e3,
+            error,
         )
-        return faster
+        return True, faster
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run asynchronously), so that timings are of the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _output(result) -> torch.Tensor:

@@ -9,6 +9,7 @@ import re
 import shlex
 
 import pytest
+import torch
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, PromptError, UnsupportedModelError, load_engine
 from blend_integrations.engines.vllm_contract import (
@@ -325,15 +326,31 @@ def test_walk_attention_auto_keeps_what_it_measured_faster(vllm_engine):
     timed); asked to choose as "auto" does, its worker times vLLM's kernel and
     SDPA on a blend-like active set and keeps the kernel unless SDPA was
     faster by more than the margin."""
-    from blend_integrations.models.vllm import KERNEL_MARGIN
+    from blend_integrations.models.vllm import KERNEL_AGREEMENT, KERNEL_MARGIN
 
     [how] = vllm_engine.llm.collective_rpc("blend_attention")
     assert (how["backend"], how["kernel"], how["probe"]) == ("CPU_ATTN", False, {})
     [auto] = vllm_engine.llm.collective_rpc("blend_choose_attention")
     probe = auto["probe"]
     assert probe["kernel_ms"] > 0 and probe["sdpa_ms"] > 0
+    assert probe["kernel_error"] <= KERNEL_AGREEMENT[torch.float32]  # the kernel reads what the walk wrote
     assert auto["kernel"] == (probe["kernel_ms"] <= probe["sdpa_ms"] * KERNEL_MARGIN)
     assert vllm_engine.llm.collective_rpc("blend_attention") == [how]  # the engine's own setting is back
+
+
+def test_a_kernel_that_disagrees_with_sdpa_is_never_used(vllm_engine):
+    """A backend kernel whose output differs from SDPA's on the probe (as one
+    that read vLLM's cache otherwise than the walk writes it would) is not
+    used, even where walk_attention="kernel" asks for it: the pass attends
+    with SDPA. Unbroken, the forced kernel is used."""
+    from blend_integrations.models.vllm import KERNEL_AGREEMENT
+
+    [forced] = vllm_engine.llm.collective_rpc("blend_choose_attention", args=("kernel",))
+    assert forced["kernel"] and forced["probe"]["kernel_error"] <= KERNEL_AGREEMENT[torch.float32]
+    for setting in ("kernel", "auto"):
+        [broken] = vllm_engine.llm.collective_rpc("blend_choose_attention", args=(setting, True))
+        assert not broken["kernel"], setting
+        assert broken["probe"]["kernel_error"] > 0.05, setting  # outputs 10% off
 
 
 def test_vllm_workers_run_on_tcmalloc_where_it_is_installed(vllm_engine):

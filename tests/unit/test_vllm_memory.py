@@ -61,6 +61,9 @@ def test_a_pass_counts_its_dense_copy_its_chunks_and_its_attention():
     gpu = pass_memory(Shape(device=torch.device("cuda")), PLAN, 300, pooled_tokens=512)
     assert gpu.dense_kv == need.dense_kv and gpu.chunk_layer == 200 * 2 * 2 * 32 * 4
     assert gpu.attention == 2 * 4 * 150 * 300 * 4 + expanded + mask
+    # the backend's kernel reads vLLM's cache and keeps no scores: the queries' copy and the output
+    kernel = pass_memory(Shape(device=torch.device("cuda")), PLAN, 300, pooled_tokens=512, kernel=True)
+    assert kernel.attention == 2 * 4 * 150 * 32 * 4 and kernel.dense_kv == gpu.dense_kv
     # reuse recomputes none of the reused tokens
     reuse = pass_memory(Shape(), PrefillPlan("reuse", 0.25, PLAN.chunks, 0), 300)
     assert reuse.attention == 2 * 4 * 32 * 300 * 4 + expanded + 100 * 300 * 4
