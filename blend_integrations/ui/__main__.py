@@ -14,7 +14,11 @@ from .session import EXAMPLE_DOCUMENTS, DemoSession, load_documents
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m blend_integrations.ui", description=__doc__)
-    parser.add_argument("--model", help="checkpoint directory, GGUF file or hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        help="a packaged model (smollm2, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b; `make ui` runs "
+        "qwen2.5-coder-1.5b), checkpoint directory, GGUF file or hub id (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--backend", default="vllm", choices=["vllm", "transformers"])
     parser.add_argument(
         "--documents",
@@ -46,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
         from ..models.smollm2 import smollm2_dir
 
         model, label = str(smollm2_dir()), "SmolLM2-135M-Instruct"
+    else:
+        from ..models.packaged import MODELS
+
+        if model in MODELS:  # a packaged model by its name: the page says what it is
+            label = MODELS[model].label.split(" (")[0]
     options = {"max_model_len": 2048, "kv_cache_gib": 1} if args.backend == "vllm" else {}
     store = ChunkStore(args.store) if args.store else None
     session = DemoSession(

@@ -1,6 +1,7 @@
-"""The demo and the examples run as a user runs them, on their default model,
-SmolLM2-135M-Instruct (converted once per machine by the ``smollm2_gguf`` fixture),
-from any working directory, with the calibration the package ships for it."""
+"""The demo and the examples run as a user runs them: the demo on its model,
+Qwen2.5-Coder-1.5B-Instruct, the examples on their default, SmolLM2-135M-Instruct
+(converted once per machine by the ``smollm2_gguf`` fixture), from any working
+directory, with the calibration the package ships for each."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import shlex
 
 import pytest
+import torch
 
 from blend_integrations.calibration import PACKAGED_DIR, PackagedCalibration
 from tests.fixtures.commands import ROOT, run_python
@@ -31,15 +33,18 @@ def run(smollm2_gguf, examples_store, tmp_path):
     return run
 
 
-def packaged(backend: str) -> PackagedCalibration:
-    path = PACKAGED_DIR / f"smollm2-{backend}.json"
+def packaged(backend: str, model: str = "smollm2") -> PackagedCalibration:
+    path = PACKAGED_DIR / f"{model}-{backend}.json"
     return PackagedCalibration.from_bytes(path.read_bytes(), path)
 
 
 def demo_command() -> tuple[dict[str, str], list[str]]:
-    """What ``make demo`` runs with the environment's Python: (its variables, its arguments)."""
-    recipe = (ROOT / "Makefile").read_text().split("\ndemo:")[1].split("\n\n")[0]
-    line = next(x for x in recipe.splitlines() if "$(PY) " in x).strip().lstrip("@")
+    """What ``make demo`` runs with the environment's Python: (its variables, its arguments), with
+    the Makefile's default DEMO_MODEL in place of ``$(DEMO_MODEL)``."""
+    makefile = (ROOT / "Makefile").read_text()
+    model = re.search(r"^DEMO_MODEL \?= (\S+)$", makefile, re.MULTILINE).group(1)  # type: ignore[union-attr]
+    recipe = makefile.split("\ndemo:")[1].split("\n\n")[0]
+    line = next(x for x in recipe.splitlines() if "$(PY) " in x).strip().lstrip("@").replace("$(DEMO_MODEL)", model)
     variables, args = line.split("$(PY) ")
     return dict(v.split("=", 1) for v in shlex.split(variables)), shlex.split(args)
 
@@ -49,13 +54,28 @@ def verdict(out: str) -> str:
 
 
 def test_langchain_rag_example_is_the_demo(run):
+    """``make demo``: LangChain on the embedded vLLM engine with Qwen2.5-Coder-1.5B-Instruct and the
+    calibration the package ships for it, where this machine runs the model in the dtype it was
+    calibrated in (``dtype="auto"``: bfloat16 where the CPU has bfloat16 instructions); elsewhere
+    "auto" finds no calibration for that dtype and says so."""
+    from blend_integrations.models.loading import resolve_dtype
+    from blend_integrations.models.packaged import MODELS
+    from blend_integrations.store.format import dtype_name
+
     variables, command = demo_command()
-    assert command == ["examples/langchain_rag.py", "--backend", "vllm"]  # LangChain on the embedded vLLM engine
-    command[-1] = BACKEND  # the environment without vLLM runs the reference engine
+    # LangChain on the embedded vLLM engine, with the model that keeps its answers blended
+    assert command == ["examples/langchain_rag.py", "--backend", "vllm", "--model", "qwen2.5-coder-1.5b"]
+    command[2] = BACKEND  # the environment without vLLM runs the reference engine
     out = run(command, **variables)
     assert f"starting the {BACKEND} engine ..." in out and re.search(r"\nengine started in \d+\.\d s\n", out)
     assert "calibrating" not in out  # nothing measured at run time: the packaged calibration
-    shipped = packaged(BACKEND)
+    shipped = packaged(BACKEND, "qwen2.5-coder-1.5b")
+    checkpoint = str(MODELS["qwen2.5-coder-1.5b"].checkpoint())
+    if dtype_name(resolve_dtype("auto", torch.device("cpu"), checkpoint)) != shipped.record.dtype:
+        # this CPU runs the model in float32, which no shipped calibration measured
+        assert 'recompute_ratio="auto": 0.15 (no calibration for this model: the fallback ratio)' in out
+        assert verdict(out).startswith("expected answer: 'Brimford'; full right: True")
+        return
     ratio = shipped.record.ratio
     assert f'recompute_ratio="auto": {ratio}' in out
     assert f"(the calibration shipped with the package for this model on the {BACKEND} engine)" in out

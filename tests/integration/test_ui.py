@@ -59,12 +59,15 @@ def browser():
 
 @pytest.fixture(scope="module")
 def page_url(smollm2_gguf, tmp_path_factory):
-    """The page, started as ``make ui`` starts it, on a store whose documents the transformers engine warmed."""
-    from blend_integrations.models.smollm2 import smollm2_dir
+    """The page, started as ``make ui`` starts it, on a store whose documents the transformers engine
+    warmed. Its model: SmolLM2-135M-Instruct, or the packaged model ``$BLEND_UI_MODEL`` names (the
+    docs' screenshot is taken on ``make ui``'s, qwen2.5-coder-1.5b)."""
+    from blend_integrations.models.packaged import MODELS
 
+    name = os.environ.get("BLEND_UI_MODEL", "smollm2")
     store = tmp_path_factory.mktemp("ui") / "store"
     documents = load_documents(EXAMPLE_DOCUMENTS)
-    warmer = load_engine(str(smollm2_dir()), store=ChunkStore(store, remote=""))
+    warmer = load_engine(str(MODELS[name].checkpoint()), store=ChunkStore(store, remote=""))
     warmer.warm([documents[name] for name in PICKED])
     # A calibration of this store that chose full prefill for the page's engine (what
     # "auto" gets; a fixed ratio ignores it), whatever the shipped one chooses.
@@ -73,7 +76,8 @@ def page_url(smollm2_gguf, tmp_path_factory):
     warmer.store.put_record(record_name(warmer.fingerprint, warmer.dtype_name), full_prefill.to_bytes())
     warmer.store.close()
     port = free_port()
-    command = [sys.executable, "-m", "blend_integrations.ui", "--backend", BACKEND, "--store", str(store)]
+    command = [sys.executable, "-m", "blend_integrations.ui", "--model", name, "--backend", BACKEND]
+    command += ["--store", str(store)]
     command += ["--max-tokens", "16", "--port", str(port)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "BLEND_STORE_REMOTE": ""}
     log = (tmp_path_factory.mktemp("ui-log") / "page.log").open("w+")
