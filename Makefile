@@ -29,7 +29,7 @@ FRAMEWORKS_TESTS := tests/integration/test_langchain.py tests/integration/test_l
 	tests/integration/test_docs.py::test_configuration_names_every_option \
 	tests/integration/test_calibration.py::test_the_warmer_calibrates_at_ingestion_once
 
-.PHONY: install demo ui lint test unit bench clean install-frameworks test-frameworks system-packages
+.PHONY: install demo ui lint test unit bench clean install-frameworks test-frameworks system-packages gpu-kit
 
 # pip's output goes to $(VENV)/install.log (its last lines are shown if it fails). The stamp
 # $(VENV)/.installed makes a second `make install` (and so `make demo`) a no-op until
@@ -130,6 +130,11 @@ bench: install
 	$(PY) -m benchmarks hma
 	$(PY) -m benchmarks quality
 	$(PY) -m benchmarks fuzz
+
+# vLLM's CUDA build and the packages it needs, packed for a GPU machine without network, in the
+# ignored folder .kit (carry folders .kit/a, .kit/b, ...; docs/offline-gpu.md). Downloads 340 MiB once.
+gpu-kit: install
+	$(PY) -m benchmarks.gpu_kit build
 
 clean:
 	rm -rf $(VENV) $(FRAMEWORKS_VENV) .pytest_cache build *.egg-info
