@@ -66,7 +66,6 @@ def selection_settings(num_layers: int) -> dict[str, dict]:
     return {
         "deviation": {},
         "k-deviation": {"deviation": "k"},
-        "kv-deviation": {"deviation": "kv"},
         "query": {"selection": "query"},
         "mixed": {"selection": "mixed"},
         "gradual": {"check_layers": gradual_layers(num_layers)},

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Deviation = Literal["k", "v", "kv"]
-DEVIATIONS: tuple[str, ...] = ("k", "v", "kv")
+Deviation = Literal["k", "v"]
+DEVIATIONS: tuple[str, ...] = ("k", "v")
 # Where a request's recompute ratio came from (``Usage.ratio_source``): the
 # store's calibration for this model (the user's own), the calibration the
 # package ships for it, the documented fallback (``"auto"`` without either),
@@ -54,9 +54,8 @@ class BlendConfig:
         chosen. Layers before the first one are computed for every token.
         Several layers give gradual filtering: the ratio shrinks linearly from
         near 1 at the first check layer to ``recompute_ratio`` at the last.
-    deviation: compare fresh and loaded values ("v", as the CacheBlend paper),
-        keys ("k"), or both ("kv": each token's key and value deviation, each
-        over its mean across the reused tokens, added) at the check layer.
+    deviation: compare fresh and loaded values ("v", as the CacheBlend paper)
+        or keys ("k") at the check layer.
     selection: how the recomputed tokens are chosen at a check layer.
         "deviation": the reused tokens whose fresh KV deviates most from the
         loaded KV (CacheBlend's HKVD); "query": the reused tokens the query
@@ -106,7 +105,7 @@ class BlendConfig:
             raise ValueError(f"check_layers must be strictly increasing, got {self.check_layers!r}")
         object.__setattr__(self, "check_layers", layers)
         if self.deviation not in DEVIATIONS:
-            raise ValueError(f'deviation must be "k", "v" or "kv", got {self.deviation!r}')
+            raise ValueError(f'deviation must be "k" or "v", got {self.deviation!r}')
         check_selection(self.selection)
         if not isinstance(self.separator, str):
             raise ValueError(f"separator must be a string, got {type(self.separator).__name__}")

@@ -44,16 +44,10 @@ class DeviationShares:
 
 
 def deviation_score(model: LayerModel, deviation: str, keys, values, start, act, rows) -> torch.Tensor:
-    """Per reused row, how far its fresh K or V (``deviation`` "k", "v") is
-    from its reused one, summed over a tensor-parallel group's heads; "kv":
-    the key and the value deviation, each over its mean across the rows, added
-    (the two differ in scale by orders of magnitude)."""
-    rows = rows.to(act.device)
-    chosen = [pair for name, pair in (("k", keys), ("v", values)) if name in deviation]
-    parts = [over_ranks(model, _deviation(fresh, stored, start, act, rows)) for fresh, stored in chosen]
-    if len(parts) == 1:
-        return parts[0]
-    return sum(part / part.mean().clamp(min=torch.finfo(part.dtype).tiny) for part in parts)
+    """Per reused row, how far its fresh K ("k") or V ("v", ``deviation``) is
+    from its reused one, summed over a tensor-parallel group's heads."""
+    fresh, stored = keys if deviation == "k" else values
+    return over_ranks(model, _deviation(fresh, stored, start, act, rows.to(act.device)))
 
 
 def _deviation(fresh, stored, start, act, rows):

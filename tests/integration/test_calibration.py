@@ -178,7 +178,7 @@ def test_a_calibrated_policy_brings_its_settings_and_a_request_s_own_win(private
         private.generate(prompt, check_layers=[1, 99])
     with pytest.raises(ValueError, match="sink_tokens must be a non-negative integer, got -1"):
         private.generate(prompt, sink_tokens=-1)
-    with pytest.raises(ValueError, match='deviation must be "k", "v" or "kv"'):
+    with pytest.raises(ValueError, match='deviation must be "k" or "v"'):
         private.generate(prompt, deviation="x")
 
 

@@ -63,7 +63,7 @@ def test_generation_stops_at_the_context(engine):
         (dict(check_layers=()), "at least one layer"),
         (dict(check_layers=(2, 1)), "strictly increasing"),
         (dict(check_layers=(-1,)), "non-negative"),
-        (dict(deviation="q"), 'deviation must be "k", "v" or "kv"'),
+        (dict(deviation="q"), 'deviation must be "k" or "v"'),
         (dict(sink_tokens=-1), "sink_tokens"),
         (dict(separator=None), "separator must be a string"),
     ],

@@ -43,7 +43,7 @@ BROKEN = [
     ({"check_layers": [2, 1]}, "check_layers", "check_layers must be strictly increasing"),
     ({"check_layers": []}, "check_layers", "check_layers must name at least one layer"),
     ({"check_layers": ["1"]}, "check_layers", "must be non-negative layer indices"),
-    ({"deviation": "q"}, "deviation", 'deviation must be "k", "v" or "kv"'),
+    ({"deviation": "q"}, "deviation", 'deviation must be "k" or "v"'),
     ({"sink_tokens": -1}, "sink_tokens", "sink_tokens must be a non-negative integer"),
     ({"sink_tokens": 1.5}, "sink_tokens", "sink_tokens must be a non-negative integer"),
     ({"chunk_spans": "2-10"}, "chunk_spans", "must be a list of [start, end] pairs, got str"),
