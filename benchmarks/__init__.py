@@ -193,6 +193,21 @@ def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendProm
     return prompt
 
 
+def time_cases(engine, prompt: Callable[[], BlendPrompt], cases, repeats: int) -> tuple[dict, dict]:
+    """Each case's ``(name, mode, ratio)`` time to first token over ``repeats``
+    rounds that take turns (after one more that warms up), a new prompt each
+    time: ``(seconds per name, the last usage per name)``."""
+    times: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    usage = {}
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for name, mode, ratio in cases:
+            g = engine.generate(prompt(), max_tokens=1, mode=mode, recompute_ratio=ratio)
+            if round_:
+                times[name].append(g.ttft_s)
+                usage[name] = g.usage
+    return times, usage
+
+
 def scratch_dir(prefix: str) -> str:
     """A new directory for a benchmark's chunk stores, removed when the
     benchmark's process exits: a store of warmed chunks holds gigabytes."""

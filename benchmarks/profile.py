@@ -35,6 +35,7 @@ from . import (
     machine,
     scratch_dir,
     shuffled_prompts,
+    time_cases,
     walk_attention,
     write_results,
 )
@@ -190,14 +191,7 @@ def run(args) -> dict:
         ("blend@1.0", "blend", 1.0),
         ("reuse", "reuse", None),
     ]
-    wall: dict[str, list[float]] = {name: [] for name, *_ in cases}
-    usage = {}
-    for round_ in range(args.repeats + 1):  # round 0 warms up
-        for name, mode, ratio in cases:
-            g = engine.generate(prompt(), max_tokens=1, mode=mode, recompute_ratio=ratio)
-            if round_:
-                wall[name].append(g.ttft_s)
-                usage[name] = g.usage
+    wall, usage = time_cases(engine, prompt, cases, args.repeats)
     profiled = {}
     for name, mode, ratio in cases:
         by_scope, totals = profiled_run(engine, prompt(), mode=mode, recompute_ratio=ratio)

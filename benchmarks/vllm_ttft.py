@@ -37,6 +37,7 @@ from . import (
     model_options,
     scratch_dir,
     shuffled_prompts,
+    time_cases,
     walk_attention,
     write_results,
 )
@@ -82,14 +83,7 @@ def run(args) -> Iterator[dict]:
     try:
         for n in sizes:
             prompt = shuffled_prompts(chunks[:n])
-            times: dict[str, list[float]] = {name: [] for name, *_ in cases}
-            usage = {}
-            for round_ in range(args.repeats + 1):  # round 0 warms up
-                for name, mode, ratio in cases:
-                    g = engine.generate(prompt(), max_tokens=1, mode=mode, recompute_ratio=ratio)
-                    if round_:
-                        times[name].append(g.ttft_s)
-                        usage[name] = g.usage
+            times, usage = time_cases(engine, prompt, cases, args.repeats)
             full, reuse = statistics.median(times["full"]), statistics.median(times["reuse"])
             rows = {}
             for name, mode, _ in cases:
