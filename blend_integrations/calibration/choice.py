@@ -44,8 +44,9 @@ class Policy:
 
 def default_variants(config: BlendConfig, num_layers: int | None) -> list[dict]:
     """The blend settings calibration tries besides the engine's own: gradual
-    filtering over two check layers, the other selection, the other
-    deviation, and sink tokens (each one change from ``config``). The query
+    filtering over two check layers, the other selections (mixed: on
+    Qwen2.5-Coder-0.5B it kept the most at 0.15), the other deviation, and
+    sink tokens (each one change from ``config``). The query
     selection is tried as ProphetKV runs it, at check layer 0: it ranks by a
     reuse pass, so no layer need compute every token (on Qwen2.5-Coder-1.5B
     it agreed as often as at layer 1, sooner: docs/results/oracle-*.md); a
@@ -58,6 +59,8 @@ def default_variants(config: BlendConfig, num_layers: int | None) -> list[dict]:
         variants.append({"selection": "query", "check_layers": [0]})
     else:
         variants.append({"selection": "deviation", **({"check_layers": [1]} if first == 0 else {})})
+    if config.selection != "mixed":  # its deviation half needs a check layer past 0
+        variants.append({"selection": "mixed", **({"check_layers": [1]} if first == 0 else {})})
     variants.append({"deviation": "k" if config.deviation == "v" else "v"})
     if config.sink_tokens == 0:
         variants.append({"sink_tokens": 2})

@@ -192,20 +192,24 @@ def test_what_a_policy_costs():
     assert default_variants(BlendConfig(), 4) == [
         {"check_layers": [1, 2]},
         {"selection": "query", "check_layers": [0]},  # ProphetKV's: no layer computed for every token
+        {"selection": "mixed"},
         {"deviation": "k"},
         {"sink_tokens": 2},
     ]
-    # from the query selection at layer 0, a deviation selection needs a layer past it
+    # from the query selection at layer 0, a deviation selection needs a layer past it, as mixed does
     assert default_variants(BlendConfig(check_layers=(0,), selection="query"), 4) == [
         {"selection": "deviation", "check_layers": [1]},
+        {"selection": "mixed", "check_layers": [1]},
         {"deviation": "k"},
         {"sink_tokens": 2},
     ]
-    # no room for a second check layer; the other selection and deviation
+    # no room for a second check layer; the other selections and deviation
     assert default_variants(BlendConfig(check_layers=(3,), selection="query", deviation="k", sink_tokens=1), 4) == [
         {"selection": "deviation"},
+        {"selection": "mixed"},
         {"deviation": "v"},
     ]
+    assert {"selection": "mixed"} not in default_variants(BlendConfig(selection="mixed"), 4)
 
 
 def test_calibration_stops_early_yet_chooses_what_measuring_everything_chooses(private, monkeypatch, capsys):
