@@ -181,8 +181,9 @@ class FaultInjection(BlendWorkerExtension):
         blocks = list(range(1, 1 + -(-len(token_ids) // connector.block_size)))  # block 0 is vLLM's null block
         paged = PagedCache([connector._kv_caches[n] for n in connector._layer_names], blocks, connector.block_size)
         kept, caches = [], []
-        # the paged run drives the kernel, whatever walk_attention chose for connector jobs
-        chosen = model.walk_attention, model._kernel
+        # the paged run drives the kernel, whatever walk_attention chose for connector jobs (its
+        # probe, run to check the kernel, is the engine's own again after)
+        chosen = model.walk_attention, model._kernel, model.attention_probe
         model.walk_attention, model._kernel = "kernel", None
         try:
             assert model.attends_with_kernel()
@@ -203,7 +204,7 @@ class FaultInjection(BlendWorkerExtension):
                 kept.append(list(stats.kept))
                 caches.append(torch.stack([torch.stack(cache.k), torch.stack(cache.v)]).float())
         finally:
-            model.walk_attention, model._kernel = chosen
+            model.walk_attention, model._kernel, model.attention_probe = chosen
         return kept[0], kept[1], float((caches[0] - caches[1]).abs().max())
 
     def blend_model_runner(self) -> dict:
