@@ -32,7 +32,7 @@ CALIBRATED = {
 }
 ENGINES = {"transformers": "transformers", "vllm": "vLLM"}
 # Models not calibrated on every engine yet: the engines they have results for.
-CALIBRATED_ON = {"qwen2.5-coder-0.5b": ("vllm",), "qwen2.5-coder-1.5b": ("vllm",)}
+CALIBRATED_ON = {"qwen2.5-coder-1.5b": ("vllm",)}
 RANDOM = "[random weights](docs/concepts.md#random-weights)"
 GPU_CONTEXT_TOKENS = 8192  # the GPU row: the run whose stored chunks come closest to this many tokens
 

@@ -27,9 +27,8 @@ from blend_integrations.store.keys import model_fingerprint
 from training.data import make_examples
 
 SHIPPED_MODELS = ("reader", "smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
-# The Qwen models on the transformers engine are not calibrated yet (hours on 2 CPUs)
+# Qwen2.5-Coder-1.5B on the transformers engine is not calibrated yet (over an hour on 2 CPUs)
 SHIPPED = {f"{m}-{e}.json" for m in SHIPPED_MODELS for e in ("transformers", "vllm")} - {
-    "qwen2.5-coder-0.5b-transformers.json",
     "qwen2.5-coder-1.5b-transformers.json",
 }
 
