@@ -31,8 +31,6 @@ CALIBRATED = {
     "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct",
 }
 ENGINES = {"transformers": "transformers", "vllm": "vLLM"}
-# Models not calibrated on every engine yet: the engines they have results for.
-CALIBRATED_ON = {"qwen2.5-coder-1.5b": ("vllm",)}
 RANDOM = "[random weights](docs/concepts.md#random-weights)"
 GPU_CONTEXT_TOKENS = 8192  # the GPU row: the run whose stored chunks come closest to this many tokens
 
@@ -125,7 +123,7 @@ def layers(model: str) -> int:
 def render_gains(results: Path) -> str:
     rows, configs = [], []
     for label in CALIBRATED:
-        for engine in CALIBRATED_ON.get(label, ENGINES):
+        for engine in ENGINES:
             row, cfg = calibration_row(results, label, engine)
             rows.append(row)
             configs.append(cfg)

@@ -71,8 +71,7 @@ def test_langchain_rag_example_is_the_demo(run):
     assert "calibrating" not in out  # nothing measured at run time: the packaged calibration
     checkpoint = str(MODELS["qwen2.5-coder-1.5b"].checkpoint())
     dtype = dtype_name(resolve_dtype("auto", torch.device("cpu"), checkpoint))
-    if not (PACKAGED_DIR / f"qwen2.5-coder-1.5b-{BACKEND}.json").is_file() or dtype != "bfloat16":
-        # no calibration ships for this engine (the transformers engine's is not measured yet), or
+    if dtype != "bfloat16":
         # this CPU runs the model in float32, which no shipped calibration measured: "auto" says so
         assert 'recompute_ratio="auto": 0.15 (no calibration for this model: the fallback ratio)' in out
         assert verdict(out).startswith("expected answer: 'Brimford'; full right: True")

@@ -27,10 +27,7 @@ from blend_integrations.store.keys import model_fingerprint
 from training.data import make_examples
 
 SHIPPED_MODELS = ("reader", "smollm2", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
-# Qwen2.5-Coder-1.5B on the transformers engine is not calibrated yet (over an hour on 2 CPUs)
-SHIPPED = {f"{m}-{e}.json" for m in SHIPPED_MODELS for e in ("transformers", "vllm")} - {
-    "qwen2.5-coder-1.5b-transformers.json",
-}
+SHIPPED = {f"{m}-{e}.json" for m in SHIPPED_MODELS for e in ("transformers", "vllm")}
 
 
 @pytest.fixture
