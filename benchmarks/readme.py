@@ -146,11 +146,9 @@ def render_gains(results: Path) -> str:
 
     first = configs[0]
     for cfg in configs:
-        for key in ("tokens_compared", "target"):
+        for key in ("held_out_questions", "tokens_compared", "target"):
             if cfg[key] != first[key]:
                 raise ValueError(f"the calibration results differ in {key}: {cfg[key]} and {first[key]}")
-    counts = sorted({c["held_out_questions"] for c in configs})
-    questions = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     dates = sorted({c["date"] for c in configs} | {ttft["config"]["date"], vllm["config"]["date"], gpu_cfg["date"]})
     tokens = first["tokens_compared"]
     header = [
@@ -169,7 +167,7 @@ def render_gains(results: Path) -> str:
         f"Speedup: full prefill's time to first token over blend's. Matched quality: at the ratio that\n"
         f"[calibration](docs/concepts.md#calibration) chose to keep full prefill's first {tokens} tokens on"
         f" {percent(first['target'])} of prompts.\n"
-        f"Answers changed: the share of {questions} questions calibration never saw whose first"
+        f"Answers changed: the share of {first['held_out_questions']} questions calibration never saw whose first"
         f" {tokens} tokens differ from\nfull prefill's; right: the share answered right. The random-weight rows"
         f" time real model shapes on prompts\nof {chunks(ttft['config']['chunks'])} (CPU) and"
         f" {chunks(gpu_cfg['chunks'])} (GPU). Measured {span}:\n"
