@@ -75,6 +75,8 @@ def selection_settings(num_layers: int) -> dict[str, dict]:
         # are then recomputed at every layer; no layer is computed for every token (check layer 0
         # projects every token's K and V, which no context changes there, and attends for the kept)
         "prophet": {"selection": "query", "check_layers": [0]},
+        # the same pass, scored by what the query's last tokens read (attention times the value's norm)
+        "query-tail": {"selection": "query-tail", "check_layers": [0]},
     }
 
 

@@ -24,8 +24,8 @@ CALIBRATION_SOURCES: tuple[str, ...] = ("calibrated", "packaged")
 FALLBACK_RATIO = 0.15
 Mode = Literal["blend", "full", "reuse"]
 MODES: tuple[str, ...] = ("blend", "full", "reuse")
-Selection = Literal["deviation", "query", "mixed"]
-SELECTIONS: tuple[str, ...] = ("deviation", "query", "mixed")
+Selection = Literal["deviation", "query", "query-tail", "mixed"]
+SELECTIONS: tuple[str, ...] = ("deviation", "query", "query-tail", "mixed")
 # How a chunk store may keep chunk KV besides raw (None): ``store/codec.py``.
 KV_CODECS: tuple[str, ...] = ("fp8", "int8")
 # The settings of one blend pass that a request may override and a
@@ -61,6 +61,9 @@ class BlendConfig:
         loaded KV (CacheBlend's HKVD); "query": the reused tokens the query
         pays the most attention to (the query is every token after the last
         chunk but the prompt's last one: the question and the template tail);
+        "query-tail": the reused tokens that add the most to the last few
+        query tokens (``selection.QUERY_TAIL``, before the prompt's last one):
+        their attention, each key weighted by its value's norm;
         "mixed": half of the count by query attention, the rest by deviation.
     separator: text placed between prefix, chunks and suffix; tokenized once,
         on its own. May be empty.

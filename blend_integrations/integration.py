@@ -81,7 +81,8 @@ class BlendModelBase(BaseModel):
 
     selection: str | None = None
     """Every call's default way of choosing the tokens to recompute: ``"deviation"`` (CacheBlend's),
-    ``"query"`` (by the question's attention) or ``"mixed"``; ``None``: the engine config's."""
+    ``"query"`` (by the question's attention), ``"query-tail"`` (by what the query's last tokens read) or
+    ``"mixed"``; ``None``: the engine config's."""
 
     max_tokens: int = 256
     """The most tokens a reply has."""

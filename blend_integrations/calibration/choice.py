@@ -46,19 +46,21 @@ def default_variants(config: BlendConfig, num_layers: int | None) -> list[dict]:
     """The blend settings calibration tries besides the engine's own: gradual
     filtering over two check layers, the other selections (mixed: on
     Qwen2.5-Coder-0.5B it kept the most at 0.15), the other deviation, and
-    sink tokens (each one change from ``config``). The query
-    selection is tried as ProphetKV runs it, at check layer 0: it ranks by a
-    reuse pass, so no layer need compute every token (on Qwen2.5-Coder-1.5B
-    it agreed as often as at layer 1, sooner: docs/results/oracle-*.md); a
-    deviation selection needs a check layer past 0, where deviation is zero."""
+    sink tokens (each one change from ``config``). The query-aware
+    selections are tried as ProphetKV runs them, at check layer 0: they rank
+    by a reuse pass, so no layer need compute every token (on
+    Qwen2.5-Coder-1.5B "query" agreed as often as at layer 1, sooner:
+    docs/results/oracle-*.md); a deviation selection needs a check layer past
+    0, where deviation is zero."""
     first = config.check_layers[0]
     variants: list[dict] = []
     if len(config.check_layers) == 1 and first > 0 and (num_layers is None or first + 1 < num_layers):
         variants.append({"check_layers": [first, first + 1]})
-    if config.selection == "deviation":
-        variants.append({"selection": "query", "check_layers": [0]})
-    else:
+    if config.selection != "deviation":
         variants.append({"selection": "deviation", **({"check_layers": [1]} if first == 0 else {})})
+    for selection in ("query", "query-tail"):
+        if config.selection != selection:
+            variants.append({"selection": selection, **({"check_layers": [0]} if first != 0 else {})})
     if config.selection != "mixed":  # its deviation half needs a check layer past 0
         variants.append({"selection": "mixed", **({"check_layers": [1]} if first == 0 else {})})
     variants.append({"deviation": "k" if config.deviation == "v" else "v"})

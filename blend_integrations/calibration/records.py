@@ -14,7 +14,7 @@ from ..store.format import dtype_name
 
 RECORD_VERSION = 2
 # Ratios calibration measures, and the ladder a guard climbs; 1.0 is full prefill's equal and is not run.
-LADDER: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
+LADDER: tuple[float, ...] = (0.05, 0.1, 0.12, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
 
 
 class CalibrationError(ValueError):

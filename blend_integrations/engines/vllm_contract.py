@@ -25,8 +25,8 @@ blend_integrations.serve``) carries ``kv_transfer_params = {"blend": {...}}``:
   for the store's calibration of the model (the fallback ratio without one);
 - ``details``: true to be answered which tokens came from the store and
   which of those were recomputed (``"blend_details"``, ``vllm_answers``);
-- ``selection``: how recomputed tokens are chosen ("deviation", "query" or
-  "mixed"), or null for the engine's; ``check_layers``, ``deviation`` and
+- ``selection``: how recomputed tokens are chosen ("deviation", "query",
+  "query-tail" or "mixed"), or null for the engine's; ``check_layers``, ``deviation`` and
   ``sink_tokens`` likewise (``BlendConfig``): a request's own override the
   engine's, and under ``"auto"`` the calibrated policy's.
 

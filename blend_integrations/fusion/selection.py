@@ -57,27 +57,41 @@ def _deviation(fresh, stored, start, act, rows):
     return (fresh[:, rows].float() - old.float()).pow(2).sum(dim=(0, 2))
 
 
-def query_attention(q, K, q_pos, window, scale, softcap=None):
+# How many query tokens "query-tail" scores by: the last ones before the
+# prompt's last token (the question's end and the chat template's tail). On
+# Qwen2.5-Coder-1.5B, value-weighted over these it kept more answers at 0.10
+# and 0.15 than the whole query's attention (docs/tuning.md, "selection").
+QUERY_TAIL = 4
+
+
+def query_attention(q, K, q_pos, window, scale, softcap=None, values=None):
     """Attention the queries ``q`` ``[H, Q, D]`` (at sorted positions
     ``q_pos``) pay to each key of ``K`` ``[Hkv, N, D]``: softmax over every key
     each query sees (causal, within its sliding window; scores soft-capped as
-    the layer caps them), summed over heads and queries; ``[N]``."""
+    the layer caps them), summed over heads and queries; ``[N]``. With
+    ``values`` (``V`` ``[Hkv, N, D]``), each head's weight on a key is scaled
+    by the norm of that key's value: what the key adds to the head's output."""
     mass = torch.zeros(K.shape[1], device=q.device)
     for keys, weights in attention_weights(q, K, q_pos, window, scale, softcap):
-        mass[keys] += weights.sum(dim=(0, 1, 2))
+        if values is None:
+            mass[keys] += weights.sum(dim=(0, 1, 2))
+        else:
+            norms = values[:, keys].float().norm(dim=-1)  # [Hkv, keys]
+            mass[keys] += (weights.sum(dim=(1, 2)) * norms).sum(dim=0)
     return mass
 
 
 def choose(scores: dict[str, torch.Tensor], selection: str, count: int) -> torch.Tensor:
     """Indices of the ``count`` reused rows to keep: the top by deviation, by
-    query attention, or (mixed) half by query attention and the rest by
-    deviation. Without query scores (no query tokens) it ranks by deviation."""
+    query attention ("query", "query-tail": the walk scored them so), or
+    (mixed) half by query attention and the rest by deviation. Without query
+    scores (no query tokens) it ranks by deviation."""
     deviation = scores["deviation"]
     count = min(count, deviation.numel())
     if selection == "deviation" or "query" not in scores:
         return deviation.topk(count).indices
     query = scores["query"]
-    if selection == "query":
+    if selection in ("query", "query-tail"):
         return query.topk(count).indices
     first = query.topk((count + 1) // 2).indices
     rest = deviation.clone()

@@ -37,7 +37,7 @@ from torch.profiler import record_function
 from ..calibration import Guard
 from ..store import CodedKV
 from .layers import LayerModel
-from .selection import DeviationShares, choose, deviation_score, over_ranks, query_attention
+from .selection import QUERY_TAIL, DeviationShares, choose, deviation_score, over_ranks, query_attention
 
 
 @dataclass
@@ -159,14 +159,15 @@ def forward(
     ``logits`` is False) and stats.
 
     reused + schedule=None is "reuse"; reused + schedule [(layer, ratio), ...]
-    is "blend"; no reused is "full". ``selection`` ("deviation", "query" or
-    "mixed") picks the reused tokens a check layer keeps; the query is the new
+    is "blend"; no reused is "full". ``selection`` ("deviation", "query",
+    "query-tail" or "mixed") picks the reused tokens a check layer keeps; the query is the new
     tokens from offset ``query_start`` on, less the one whose logits are
     returned (vLLM computes a prompt's last token itself, so its blend pass
     never has it: leaving it out everywhere keeps the choice the same on every
     engine). Without query tokens, the choice falls back to deviation.
     ``relevance`` (``[T]``, zeros), if given, receives the query's attention to
-    every new token summed over layers (the first pass of a query-aware walk).
+    every new token summed over layers (the first pass of a query-aware walk;
+    with ``selection`` "query-tail", each key weighted by its value's norm).
     ``guard`` (blend): at the first check layer, raise the ratio for this
     request as the guard says (``calibration.Guard``), the schedule then being
     ``schedule_for(ratio)``. ``record``, if given
@@ -207,18 +208,23 @@ def forward(
     recomputed = num_reused if schedule else 0
 
     is_query = torch.zeros(T, dtype=torch.bool)
+    query_end = T - 1 if logits else T
     if query_start is not None:
-        is_query[query_start : T - 1 if logits else T] = True
+        is_query[query_start:query_end] = True
     query_mass = None  # per new token, the query's attention summed over layers (query-aware blend)
     first_pass = 0  # token-layers of its reuse pass
     if schedule and selection != "deviation" and bool(is_query.any()):
         query_mass = torch.zeros(T, device=device)
+        scored_from = query_start
+        if selection == "query-tail":
+            scored_from = max(int(query_start), query_end - QUERY_TAIL)
         _, first = forward(
             model,
             cache,
             ids,
             reused=reused,
-            query_start=query_start,
+            selection=selection,
+            query_start=scored_from,
             logits=logits,
             relevance=query_mass,
             kv_target=kv_target,
@@ -290,6 +296,7 @@ def forward(
                         model.windows[layer],
                         model.scaling,
                         model.softcaps[layer],
+                        values=V if selection == "query-tail" else None,
                     )[start:]
             if layer in checks:
                 if query_mass is not None:

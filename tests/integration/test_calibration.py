@@ -192,6 +192,7 @@ def test_what_a_policy_costs():
     assert default_variants(BlendConfig(), 4) == [
         {"check_layers": [1, 2]},
         {"selection": "query", "check_layers": [0]},  # ProphetKV's: no layer computed for every token
+        {"selection": "query-tail", "check_layers": [0]},
         {"selection": "mixed"},
         {"deviation": "k"},
         {"sink_tokens": 2},
@@ -199,6 +200,7 @@ def test_what_a_policy_costs():
     # from the query selection at layer 0, a deviation selection needs a layer past it, as mixed does
     assert default_variants(BlendConfig(check_layers=(0,), selection="query"), 4) == [
         {"selection": "deviation", "check_layers": [1]},
+        {"selection": "query-tail"},
         {"selection": "mixed", "check_layers": [1]},
         {"deviation": "k"},
         {"sink_tokens": 2},
@@ -206,6 +208,7 @@ def test_what_a_policy_costs():
     # no room for a second check layer; the other selections and deviation
     assert default_variants(BlendConfig(check_layers=(3,), selection="query", deviation="k", sink_tokens=1), 4) == [
         {"selection": "deviation"},
+        {"selection": "query-tail", "check_layers": [0]},
         {"selection": "mixed"},
         {"deviation": "v"},
     ]
