@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(report)
     print(text)
     if args.out:
-        stem = f"oracle-{results_name(args.model)}-{args.backend}"
+        # a subset of the settings has a page of its own: the whole run's page stays
+        stem = "-".join(["oracle", results_name(args.model), args.backend, *(args.settings or ())])
         options = f" --model {args.model} --backend {args.backend} --questions {args.questions}"
         options += f" --ratios {' '.join(map(str, args.ratios))} --dtype {args.dtype}"
         options += f" --settings {' '.join(args.settings)}" if args.settings else ""

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from blend_integrations.config import SELECTIONS
 from blend_integrations.fusion import KVCache, ReusedSpan, ScratchCache, forward
 from blend_integrations.fusion.attention import QUERY_GROUP, DenseAttention, query_groups, visible_keys
+from blend_integrations.fusion.selection import QUERY_TAIL
 from blend_integrations.models import HFDecoder
 from blend_integrations.store import CodedKV
 from blend_integrations.store.codec import encode_kv
@@ -248,6 +249,37 @@ def test_query_attention_is_what_the_models_own_attention_pays(model_dirs, arch)
     # the query: tokens QUERY.. but the last (whose logits the walk returns)
     expected = sum(w[0, :, QUERY:-1].sum(dim=(0, 1)) for w in weights)
     torch.testing.assert_close(relevance, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_query_tail_keeps_what_the_last_query_tokens_read(model_dirs):
+    """"query-tail" ranks the reused tokens by the attention of the query's
+    last QUERY_TAIL tokens (before the one whose logits are returned), each
+    head's weight on a key times the norm of that key's value, summed over
+    layers; "query" by the whole query's attention. The reused KV here is the
+    prompt's own, so the reuse pass is full prefill and the model's eager
+    attention gives the scores."""
+    own = AutoModelForCausalLM.from_pretrained(model_dirs("llama"), dtype=torch.float32, attn_implementation="eager")
+    decoder = HFDecoder(own.eval())
+    ids = torch.randint(0, 2048, (40,), generator=torch.Generator().manual_seed(2))
+    record = recorded(decoder, ids)
+    span = [ReusedSpan(CHUNK.start, record[:, :, :, CHUNK])]
+    with torch.inference_mode():
+        weights = own(ids[None], output_attentions=True).attentions  # per layer [1, heads, T, T]
+    group = weights[0].shape[1] // decoder.num_kv_heads  # query heads per KV head
+    tail = slice(len(ids) - 1 - QUERY_TAIL, len(ids) - 1)
+    by_tail = sum(
+        (w[0, :, tail].sum(dim=1) * record[layer, 1].norm(dim=-1).repeat_interleave(group, dim=0)).sum(dim=0)
+        for layer, w in enumerate(weights)
+    )
+    by_query = sum(w[0, :, QUERY:-1].sum(dim=(0, 1)) for w in weights)
+    count = round(0.25 * (CHUNK.stop - CHUNK.start))
+    kept = {}
+    for selection in ("query", "query-tail"):
+        _, stats = walk(decoder, ids, reused=span, schedule=[(0, 0.25)], selection=selection, query_start=QUERY)
+        kept[selection] = sorted(stats.kept)
+    assert kept["query-tail"] == sorted((CHUNK.start + by_tail[CHUNK].topk(count).indices).tolist())
+    assert kept["query"] == sorted((CHUNK.start + by_query[CHUNK].topk(count).indices).tolist())
+    assert kept["query"] != kept["query-tail"]
 
 
 def test_a_scratch_cache_is_reused_unless_held(model):
