@@ -1,5 +1,5 @@
-"""``python -m benchmarks [ttft|store|vllm|vllm-ttft|quality|codecs|oracle|fuzz|drift|calibration|profile|hma|tuning|readme|newcomer] [options]``;
-no part runs them all but oracle, vllm-ttft, tuning, readme and newcomer, which run only when named."""
+"""``python -m benchmarks [ttft|store|vllm|vllm-ttft|quality|codecs|oracle|probes|fuzz|drift|calibration|profile|hma|tuning|readme|newcomer] [options]``;
+no part runs them all but oracle, probes, vllm-ttft, tuning, readme and newcomer, which run only when named."""
 
 import os
 import sys
@@ -14,6 +14,7 @@ from . import (
     hma,
     newcomer,
     oracle,
+    probes,
     profile,
     quality,
     readme,
@@ -32,6 +33,7 @@ PARTS = {
     "quality": quality.main,
     "codecs": codecs.main,
     "oracle": oracle.main,
+    "probes": probes.main,
     "fuzz": fuzz.main,
     "drift": drift.main,
     "calibration": calibration.main,
@@ -58,10 +60,10 @@ def main() -> None:  # vLLM starts processes: keep the entry under the __main__ 
         PARTS[args[0]](args[1:])
     elif args:
         sys.exit(f"unknown benchmark part {args[0]!r}; choose from: {', '.join(PARTS)}")
-    else:  # every measurement; the oracle (hours on a 1.5B model), tuning (it needs a tuned model), the
+    else:  # every measurement; the oracle (hours on a 1.5B model), the probes (a 1.5B model's), tuning (it needs a tuned model), the
         # README's renderer, the newcomer's path and the long-prompt vLLM run (a GPU's) run only when named
         for name, part in PARTS.items():
-            if name not in ("oracle", "vllm-ttft", "tuning", "readme", "newcomer"):
+            if name not in ("oracle", "probes", "vllm-ttft", "tuning", "readme", "newcomer"):
                 part([])
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import oracle
+from benchmarks import oracle, probes
 from benchmarks.quality import BASE, HELD_OUT_SEED, TASKS
 from blend_integrations import BlendConfig, ChunkStore, load_engine
 from blend_integrations.quality import reader_model_dir
@@ -72,3 +72,25 @@ def test_the_benchmark_writes_and_renders_its_tables(tmp_path, capsys):
     assert "| (a) blend, prophet |" in page and "Deviation by layer" in page
     oracle.main(["--render", str(tmp_path / "oracle-reader-transformers-deviation-prophet.json")])
     assert (tmp_path / "oracle-reader-transformers-deviation-prophet.md").read_text() == page
+
+
+def test_the_probes_benchmark_lists_every_prompt_a_setting_missed(tmp_path):
+    """``python -m benchmarks probes`` on the reader: every setting at every
+    ratio on every probe, full prefill's tokens and their top-two margins, and
+    a page whose counts and listed misses are the JSON's."""
+    probes.main(
+        ["--model", "reader", "--backend", "transformers", "--prompts", "3", "--ratios", "0.05", "0.3"]
+        + ["--settings", "deviation", "query-tail", "--out", str(tmp_path)]
+    )
+    report = json.loads((tmp_path / "probes-reader-transformers.json").read_text())
+    rows = report["per_prompt"]
+    assert [r["prompt"] for r in rows] == [0, 1, 2]
+    modes = ["deviation@0.05", "deviation@0.3", "query-tail@0.05", "query-tail@0.3"]
+    assert all(list(r["agrees"]) == modes for r in rows)
+    assert all(len(r["margins"]) == len(r["full"]) > 0 and min(r["margins"]) >= 0 for r in rows)
+    page = (tmp_path / "probes-reader-transformers.md").read_text()
+    for mode in modes:
+        assert f"| {mode} | {sum(r['agrees'][mode] for r in rows)} of 3 |" in page
+    missed = [r["prompt"] for r in rows if not all(r["agrees"].values())]
+    listed = [line.split("|")[1].strip() for line in page.splitlines() if line.count("|") == 7]
+    assert listed[0] == "prompt" and [int(p) for p in listed[2:]] == missed  # after the header and its rule
