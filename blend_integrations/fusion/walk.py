@@ -217,7 +217,8 @@ def forward(
         query_mass = torch.zeros(T, device=device)
         scored_from = query_start
         if selection == "query-tail":
-            scored_from = max(int(query_start), query_end - QUERY_TAIL)
+            assert query_start is not None  # the query has tokens
+            scored_from = max(query_start, query_end - QUERY_TAIL)
         _, first = forward(
             model,
             cache,

@@ -92,7 +92,9 @@ def test_the_question_decides_which_document_is_recomputed(smollm2_gguf, tmp_pat
 def test_bad_selections_get_clear_errors(engine, docs, blend_server):
     with pytest.raises(ValueError, match="selection must be one of deviation, query, query-tail, mixed; got 'hkvd'"):
         BlendConfig(selection="hkvd")
-    with pytest.raises(ValueError, match="selection must be one of deviation, query, query-tail, mixed; got 'attention'"):
+    with pytest.raises(
+        ValueError, match="selection must be one of deviation, query, query-tail, mixed; got 'attention'"
+    ):
         engine.generate(BlendPrompt("Read.", docs, QUESTION), max_tokens=1, selection="attention")
     llm = BlendLLM(engine=engine, max_tokens=2, selection="Query")
     with pytest.raises(ValueError, match="selection must be one of deviation, query, query-tail, mixed; got 'Query'"):

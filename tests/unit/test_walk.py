@@ -252,7 +252,7 @@ def test_query_attention_is_what_the_models_own_attention_pays(model_dirs, arch)
 
 
 def test_query_tail_keeps_what_the_last_query_tokens_read(model_dirs):
-    """"query-tail" ranks the reused tokens by the attention of the query's
+    """The "query-tail" selection ranks the reused tokens by the attention of the query's
     last QUERY_TAIL tokens (before the one whose logits are returned), each
     head's weight on a key times the norm of that key's value, summed over
     layers; "query" by the whole query's attention. The reused KV here is the
