@@ -231,8 +231,12 @@ def forward(
             kv_target=kv_target,
         )
         first_pass = first.token_layers
-        cache.length = start  # the blend walk below writes every row again
+        cache.length = start  # the blend walk below writes its rows again
         query_mass = over_ranks(model, query_mass)
+        # The tokens before the first reused one (the system prompt, the
+        # chat template's head) read nothing a blend changes: the first pass
+        # left their final KV in the cache, so the blend walk skips them.
+        active = active[active >= int(torch.nonzero(is_reused)[0])]
     act = active.to(device)  # the same indices on the model's device
     h = model.embed(ids[act])
     attention = None  # how the active tokens attend: built for each active set, shared by its layers

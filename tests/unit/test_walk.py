@@ -203,8 +203,9 @@ def test_query_selection_ranks_by_the_query_and_pays_for_a_reuse_pass(model, ids
     assert len(deviation.kept) == len(query.kept) == len(mixed.kept) == n
     assert all(CHUNK.start <= i < CHUNK.stop for i in query.kept + mixed.kept)
     assert query.kept != deviation.kept
-    # the query's attention is summed over every layer in a reuse pass first
-    assert query.token_layers == deviation.token_layers + reuse.token_layers
+    # the query's attention is summed over every layer in a reuse pass first, which leaves
+    # the final KV of the tokens before the chunk (they read nothing blending changes)
+    assert query.token_layers == deviation.token_layers + reuse.token_layers - CHUNK.start * model.num_layers
     assert mixed.token_layers == query.token_layers
     # mixed: half by the query's attention, the rest by deviation
     assert set(mixed.kept) <= set(query.kept) | set(deviation.kept)
