@@ -9,13 +9,15 @@ SmolLM2-135M's (docs/results/calibration.md). ``calibrate`` measures it:
    or the user's own prompts; a fixed seed.
 2. Policies: one ratio for every request, with the engine's own blend
    settings or another (``variants``: gradual check layers, query-aware
-   selection, key deviation, sink tokens); and the per-request *guard*: at
-   the check layer the walk knows how much of the reused tokens' deviation
-   the top ``base`` share of them holds; when that is below ``threshold``,
-   the request gets the next ratio of the ladder whose top share holds it
-   (up to 1.0, full prefill). A blended reply reports that share for every
-   ratio (``Generation.deviation_share``), so which ratio the guard gives
-   each probe is known from one reply, without running the guard.
+   selection, key deviation, sink tokens); and, under each of them, the
+   per-request *guard*: at the check layer the walk knows how much of the
+   score it ranks the reused tokens by (their deviation; for a selection by
+   the query, the query's attention) the top ``base`` share of them holds;
+   when that is below ``threshold``, the request gets the next ratio of the
+   ladder whose top share holds it (up to 1.0, full prefill). A blended
+   reply reports that share for every ratio (``Generation.deviation_share``),
+   so which ratio the guard gives each probe is known from one reply,
+   without running the guard.
 3. Each prompt's full prefill, then the policies on the engine being
    calibrated, cheapest first (by the computed share of the reused
    token-layers, ``config.computed_share``), each on the hardest probes

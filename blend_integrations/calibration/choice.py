@@ -93,25 +93,25 @@ def max_misses(n: int, target: float, confidence: float) -> int:
 
 
 def candidates(
-    shares: list[Callable[[float], float]] | None, ladder: list[float], tried: list[dict], num_layers: int, n: int
+    shares: dict[int, list[Callable[[float], float]]], ladder: list[float], tried: list[dict], num_layers: int, n: int
 ) -> list[Policy]:
-    """Every policy, cheapest first: each setting at each ratio, and (given
-    ``shares``, each probe's ``deviation_share`` where the engine reports it)
-    the guard from each base ratio at each threshold the probes' shares at
-    that base suggest. The shares come from the probes' cheapest runs with the
-    engine's own settings: a share does not depend on the ratio a walk ran at."""
+    """Every policy, cheapest first: each setting at each ratio, and for each
+    setting in ``shares`` (its probes' ``deviation_share``, where the engine
+    reports them) the guard from each base ratio at each threshold the
+    probes' shares at that base suggest. A setting's shares come from its
+    probes' cheapest runs: a share does not depend on the ratio a walk ran at."""
     policies = [
         Policy("ratio", i, r, None, (r,) * n, policy_cost(settings, r, num_layers))
         for i, settings in enumerate(tried)
         for r in ladder
     ]
-    if shares is not None:
+    for i, of_probes in shares.items():
         for r0 in ladder:
-            for threshold in sorted({round(share(r0), 3) for share in shares})[1:]:
+            for threshold in sorted({round(share(r0), 3) for share in of_probes})[1:]:
                 guard = Guard(r0, threshold, tuple(ladder))
-                rungs = tuple(guard.ratio(share) for share in shares)
-                cost = statistics.fmean(policy_cost(tried[0], r, num_layers) for r in rungs)
-                policies.append(Policy("guard", 0, r0, threshold, rungs, cost))
+                rungs = tuple(guard.ratio(share) for share in of_probes)
+                cost = statistics.fmean(policy_cost(tried[i], r, num_layers) for r in rungs)
+                policies.append(Policy("guard", i, r0, threshold, rungs, cost))
     return sorted(policies, key=lambda p: (p.cost, p.kind != "ratio", p.settings, p.ratio, p.threshold or 0.0))
 
 

@@ -327,8 +327,8 @@ def _measure(
 ) -> list[dict]:
     """Measure the policies cheapest first, each on the probes hardest first,
     and return their rows. Every probe's reply at the cheapest ratio comes
-    first: it orders the probes (disagreeing, then by first-token KL) and gives
-    the guard its shares. A policy stops at the disagreement that rules the
+    first: the first setting's orders the probes (disagreeing, then by
+    first-token KL), and each setting's gives its guard the shares. A policy stops at the disagreement that rules the
     target out, and is not run at all once a cheaper one met the target (a
     single ratio only for a cheaper single ratio: a record keeps the cheapest
     one besides its guard) or one as costly was measured too slow to be worth
@@ -341,10 +341,16 @@ def _measure(
     misses_allowed = max_misses(n, target, confidence)
     best_single = best_any = too_slow = math.inf
     rows = []
-    # the guard's shares, in the probes' new order (their cheapest runs, made above)
-    shares = [replies.blended(0, ladder[0], j).deviation_share for j in range(n)]
+    # each setting's guard shares, in the probes' new order (from its cheapest runs: the first
+    # setting's made above); none where the engine reports none, or where no policy can meet the target
+    shares = {}
+    for i in range(len(tried) if misses_allowed >= 0 else 0):
+        of_probes = [replies.blended(i, ladder[0], j).deviation_share for j in range(n)]
+        if None in of_probes:
+            break  # the engine reports no shares
+        shares[i] = of_probes
     bar = tqdm(
-        candidates(None if None in shares else [s for s in shares if s is not None], ladder, tried, num_layers, n),
+        candidates(shares, ladder, tried, num_layers, n),
         desc="calibrating: policies, cheapest first",
         unit="policy",
         disable=not progress,

@@ -30,10 +30,11 @@ def record_name(fingerprint: str, dtype: Any, kv_codec: str | None = None) -> st
 
 @dataclass(frozen=True)
 class Guard:
-    """Recompute more for a request whose deviation is spread out: when the
+    """Recompute more for a request whose ranking is spread out: when the
     top ``base`` share of its reused tokens holds less than ``threshold`` of
-    their deviation at the check layer, use the first ratio of ``ladder``
-    above ``base`` whose top share holds ``threshold`` (1.0 if none does)."""
+    the score the check layer ranks them by (their deviation; for a selection
+    by the query, its attention), use the first ratio of ``ladder`` above
+    ``base`` whose top share holds ``threshold`` (1.0 if none does)."""
 
     base: float
     threshold: float
@@ -41,7 +42,7 @@ class Guard:
 
     def ratio(self, captured: Callable[[float], float]) -> float:
         """The request's ratio, given ``captured(r)``: the share of its
-        deviation the top ``r`` of its reused tokens hold."""
+        ranking's score the top ``r`` of its reused tokens hold."""
         for r in (r for r in (*self.ladder, 1.0) if r >= self.base):
             if r >= 1.0 or captured(r) >= self.threshold:
                 return r

@@ -39,8 +39,9 @@ class Usage:
     # per-request guard raised the calibrated ratio); None when the prompt was not blended.
     recompute_ratio: float | None = None
     ratio_source: str | None = None
-    # The share of the reused tokens' deviation (at the check layer) that the recomputed ones hold;
-    # None when nothing was blended.
+    # The share of the score the check layer ranks the reused tokens by (their deviation; for a
+    # selection by the query, the query's attention) that the recomputed ones hold; None when
+    # nothing was blended.
     deviation_captured: float | None = None
 
     @property
@@ -65,8 +66,8 @@ class Generation:
     # Why the prompt was computed in full although blending was asked for (the
     # vLLM engine: its blend pass failed and vLLM recomputed it), else None.
     fallback: str | None = None
-    # ``deviation_share(r)``: the share of the reused tokens' deviation at the check layer that
-    # the top ``r`` of them hold, for any ratio (``usage.deviation_captured`` is it at the ratio
+    # ``deviation_share(r)``: the share of the check layer's ranking score (as for
+    # ``usage.deviation_captured``) that the top ``r`` of the reused tokens hold, for any ratio (``usage.deviation_captured`` is it at the ratio
     # used); calibration simulates the guard with it. None where the engine does not report it.
     deviation_share: Callable[[float], float] | None = field(default=None, repr=False, compare=False)
     # The prompt's tokens whose KV came from the chunk store, as [start, end) spans of

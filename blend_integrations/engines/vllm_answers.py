@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..fusion import PrefillPlan, PrefillStats
-from ..fusion.selection import DeviationShares
+from ..fusion.selection import RankShares
 from . import stream_usage
 from .blend_metrics import BlendCounters
 from .vllm_contract import not_blended
@@ -138,7 +138,7 @@ class Answers:
 
 def blend_details(
     params: Any, prompt_len: int
-) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], DeviationShares | None] | None:
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], RankShares | None] | None:
     """The reused spans, the recomputed positions and the deviation shares a
     finished request's ``kv_transfer_params["blend_details"]`` carries, checked
     against the prompt's ``prompt_len`` tokens; None when it carries none."""
@@ -166,4 +166,4 @@ def blend_details(
         or not all(isinstance(x, float) and math.isfinite(x) and 0.0 <= x <= 1.0 + 1e-6 for x in shares)
     ):
         raise ValueError(f"{where}['deviation_shares'] must be a list of shares between 0 and 1")
-    return reused, tuple(positions), None if shares is None else DeviationShares(tuple(shares))
+    return reused, tuple(positions), None if shares is None else RankShares(tuple(shares))

@@ -27,7 +27,7 @@ from .controller import LoadingStats
 from .layers import LayerModel, agreed
 from .pipeline import LayerLoader, LoadFailed
 from .plan import COMPUTE, MISS, ChunkKeys, Planner, PrefillPlan, measured_rates
-from .selection import DeviationShares
+from .selection import RankShares
 from .walk import KVCache, ReusedSpan, ScratchCache, WalkStats, forward
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class PrefillStats:
     recompute_ratio: float | None = None  # the ratio the walk blended at (None: not blended)
     ratio_source: str | None = None  # where it came from (``config.RATIO_SOURCES``)
     deviation_captured: float | None = None  # the share of the reused tokens' deviation that ratio covers
-    deviation_share: DeviationShares | None = field(default=None, repr=False)  # the same, for any ratio
+    deviation_share: RankShares | None = field(default=None, repr=False)  # the same, for any ratio
     # the prompt's tokens whose KV came from the store, as [start, end) spans, and of those the recomputed ones
     reused_spans: tuple[tuple[int, int], ...] = ()
     recomputed_positions: tuple[int, ...] = ()

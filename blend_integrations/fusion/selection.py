@@ -2,7 +2,7 @@
 
 Scores per reused token (deviation of fresh from reused K or V, or the
 query's attention from a reuse pass), the choice of the top ones, and the
-share of the deviation a choice covers (which the calibration's guard reads).
+share of the scores a choice covers (which the calibration's guard reads).
 The walk (``walk.py``) calls these at its check layers.
 """
 
@@ -23,17 +23,19 @@ def over_ranks(model: LayerModel, scores: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class DeviationShares:
-    """``shares(r)``: the part of the total deviation at the first check layer
-    that the top ``r`` of the reused tokens hold. ``cumulative[i]`` is that
-    part for the top ``i + 1`` tokens (empty when nothing deviates: every
+class RankShares:
+    """``shares(r)``: the part of the total score the first check layer ranks
+    the reused tokens by (their deviation; for a selection by the query, the
+    query's attention) that the top ``r`` of them hold: how concentrated the
+    ranking is, which the calibration's guard reads. ``cumulative[i]`` is
+    that part for the top ``i + 1`` tokens (empty when every score is 0: every
     share is 1.0); plain floats, so it travels from vLLM's worker as it is."""
 
     cumulative: tuple[float, ...]
 
     @classmethod
-    def of(cls, deviation: torch.Tensor) -> DeviationShares:
-        summed = deviation.float().sort(descending=True).values.cumsum(0)
+    def of(cls, scores: torch.Tensor) -> RankShares:
+        summed = scores.float().sort(descending=True).values.cumsum(0)
         total = float(summed[-1]) if summed.numel() else 0.0
         return cls(tuple((summed / total).tolist()) if total > 0 else ())  # (): every share is 1.0
 

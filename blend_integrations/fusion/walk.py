@@ -37,7 +37,7 @@ from torch.profiler import record_function
 from ..calibration import Guard
 from ..store import CodedKV
 from .layers import LayerModel
-from .selection import QUERY_TAIL, DeviationShares, choose, deviation_score, over_ranks, query_attention
+from .selection import QUERY_TAIL, RankShares, choose, deviation_score, over_ranks, query_attention
 
 
 @dataclass
@@ -130,10 +130,11 @@ class WalkStats:
     kept: tuple[int, ...] = ()  # the reused tokens recomputed after the last check layer (offsets in the new tokens)
     ratio: float | None = None  # the recompute ratio used (blend only): the schedule's, or the guard's
     guarded: bool = False  # the guard raised the ratio
-    # the share of the reused tokens' deviation at the first check layer that the top ``ratio`` of them hold
+    # the share of the first check layer's ranking score (the reused tokens' deviation, or for a
+    # selection by the query its attention) that the top ``ratio`` of them hold
     captured: float | None = None
     # ``share(r)``: the same for any ratio r (it does not depend on the ratio the walk ran at)
-    share: DeviationShares | None = field(default=None, repr=False, compare=False)
+    share: RankShares | None = field(default=None, repr=False, compare=False)
 
 
 def forward(
@@ -280,7 +281,10 @@ def forward(
                     # before the fresh KV overwrites the reused KV
                     scores = {"deviation": deviation_score(model, deviation, (k, K), (v, V), start, act, rows)}
                     if captured is None:  # the first check layer: every reused token is still active
-                        share = DeviationShares.of(scores["deviation"])
+                        # What the guard reads: how much of the ranking's score the top tokens hold. A
+                        # selection by the query ranks by its attention (at check layer 0 no token deviates).
+                        by_query = query_mass is not None and selection in ("query", "query-tail")
+                        share = RankShares.of(query_mass[act[rows.to(device)]] if by_query else scores["deviation"])
                         if guard is not None and schedule_for is not None and ratio is not None:
                             raised = guard.ratio(share)
                             if raised > ratio:

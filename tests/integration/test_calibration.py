@@ -232,6 +232,8 @@ def test_calibration_stops_early_yet_chooses_what_measuring_everything_chooses(p
     key = lambda c: (c["policy"], c["variant"], c["ratio"], c.get("threshold"))  # noqa: E731
     whole = {key(c): c for c in every.curve}
     assert all(c["n"] == n for c in every.curve)
+    # a guard under the engine's own settings and under others, each from its own probes' shares
+    assert len({c["variant"] for c in every.curve if c["policy"] == "guard"}) > 1
     allowed = max(f for f in range(n + 1) if wilson_lower(n - f, n, 0.5) >= 0.5)
     for c in lazy.curve:
         if c["n"] == n:  # measured on every probe: what measuring everything found

@@ -14,12 +14,12 @@ from blend_integrations.engines import stream_usage
 from blend_integrations.engines.vllm_answers import Answers, PassReport, blend_details
 from blend_integrations.fusion import PrefillPlan, PrefillStats
 from blend_integrations.fusion.plan import LOAD, ChunkPlan
-from blend_integrations.fusion.selection import DeviationShares
+from blend_integrations.fusion.selection import RankShares
 
 PLAN = PrefillPlan(
     "blend", 0.1, (ChunkPlan(2, 12, "a", LOAD), ChunkPlan(12, 22, "b", LOAD)), 0, ratio_source="calibrated"
 )
-SHARES = DeviationShares.of(torch.arange(20, dtype=torch.float32))
+SHARES = RankShares.of(torch.arange(20, dtype=torch.float32))
 
 
 def guarded_pass(details: bool = True) -> PassReport:
@@ -108,7 +108,7 @@ def test_details_travel_as_plain_lists_and_are_checked():
 
 
 def test_deviation_shares_are_the_top_tokens_share_of_the_total():
-    shares = DeviationShares.of(torch.tensor([1.0, 3.0, 0.0, 4.0]))
+    shares = RankShares.of(torch.tensor([1.0, 3.0, 0.0, 4.0]))
     assert [shares(r) for r in (0.0, 0.25, 0.5, 1.0)] == [0.0, 0.5, pytest.approx(0.875), pytest.approx(1.0)]
-    assert DeviationShares.of(torch.zeros(3))(0.2) == 1.0  # nothing deviates: any share holds all of it
-    assert DeviationShares.of(torch.zeros(0))(0.5) == 1.0
+    assert RankShares.of(torch.zeros(3))(0.2) == 1.0  # nothing deviates: any share holds all of it
+    assert RankShares.of(torch.zeros(0))(0.5) == 1.0

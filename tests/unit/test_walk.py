@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from blend_integrations.config import SELECTIONS
 from blend_integrations.fusion import KVCache, ReusedSpan, ScratchCache, forward
 from blend_integrations.fusion.attention import QUERY_GROUP, DenseAttention, query_groups, visible_keys
-from blend_integrations.fusion.selection import QUERY_TAIL
+from blend_integrations.fusion.selection import QUERY_TAIL, RankShares
 from blend_integrations.models import HFDecoder
 from blend_integrations.store import CodedKV
 from blend_integrations.store.codec import encode_kv
@@ -281,6 +281,22 @@ def test_query_tail_keeps_what_the_last_query_tokens_read(model_dirs):
     assert kept["query-tail"] == sorted((CHUNK.start + by_tail[CHUNK].topk(count).indices).tolist())
     assert kept["query"] == sorted((CHUNK.start + by_query[CHUNK].topk(count).indices).tolist())
     assert kept["query"] != kept["query-tail"]
+
+
+def test_a_selection_by_the_query_reports_the_share_of_its_attention(model, ids):
+    """What the guard reads at the first check layer is how much of the
+    ranking's score the top tokens hold: for a selection by the query, the
+    share of the query's attention (from the reuse pass) that the top ratio
+    of the reused tokens hold; at check layer 0 no token deviates."""
+    span = [ReusedSpan(CHUNK.start, recorded(model, ids[CHUNK]))]
+    relevance = torch.zeros(len(ids))
+    walk(model, ids, reused=span, selection="query-tail", query_start=len(ids) - 1 - QUERY_TAIL, relevance=relevance)
+    _, tail = walk(model, ids, reused=span, schedule=[(0, 0.25)], selection="query-tail", query_start=QUERY)
+    expected = RankShares.of(relevance[CHUNK])
+    assert tail.share.cumulative == pytest.approx(expected.cumulative)
+    assert tail.captured == pytest.approx(expected(0.25)) and 0.25 < tail.captured < 1.0
+    _, deviation = walk(model, ids, reused=span, schedule=[(1, 0.25)])
+    assert deviation.captured != pytest.approx(tail.captured)
 
 
 def test_a_scratch_cache_is_reused_unless_held(model):
