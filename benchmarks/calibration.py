@@ -146,6 +146,7 @@ def run(args) -> dict:
             "meets_target": record.meets_target,
             "why": record.why,
             "settings": record.settings,
+            "guard_settings": record.guard_settings,
             "curve": record.curve,
         },
         "held_out": table,
@@ -182,7 +183,12 @@ def markdown(report: dict) -> str:
         f"{c['calibration_seconds']:.0f} s; target {c['target']} agreement with full prefill's first "
         f"{c['tokens_compared']} tokens, at a {c['confidence']:.0%} lower confidence bound.",
         f"Chosen: single ratio {cal['ratio']} ({settings_label(cal['settings'])} settings)"
-        + (f"; guard base {guard['base']}, threshold {guard['threshold']}" if guard else "; no guard")
+        + (
+            f"; guard base {guard['base']}, threshold {guard['threshold']} "
+            f"({settings_label(cal['guard_settings'])} settings)"
+            if guard
+            else "; no guard"
+        )
         + ("" if cal["meets_target"] else " (no ratio below 1.0 meets the target: blending cannot hold it here)")
         + (f": {cal['why']}" if cal.get("why") else "")
         + ".",

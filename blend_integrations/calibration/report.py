@@ -44,7 +44,8 @@ def report(record: CalibrationRecord) -> str:
     if guards:
         best = min(guards, key=lambda c: c["cost"])
         lines.append(
-            f"\nguard: base {best['ratio']:.2f}, threshold {best['threshold']:.3f} -> mean ratio "
+            f"\nguard: base {best['ratio']:.2f}, threshold {best['threshold']:.3f} ({best['variant']} settings) "
+            f"-> mean ratio "
             f"{best['mean_ratio']:.3f}, agreement {best['agreement']:.3f}, {best['ttft_speedup']:.2f}x"
         )
     if not record.meets_target:
@@ -53,7 +54,8 @@ def report(record: CalibrationRecord) -> str:
         lines.append(f'\nChosen: full prefill ("auto" runs it): {record.why}.')
     elif record.guard is not None:
         lines.append(
-            f"\nChosen: the guard (base ratio {record.guard.base}, threshold {record.guard.threshold})"
+            f"\nChosen: the guard (base ratio {record.guard.base}, threshold {record.guard.threshold}, "
+            f"{settings_label(record.guard_settings)} settings)"
             + (
                 "; no single ratio below 1.0 meets the target."
                 if record.ratio >= 1.0

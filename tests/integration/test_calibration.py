@@ -23,6 +23,7 @@ from blend_integrations.calibration import (
     exclusive,
     policy_cost,
     record_name,
+    report,
     wilson_lower,
 )
 from blend_integrations.config import FALLBACK_RATIO, computed_share
@@ -213,6 +214,16 @@ def test_what_a_policy_costs():
         {"deviation": "v"},
     ]
     assert {"selection": "mixed"} not in default_variants(BlendConfig(selection="mixed"), 4)
+
+
+def test_a_chosen_guard_is_reported_with_its_own_settings(private):
+    """The guard and the single ratio may each have settings of their own: the report names both."""
+    tail = {**private.config.settings(), "selection": "query-tail", "check_layers": [0]}
+    query = {**tail, "selection": "query"}
+    record = record_for(private, ratio=0.2, settings=tail, guard=Guard(0.1, 0.7), guard_settings=query)
+    chosen = report(record).splitlines()[-1]
+    assert "Chosen: the guard (base ratio 0.1, threshold 0.7, check_layers=[0], selection=query settings)" in chosen
+    assert "cheapest single ratio that meets it is 0.2" in chosen
 
 
 def test_calibration_stops_early_yet_chooses_what_measuring_everything_chooses(private, monkeypatch, capsys):
