@@ -345,8 +345,8 @@ def _measure(
     # setting's made above); none where the engine reports none, or where no policy can meet the target
     shares = {}
     for i in range(len(tried) if misses_allowed >= 0 else 0):
-        of_probes = [replies.blended(i, ladder[0], j).deviation_share for j in range(n)]
-        if None in of_probes:
+        of_probes = [s for j in range(n) if (s := replies.blended(i, ladder[0], j).deviation_share) is not None]
+        if len(of_probes) < n:
             break  # the engine reports no shares
         shares[i] = of_probes
     bar = tqdm(

@@ -55,7 +55,7 @@ def report(record: CalibrationRecord) -> str:
     elif record.guard is not None:
         lines.append(
             f"\nChosen: the guard (base ratio {record.guard.base}, threshold {record.guard.threshold}, "
-            f"{settings_label(record.guard_settings)} settings)"
+            f"{settings_label(record.guard_settings or record.settings)} settings)"
             + (
                 "; no single ratio below 1.0 meets the target."
                 if record.ratio >= 1.0

@@ -283,8 +283,10 @@ def forward(
                     if captured is None:  # the first check layer: every reused token is still active
                         # What the guard reads: how much of the ranking's score the top tokens hold. A
                         # selection by the query ranks by its attention (at check layer 0 no token deviates).
-                        by_query = query_mass is not None and selection in ("query", "query-tail")
-                        share = RankShares.of(query_mass[act[rows.to(device)]] if by_query else scores["deviation"])
+                        ranked = scores["deviation"]
+                        if query_mass is not None and selection in ("query", "query-tail"):
+                            ranked = query_mass[act[rows.to(device)]]
+                        share = RankShares.of(ranked)
                         if guard is not None and schedule_for is not None and ratio is not None:
                             raised = guard.ratio(share)
                             if raised > ratio:
