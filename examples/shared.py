@@ -114,9 +114,10 @@ def describe_ratio(engine: Any) -> None:
     if record is None:
         print(f'recompute_ratio="auto": {FALLBACK_RATIO} ({SOURCES["fallback"]})')
         return
-    settings = f", {settings_label(record.settings)} settings" if record.ratio < 1.0 else ""
-    guard = f", guard from {record.guard.base}" if record.guard else ""
-    print(f'recompute_ratio="auto": {record.ratio}{settings}{guard} ({SOURCES[source].format(backend=engine.backend)})')
+    choice = record.choice()  # the guard's base ratio and settings, when it has one
+    settings = f", {settings_label(choice.settings or record.settings)} settings" if choice.ratio < 1.0 else ""
+    guard = f", raised per request by its guard (threshold {record.guard.threshold})" if record.guard else ""
+    print(f'recompute_ratio="auto": {choice.ratio}{settings}{guard} ({SOURCES[source].format(backend=engine.backend)})')
     if source == "calibrated":
         print(
             f"calibrated on {record.n} probe prompts in {record.seconds:.0f} s; target {record.target} agreement "
@@ -169,7 +170,9 @@ def blend_modes(engine: Any, requested: float | str | None, make: Callable[[dict
     ``make(options)``: a question -> result callable with those generation options."""
     modes = {"full": make({"mode": "full"}), "blend": make({})}
     record = engine.calibration()
-    ratio = requested if requested not in (None, "auto") else (FALLBACK_RATIO if record is None else record.ratio)
+    ratio = (
+        requested if requested not in (None, "auto") else (FALLBACK_RATIO if record is None else record.choice().ratio)
+    )
     if ratio != FALLBACK_RATIO:
         modes[f"blend@{FALLBACK_RATIO}"] = make({"recompute_ratio": FALLBACK_RATIO})
     return modes

@@ -86,8 +86,13 @@ class PackagedCalibration:
         r, held = self.record, self.held_out
         cal, fb = held["calibrated"], held["fallback"]
         n, tokens = held["questions"], held["tokens"]
-        label = settings_label(r.settings)
-        settings = "" if label == "default" else f" ({label})"
+        choice = r.choice()  # what "auto" runs: the guard, when there is one
+        label = settings_label(choice.settings or r.settings)
+        notes = ([] if r.guard is None else [f"a guard from {r.guard.base:g}"]) + (
+            [] if label == "default" else [label]
+        )
+        settings = f" ({'; '.join(notes)})" if notes else ""
+        at = f"ratio {cal['ratio']:g}" if r.guard is None else f"a mean ratio of {cal['ratio']:g}"
         if r.ratio >= 1.0 and r.guard is None:
             head = (
                 f"{r.model} needs full recompute to keep full prefill's first {tokens} tokens on {r.target:.0%} "
@@ -96,7 +101,7 @@ class PackagedCalibration:
         else:
             head = (
                 f"{r.model} keeps full prefill's first {tokens} tokens on {cal['agreement']:.0%} of {n} held-out "
-                f"questions at ratio {cal['ratio']:g}{settings}, {cal['ttft_speedup']:.2f}x sooner"
+                f"questions at {at}{settings}, {cal['ttft_speedup']:.2f}x sooner"
             )
         if r.guard is None and r.ratio == fb["ratio"] and not settings:
             return f"{head} ({r.engine} engine, {self.cpu})."

@@ -78,13 +78,17 @@ def test_langchain_rag_example_is_the_demo(run):
         return
     shipped = packaged(BACKEND, "qwen2.5-coder-1.5b")
     assert shipped.record.dtype == dtype
-    ratio = shipped.record.ratio
+    choice = shipped.record.choice()  # with a guard, its base ratio and settings
+    ratio = choice.ratio
     assert f'recompute_ratio="auto": {ratio}' in out
     assert f"(the calibration shipped with the package for this model on the {BACKEND} engine)" in out
     assert f"\nwhat it means: {shipped.meaning()}\n" in out
     assert "retrieved: ['ada_okafor.txt'" in out
     assert re.search(r"\nfull +TTFT +\d+ ms: ", out) and re.search(r"\nblend +TTFT +\d+ ms, \d+\.\d\dx sooner: ", out)
-    assert f"ratio {ratio} (packaged): of " in out
+    used = re.search(r"\n +ratio ([0-9.]+) \((packaged|guard)\): of ", out)
+    assert used, out
+    # the packaged ratio, or, with a guard, its base unless the guard raised it for this question
+    assert float(used[1]) == ratio if used[2] == "packaged" else (shipped.record.guard and float(used[1]) > ratio)
     if ratio != 0.15:  # the fallback ratio beside it, to show what speed costs
         assert re.search(r"\nblend@0\.15 +TTFT +\d+ ms, \d+\.\d\dx sooner: ", out)
         assert "ratio 0.15 (request): of " in out and "(4/4 chunks)" in out
