@@ -328,12 +328,12 @@ def _measure(
     """Measure the policies cheapest first, each on the probes hardest first,
     and return their rows. Every probe's reply at the cheapest ratio comes
     first: the first setting's orders the probes (disagreeing, then by
-    first-token KL), and each setting's gives its guard the shares. A policy stops at the disagreement that rules the
-    target out, and is not run at all once a cheaper one met the target (a
-    single ratio only for a cheaper single ratio: a record keeps the cheapest
-    one besides its guard) or one as costly was measured too slow to be worth
-    it. The choice is the one measuring everything would make; ``exhaustive`` does,
-    for the whole curve."""
+    first-token KL), and each setting's gives its guard the shares. A policy
+    stops at the disagreement that rules the target out, and is not run at
+    all once a cheaper one met the target (a single ratio only for a cheaper
+    single ratio: a record keeps the cheapest one besides its guard) or one
+    as costly was measured too slow to be worth it. The choice is the one
+    measuring everything would make; ``exhaustive`` does, for the whole curve."""
     n, base = len(replies.fulls), tried[0]
     first = [replies.blended(0, ladder[0], j) for j in range(n)]
     hardness = [(_agree(f, g, tokens), -(_first_token_kl(f, g) or 0.0)) for f, g in zip(replies.fulls, first)]
