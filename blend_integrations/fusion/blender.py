@@ -61,7 +61,7 @@ class PrefillStats:
     chunks_computed: int = 0  # chunks in the store the loading controller computed instead
     recompute_ratio: float | None = None  # the ratio the walk blended at (None: not blended)
     ratio_source: str | None = None  # where it came from (``config.RATIO_SOURCES``)
-    deviation_captured: float | None = None  # the share of the reused tokens' deviation that ratio covers
+    deviation_captured: float | None = None  # the share of the check layer's ranking score that ratio covers
     deviation_share: RankShares | None = field(default=None, repr=False)  # the same, for any ratio
     # the prompt's tokens whose KV came from the store, as [start, end) spans, and of those the recomputed ones
     reused_spans: tuple[tuple[int, int], ...] = ()
