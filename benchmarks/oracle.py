@@ -42,8 +42,9 @@ from pathlib import Path
 
 import torch
 
-from blend_integrations.config import BlendConfig, computed_share
+from blend_integrations.config import BlendConfig, check_schedule
 from blend_integrations.engines import load_engine
+from blend_integrations.fusion.controller import token_layers
 from blend_integrations.fusion.walk import KVCache, ReusedSpan, forward
 from blend_integrations.store import ChunkStore
 
@@ -212,6 +213,12 @@ def run(args) -> dict:
     examples = task.examples(args.questions, HELD_OUT_SEED)
     prompts = [task.prompt(e, reference.tokenizer, config.separator) for e in examples]
     reference.warm([d for e in examples for d in e.documents], progress=True)
+    # a walk pass's fixed cost on the engine timed (what the predicted times add per extra pass)
+    context = round(statistics.fmean(len(tp) for tp in prompts))
+    if args.backend == "vllm":
+        pass_s = engine.llm.collective_rpc("blend_pass_seconds", args=(context,))[0]
+    else:
+        pass_s = engine.blender.pass_seconds(context)
 
     def agree(tokens: list[int], full: list[int]) -> float:
         return float(tokens[:AGREE_TOKENS] == full[:AGREE_TOKENS])
@@ -288,6 +295,9 @@ def run(args) -> dict:
             "questions": len(prompts),
             "mean_prompt_tokens": round(statistics.fmean(len(tp) for tp in prompts)),
             "mean_reused_tokens": round(statistics.fmean(reused_tokens(tp) for tp in prompts)),
+            "mean_prefix_tokens": round(statistics.fmean(tp.chunk_spans[0][0] for tp in prompts)),
+            "mean_chunks": round(statistics.fmean(len(tp.chunk_spans) for tp in prompts), 2),
+            "pass_ms": round(1000 * pass_s, 1),
             "documents_per_question": list(task.n_docs),
             "two_hop_share": task.two_hop_share,
             "ratios": list(args.ratios),
@@ -318,6 +328,22 @@ def hop_counts(report: dict) -> str:
     return f" ({hops.count(1)} 1-hop, {hops.count(2)} 2-hop)" if hops else ""
 
 
+def predicted_ms(config: dict, full_ms: float, reuse_ms: float, settings: dict, ratio: float) -> float:
+    """A blend's predicted time to first token: reuse's time, plus the
+    token-layers the setting computes beyond reuse's (the walk's cost model,
+    ``controller.token_layers``) at full prefill's cost of one, plus a walk
+    pass's fixed cost (``config["pass_ms"]``) for the reuse pass of a
+    selection by the query. ``config``: a report's (its prompts' mean sizes)."""
+    layers, tokens, reused = config["layers"], config["mean_prompt_tokens"], config["mean_reused_tokens"]
+    per_token_layer = (full_ms - reuse_ms) / (layers * reused)  # what full prefill computes beyond reuse
+    sink, query_pass = settings["sink_tokens"], settings["selection"] != "deviation"
+    schedule = check_schedule(tuple(settings["check_layers"]), ratio)
+    stored = reused - sink * config["mean_chunks"]  # each chunk's sink tokens are computed fresh
+    walk = token_layers(tokens, stored, layers, schedule, query_pass, config["mean_prefix_tokens"] + sink)
+    extra = walk - layers * (tokens - reused)
+    return reuse_ms + extra * per_token_layer + (config["pass_ms"] if query_pass else 0.0)
+
+
 def markdown(report: dict) -> str:
     c, full = report["config"], report["full"]
     exact = full["exact_at_ratio_one"]
@@ -344,32 +370,28 @@ def markdown(report: dict) -> str:
         rows = [m[f"{name}@{r:.2f}"] for r in ratios]
         cells = [f"{x['agree']:.3f}" + (f" ({x['recall']:.2f})" if "recall" in x else "") for x in rows]
         lines.append(f"| {label(name)} | {' | '.join(cells)} |")
-    full_ms, reuse_ms = full["ttft_ms"], m["reuse"]["ttft_ms"]
-    # A reused token-layer costs (full - reuse) / reused token-layers; a selection by the query's
-    # attention first runs the prompt's other tokens through every layer once more (its reuse pass,
-    # on the KV reuse already loaded): (prompt - reused) / reused of (full - reuse).
-    query_pass = (c["mean_prompt_tokens"] - c["mean_reused_tokens"]) / c["mean_reused_tokens"]
+    full_ms, reuse_ms, pass_ms = full["ttft_ms"], m["reuse"]["ttft_ms"], c["pass_ms"]
+    tokens, reused, prefix = c["mean_prompt_tokens"], c["mean_reused_tokens"], c["mean_prefix_tokens"]
     lines += [
         "",
         f"Speedup over full prefill (in brackets: measured time over predicted; reuse {m['reuse']['speedup']:.2f}x, "
-        f"{reuse_ms:.0f} ms). Predicted: reuse's time plus (full - reuse) times the share of the reused "
-        "token-layers the setting computes, and for a selection by the query's attention its reuse pass's: "
-        f"the prompt's {c['mean_prompt_tokens'] - c['mean_reused_tokens']} other tokens over its "
-        f"{c['mean_reused_tokens']} reused ones ({query_pass:.3f}); its scoring is not predicted:",
+        f"{reuse_ms:.0f} ms). Predicted: reuse's time, plus each token-layer the setting computes beyond reuse's "
+        f"at full prefill's cost of one ((full - reuse) / reused token-layers; the walk's cost model, counting "
+        f"sink tokens and, for a selection by the query's attention, its reuse pass over the prompt's "
+        f"{tokens - reused} other tokens and the {prefix} before the first chunk that its blend walk skips), "
+        f"plus for that reuse pass a pass's fixed cost, {pass_ms:.0f} ms (one token through the walk on this "
+        "engine, without logits). The query's scoring is not predicted:",
         "",
         *head,
     ]
     for name in names:
         if "speedup" not in m[f"{name}@{ratios[0]:.2f}"]:
             continue
-        settings = c["settings"][name]
         cells = []
         for r in ratios:
             row = m[f"{name}@{r:.2f}"]
-            share = computed_share(tuple(settings["check_layers"]), r, c["layers"])
-            share += query_pass if settings["selection"] != "deviation" else 0.0
-            predicted = reuse_ms + share * (full_ms - reuse_ms)
-            cells.append(f"{row['speedup']:.2f}x ({row['ttft_ms'] / predicted:.2f})")
+            expected = predicted_ms(c, full_ms, reuse_ms, c["settings"][name], r)
+            cells.append(f"{row['speedup']:.2f}x ({row['ttft_ms'] / expected:.2f})")
         lines.append(f"| {label(name)} | {' | '.join(cells)} |")
     lines += ["", "Settings of (a): " + "; ".join(f"{n}: {s}" for n, s in c["settings"].items()), ""]
     dev = report["deviation_by_layer"]

@@ -10,6 +10,7 @@ standalone recipe.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -158,6 +159,32 @@ class Blender:
         return ChunkKV(
             key or self.keys(token_ids), record[:, :, :, skip:].to("cpu").contiguous(), token_ids=tuple(token_ids)
         )
+
+    def pass_seconds(self, context: int, repeats: int = 5) -> float:
+        """The median time of one walk pass over a single new token after
+        ``context`` tokens of KV, without logits: what a pass costs whatever
+        its tokens (on a CPU, mostly reading every layer's weights once),
+        which the cost model's token-layers do not count. A query-aware
+        blend pays it once more than reuse does: its reuse pass. On every
+        rank of a tensor-parallel group together, as any walk."""
+        if not (isinstance(context, int) and context >= 0) or not (isinstance(repeats, int) and repeats >= 1):
+            raise ValueError(f"context must be an int >= 0 and repeats >= 1; got {context!r:.40}, {repeats!r:.40}")
+        m = self.model
+        with agreed(m.tp):
+            cache = KVCache.allocate(m, context + 1)
+            for rows in (*cache.k, *cache.v):
+                rows.zero_()  # any values: only the time is read
+            token = torch.zeros(1, dtype=torch.long, device=m.device)
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):  # the first one warms up
+                cache.length = context
+                started = time.perf_counter()
+                forward(m, cache, token, logits=False)
+                if m.device.type == "cuda":
+                    torch.cuda.synchronize(m.device)
+                times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
 
     def ensure(self, token_ids: Sequence[int]) -> bool:
         """Compute and store a chunk unless the store has it; True if computed."""

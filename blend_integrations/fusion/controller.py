@@ -65,18 +65,21 @@ def token_layers(
     num_layers: int,
     schedule: list[tuple[int, float]] | None,
     query_pass: bool = False,
+    prefix: int = 0,
 ) -> float:
     """Token-layers the walk computes for ``num_tokens`` tokens of which
     ``reused`` come with stored KV (the cost model of docs/tuning.md).
     ``query_pass``: a query-aware blend first computes the fresh tokens at
-    every layer (its reuse pass)."""
+    every layer (its reuse pass), which leaves the final KV of the
+    ``prefix`` tokens before the first reused one: its blend walk skips them."""
     fresh = num_tokens - reused
     if schedule is None:  # reuse mode: fresh tokens only
         return num_layers * fresh
+    skipped = prefix if query_pass else 0
     bounds = [layer for layer, _ in schedule] + [num_layers]
-    total = float(bounds[0] * num_tokens) + (num_layers * fresh if query_pass else 0)
+    total = float(bounds[0] * (num_tokens - skipped)) + (num_layers * fresh if query_pass else 0)
     for (layer, share), end in zip(schedule, bounds[1:]):
-        total += (end - layer) * (fresh + share * reused)
+        total += (end - layer) * (fresh - skipped + share * reused)
     return total
 
 
@@ -91,17 +94,18 @@ def plan(
     throughput: float | None,
     overlapped: bool,
     query_pass: bool = False,
+    prefix: int = 0,
 ) -> Plan:
     """Decide for chunks with ``tokens[i]`` reusable tokens and estimated
     ``load_s[i]`` seconds to read, in a prompt of ``num_tokens`` new tokens,
     at a walk speed of ``throughput`` token-layers/s (None: not measured yet,
-    so every chunk is loaded at the floor). ``query_pass``: see ``token_layers``."""
+    so every chunk is loaded at the floor). ``query_pass``, ``prefix``: see ``token_layers``."""
     load = [t > 0 for t in tokens]  # a chunk of sink tokens only has nothing to reuse
     if throughput is None:
         return Plan(floor, load, sum(t for t, kept in zip(load_s, load) if kept), None)
 
     def compute(reused: int, ratio: float) -> float:
-        return token_layers(num_tokens, reused, num_layers, schedule(ratio), query_pass) / throughput
+        return token_layers(num_tokens, reused, num_layers, schedule(ratio), query_pass, prefix) / throughput
 
     def ttft(load_time: float, compute_time: float) -> float:
         return max(load_time, compute_time) if overlapped else load_time + compute_time

@@ -215,6 +215,7 @@ class Planner:
                 throughput=rates["compute"],
                 overlapped=s.pipelined_loading,
                 query_pass=s.selection != "deviation",
+                prefix=spans[0][0] + s.sink_tokens,  # before the first reused token, or fewer
             )
             floor = decided.ratio
             for (i, _, _), load in zip(found, decided.load):

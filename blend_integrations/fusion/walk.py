@@ -147,6 +147,7 @@ def forward(
     deviation: str = "v",
     selection: str = "deviation",
     query_start: int | None = None,
+    query_end: int | None = None,
     record: torch.Tensor | None = None,
     logits: bool = True,
     relevance: torch.Tensor | None = None,
@@ -162,10 +163,10 @@ def forward(
     reused + schedule=None is "reuse"; reused + schedule [(layer, ratio), ...]
     is "blend"; no reused is "full". ``selection`` ("deviation", "query",
     "query-tail" or "mixed") picks the reused tokens a check layer keeps; the query is the new
-    tokens from offset ``query_start`` on, less the one whose logits are
-    returned (vLLM computes a prompt's last token itself, so its blend pass
-    never has it: leaving it out everywhere keeps the choice the same on every
-    engine). Without query tokens, the choice falls back to deviation.
+    tokens from offset ``query_start`` to ``query_end`` (default: the end,
+    less the one whose logits are returned: vLLM computes a prompt's last
+    token itself, so its blend pass never has it, and leaving it out
+    everywhere keeps the choice the same on every engine). Without query tokens, the choice falls back to deviation.
     ``relevance`` (``[T]``, zeros), if given, receives the query's attention to
     every new token summed over layers (the first pass of a query-aware walk;
     with ``selection`` "query-tail", each key weighted by its value's norm).
@@ -209,7 +210,8 @@ def forward(
     recomputed = num_reused if schedule else 0
 
     is_query = torch.zeros(T, dtype=torch.bool)
-    query_end = T - 1 if logits else T
+    if query_end is None:
+        query_end = T - 1 if logits else T
     if query_start is not None:
         is_query[query_start:query_end] = True
     query_mass = None  # per new token, the query's attention summed over layers (query-aware blend)
@@ -227,7 +229,8 @@ def forward(
             reused=reused,
             selection=selection,
             query_start=scored_from,
-            logits=logits,
+            query_end=query_end,
+            logits=False,  # its last layer only scores: the blend walk gives the logits
             relevance=query_mass,
             kv_target=kv_target,
         )

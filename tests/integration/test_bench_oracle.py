@@ -68,6 +68,7 @@ def test_the_benchmark_writes_and_renders_its_tables(tmp_path, capsys):
     assert all(0.0 <= m["agree"] <= 1.0 for m in modes.values())
     assert 0.0 <= modes["deviation@0.15"]["recall"] <= 1.0 and modes["prophet@0.15"]["speedup"] > 0
     assert report["config"]["settings"]["prophet"]["check_layers"] == [0]
+    assert report["config"]["pass_ms"] > 0 and report["config"]["mean_prefix_tokens"] > 0
     page = (tmp_path / "oracle-reader-transformers-deviation-prophet.md").read_text()
     assert "| (a) blend, prophet |" in page and "Deviation by layer" in page
     oracle.main(["--render", str(tmp_path / "oracle-reader-transformers-deviation-prophet.json")])
@@ -94,3 +95,20 @@ def test_the_probes_benchmark_lists_every_prompt_a_setting_missed(tmp_path):
     missed = [r["prompt"] for r in rows if not all(r["agrees"].values())]
     listed = [line.split("|")[1].strip() for line in page.splitlines() if line.count("|") == 7]
     assert listed[0] == "prompt" and [int(p) for p in listed[2:]] == missed  # after the header and its rule
+
+
+def test_the_predicted_time_counts_every_token_layer_and_the_reuse_pass():
+    """``oracle.predicted_ms`` on round numbers: 4 layers, 100 tokens of
+    which 80 reused in 4 chunks, 5 before the first; full 500 ms, reuse 100 ms,
+    so a token-layer costs 400 / 320 = 1.25 ms; a pass's fixed cost 30 ms."""
+    config = {"layers": 4, "mean_prompt_tokens": 100, "mean_reused_tokens": 80}
+    config |= {"mean_chunks": 4, "mean_prefix_tokens": 5, "pass_ms": 30.0}
+    base = {"check_layers": [1], "sink_tokens": 0, "selection": "deviation"}
+    at = lambda ratio, **changes: oracle.predicted_ms(config, 500.0, 100.0, base | changes, ratio)  # noqa: E731
+    assert at(1.0, check_layers=[0]) == pytest.approx(500.0)  # every token-layer: full prefill
+    assert at(0.25) == pytest.approx(100.0 + 1.25 * (80 + 3 * 20))  # layer 0 whole, then a quarter
+    # sink tokens: 4 per chunk computed at every layer, the quarter taken of the other 64
+    assert at(0.25, sink_tokens=4) == pytest.approx(100.0 + 1.25 * (80 + 3 * (16 + 16)))
+    # by the query: its reuse pass (20 fresh tokens at 4 layers, and a pass's fixed cost), then a
+    # blend walk that skips the 5 tokens before the first chunk
+    assert at(0.25, selection="query") == pytest.approx(100.0 + 30.0 + 1.25 * (4 * 20 + 95 + 3 * 35 - 4 * 20))

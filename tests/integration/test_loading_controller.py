@@ -115,6 +115,9 @@ def test_cost_model():
     assert token_layers(100, 80, 4, None) == 4 * 20  # reuse: fresh tokens only
     # a query-aware blend pays a reuse pass first: the walk measures it the same way
     assert token_layers(100, 80, 4, [(1, 0.25)], query_pass=True) == 100 + 3 * 40 + 4 * 20
+    # its blend walk skips the 5 tokens before the first reused one
+    assert token_layers(100, 80, 4, [(1, 0.25)], query_pass=True, prefix=5) == 95 + 3 * 35 + 4 * 20
+    assert token_layers(100, 80, 4, [(1, 0.25)], prefix=5) == 100 + 3 * 40  # a blend by deviation does not
     # gradual filtering: (1, 0.625), (2, 0.25)
     assert token_layers(100, 80, 4, schedule_of((1, 2))(0.25)) == 100 + (20 + 50) + 2 * (20 + 20)
 

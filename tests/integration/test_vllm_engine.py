@@ -338,6 +338,16 @@ def test_walk_attention_auto_keeps_what_it_measured_faster(vllm_engine):
     assert vllm_engine.llm.collective_rpc("blend_attention") == [how]  # the engine's own setting is back
 
 
+def test_a_walk_pass_is_timed_on_the_worker(vllm_engine):
+    """The oracle benchmark's fixed cost of a pass, on the worker's model; a
+    bad context is refused there without harming the engine."""
+    [seconds] = vllm_engine.llm.collective_rpc("blend_pass_seconds", args=(64,))
+    assert seconds > 0
+    with pytest.raises(Exception, match="context must be an int"):
+        vllm_engine.llm.collective_rpc("blend_pass_seconds", args=(-1,))
+    assert vllm_engine.generate("Hello", mode="full", max_tokens=2).token_ids
+
+
 def test_a_kernel_that_disagrees_with_sdpa_is_never_used(vllm_engine):
     """A backend kernel whose output differs from SDPA's on the probe (as one
     that read vLLM's cache otherwise than the walk writes it would) is not
