@@ -118,6 +118,8 @@ def describe_ratio(engine: Any) -> None:
     settings = f", {settings_label(choice.settings or record.settings)} settings" if choice.ratio < 1.0 else ""
     guard = f", raised per request by its guard (threshold {record.guard.threshold})" if record.guard else ""
     print(f'recompute_ratio="auto": {choice.ratio}{settings}{guard} ({SOURCES[source].format(backend=engine.backend)})')
+    if record.dtype != engine.dtype_name:  # e.g. a bfloat16 checkpoint on a CPU without bfloat16 instructions
+        print(f"measured in {record.dtype}, run here in {engine.dtype_name}: one calibration serves both")
     if source == "calibrated":
         print(
             f"calibrated on {record.n} probe prompts in {record.seconds:.0f} s; target {record.target} agreement "

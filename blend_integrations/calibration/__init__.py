@@ -37,9 +37,12 @@ SmolLM2-135M's (docs/results/calibration.md). ``calibrate`` measures it:
 The record (``CalibrationRecord``) goes into the chunk store (disk and
 Redis, ``ChunkStore.put_record``) under the model's fingerprint and dtype,
 so every engine opened on that store, in any process, uses it: the ratio
-with the blend settings it was measured under. A record of another model or
-dtype, or a damaged one, is refused with a warning, and the fallback ratio
-is used.
+with the blend settings it was measured under. A record of another model, or a
+damaged one, is refused with a warning, and the fallback ratio is used. A
+record measured in one floating-point dtype serves the same model
+and engine in another (``SERVES_DTYPES``: a CPU without bfloat16 instructions
+runs a bfloat16 checkpoint in float32) where none measured in that dtype
+exists; the usage names the dtype it was measured in (``calibration_dtype``).
 
 The package, one job per module:
 
@@ -58,7 +61,7 @@ None of them imports an engine: the engines import ``measure`` for
 from .choice import default_variants, policy_cost, wilson_lower
 from .measure import KL_TOP, Calibratable, calibrate, check_target, exclusive
 from .packaged import PACKAGED_DIR, PackagedCalibration, packaged_calibrations, packaged_name
-from .policy import RELOAD_S, Calibrations, choose_ratio
+from .policy import RELOAD_S, SERVES_DTYPES, Calibrations, choose_ratio
 from .probes import MIN_PROBE_TOKENS, QUESTIONS, probe_prompts
 from .records import (
     LADDER,
@@ -80,6 +83,7 @@ __all__ = [
     "QUESTIONS",
     "RECORD_VERSION",
     "RELOAD_S",
+    "SERVES_DTYPES",
     "Calibratable",
     "CalibrationError",
     "CalibrationRecord",

@@ -104,12 +104,12 @@ class PackagedCalibration:
                 f"questions at {at}{settings}, {cal['ttft_speedup']:.2f}x sooner"
             )
         if r.guard is None and r.ratio == fb["ratio"] and not settings:
-            return f"{head} ({r.engine} engine, {self.cpu})."
+            return f"{head} ({r.engine} engine, {r.dtype}, {self.cpu})."
         changed = 1.0 - fb["agreement"]
         plain = " with the default settings" if settings else ""
         return (
             f"{head}; at ratio {fb['ratio']:g}{plain} it is {fb['ttft_speedup']:.2f}x sooner but changes {changed:.0%} "
-            f"of {n} held-out answers' first {tokens} tokens ({r.engine} engine, {self.cpu})."
+            f"of {n} held-out answers' first {tokens} tokens ({r.engine} engine, {r.dtype}, {self.cpu})."
         )
 
 

@@ -19,14 +19,20 @@ logger = logging.getLogger(__name__.rsplit(".", 1)[0])
 
 # How often an engine looks for a new calibration record in its store (another process may write one).
 RELOAD_S = 1.0
+# A calibration measured in one of these serves the same model and engine in the others, where none
+# measured in that dtype exists: which tokens a policy recomputes follows the model's attention, not its
+# dtype's rounding, and a CPU without bfloat16 instructions runs a bfloat16 checkpoint in float32
+# (measured: docs/calibration.md#dtypes).
+SERVES_DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
 
 
 class Calibrations:
     """One model's calibration as its engine sees it: the store's record (the
     user's own calibration), read again at most every ``RELOAD_S`` seconds
     (another process may have calibrated), and checked; else the calibration
-    this package ships for the model on this ``engine``, if any. Says once
-    per problem why a record is not used."""
+    this package ships for the model on this ``engine``, if any; each
+    measured in this dtype, else in another floating-point one
+    (``SERVES_DTYPES``). Says once per problem why a record is not used."""
 
     def __init__(
         self,
@@ -74,8 +80,16 @@ class Calibrations:
             return self._record, self._source
 
     def packaged(self) -> PackagedCalibration | None:
-        """The calibration this package ships for this model and engine, if any."""
-        packaged = packaged_calibrations().get((self.fingerprint, self.dtype, self.engine))
+        """The calibration this package ships for this model and engine, if
+        any: measured in this dtype, else in another (``dtypes``)."""
+        for dtype in self.dtypes():
+            packaged = self._packaged(dtype)
+            if packaged is not None:
+                return packaged
+        return None
+
+    def _packaged(self, dtype: str) -> PackagedCalibration | None:
+        packaged = packaged_calibrations().get((self.fingerprint, dtype, self.engine))
         if packaged is not None and not packaged.record.holds_under(self.store.kv_codec):
             self._say(
                 f"the packaged calibration {packaged.path.name} was measured on a {packaged.record.kv_codec or 'raw'} "
@@ -103,17 +117,39 @@ class Calibrations:
             self._record, self._source, self._read_at = record, "calibrated", time.monotonic()
 
     def _read(self) -> tuple[CalibrationRecord | None, str]:
-        own = self._read_store()
-        if own is not None:
-            return own, "calibrated"
-        packaged = self.packaged()
-        if packaged is not None:
-            return packaged.record, "packaged"
+        for dtype in self.dtypes():
+            own = self._read_store(dtype)
+            packaged = None if own is not None else self._packaged(dtype)
+            record = own if own is not None else None if packaged is None else packaged.record
+            if record is None:
+                continue
+            if dtype != self.dtype:
+                where = f"the store's {self._name(dtype)}" if own is not None else f"the packaged {packaged.path.name}"  # type: ignore[union-attr]
+                self._say(
+                    f"no calibration was measured in {self.dtype} for this model on the {self.engine} engine; "
+                    f'"auto" runs {where}, measured in {dtype} (a policy serves every floating-point dtype '
+                    f"of its model and engine: docs/calibration.md#dtypes)",
+                    level=logging.INFO,
+                )
+            return record, "calibrated" if own is not None else "packaged"
         return None, "fallback"
 
-    def _read_store(self) -> CalibrationRecord | None:
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes whose calibration ``"auto"`` may use, in order: this
+        engine's own, then the other floating-point ones (``SERVES_DTYPES``)."""
+        return (
+            (self.dtype, *(d for d in SERVES_DTYPES if d != self.dtype))
+            if self.dtype in SERVES_DTYPES
+            else (self.dtype,)
+        )
+
+    def _name(self, dtype: str) -> str:
+        return record_name(self.fingerprint, dtype, self.store.kv_codec)
+
+    def _read_store(self, dtype: str) -> CalibrationRecord | None:
+        name = self._name(dtype)
         try:
-            raw = self.store.get_record(self.name)
+            raw = self.store.get_record(name)
         except Exception as e:  # a store problem is a miss, never a failed request
             self._say(f"reading the calibration record failed ({type(e).__name__}: {e})")
             return None
@@ -121,33 +157,59 @@ class Calibrations:
             return None
         try:
             record = CalibrationRecord.from_bytes(
-                raw, fingerprint=self.fingerprint, dtype=self.dtype, num_layers=self.num_layers
+                raw, fingerprint=self.fingerprint, dtype=dtype, num_layers=self.num_layers
             )
         except CalibrationError as e:
-            self._say(f"the store's calibration record is refused: {e}")
+            self._say(f"the store's calibration record {name} is refused: {e}")
             return None
         if record.kv_codec != self.store.kv_codec:
             self._say(
-                f"the store's calibration record {self.name} is refused: it was measured on "
+                f"the store's calibration record {name} is refused: it was measured on "
                 f"{record.kv_codec or 'raw'} chunks, not {self.store.kv_codec or 'raw'} ones"
             )
             return None
         return record
 
-    def _say(self, why: str) -> None:
+    def _say(self, why: str, level: int = logging.WARNING) -> None:
         if why not in self._said:
             self._said.add(why)
-            logger.warning("model %s: %s", self.label, why)
+            logger.log(level, "model %s: %s", self.label, why)
 
     def fallback(self) -> RatioChoice:
         self._say(
-            f"no calibration for this model in the store {self.store.path}, and none ships with this package "
-            f"for it on the {self.engine} engine: blending at the fallback ratio "
-            f"{FALLBACK_RATIO}, which may cost answers on small models. Calibrate once: "
-            f"engine.calibrate(documents) or `python -m blend_integrations.calibrate MODEL --store "
+            f"no calibration for this model in the store {self.store.path} applies, and {self._why_no_packaged()}: "
+            f"blending at the fallback ratio {FALLBACK_RATIO}, which may cost answers on small models. Calibrate "
+            f"once: engine.calibrate(documents) or `python -m blend_integrations.calibrate MODEL --store "
             f"{self.store.path} --documents DIR`"
         )
         return RatioChoice(FALLBACK_RATIO, "fallback")
+
+    def _why_no_packaged(self) -> str:
+        """Why no packaged calibration applies: the real reason, for the fallback's message."""
+        shipped = [p for (fingerprint, _, _), p in packaged_calibrations().items() if fingerprint == self.fingerprint]
+        if not shipped:
+            models = sorted({p.record.model for p in packaged_calibrations().values()})
+            return (
+                f"none ships for this checkpoint (fingerprint {self.fingerprint[:12]}...; the package ships them for "
+                f"{', '.join(models) or 'no model'}, and a checkpoint converted, quantized or saved another way is "
+                f"another checkpoint)"
+            )
+        here = [p for p in shipped if p.record.engine == self.engine]
+        if not here:
+            engines = sorted({p.record.engine for p in shipped})
+            return (
+                f"the package ships one for this checkpoint on the {' and '.join(engines)} engine, not on {self.engine}"
+            )
+        names = ", ".join(p.path.name for p in here)
+        if self.dtype not in SERVES_DTYPES or not any(p.record.dtype in self.dtypes() for p in here):
+            measured = ", ".join(sorted({p.record.dtype for p in here}))
+            return f"the packaged {names} was measured in {measured}, which does not serve {self.dtype}"
+        if not any(p.record.holds_under(self.store.kv_codec) for p in here):
+            return (
+                f"the packaged {names} was not shown to hold on this store's {self.store.kv_codec or 'raw'} chunks "
+                f"(open a store with another kv_codec, or calibrate under this one)"
+            )
+        return f"the packaged {names} is refused (the warning above says why)"
 
 
 def choose_ratio(

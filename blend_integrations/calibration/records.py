@@ -58,6 +58,7 @@ class RatioChoice:
     source: str  # config.RATIO_SOURCES
     guard: Guard | None = None
     settings: dict | None = None  # the blend settings it was calibrated under (``config.SETTINGS``); None: the config's
+    dtype: str | None = None  # the dtype its calibration was measured in; None: not from a calibration
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,8 @@ class CalibrationRecord:
 
     def choice(self, *, source: str = "calibrated") -> RatioChoice:
         if self.guard is not None and self.meets_target:
-            return RatioChoice(self.guard.base, source, self.guard, self.guard_settings)
-        return RatioChoice(self.ratio, source, settings=self.settings)
+            return RatioChoice(self.guard.base, source, self.guard, self.guard_settings, self.dtype)
+        return RatioChoice(self.ratio, source, settings=self.settings, dtype=self.dtype)
 
 
 def settings_label(settings: dict, base: dict | None = None) -> str:

@@ -39,6 +39,9 @@ class Usage:
     # per-request guard raised the calibrated ratio); None when the prompt was not blended.
     recompute_ratio: float | None = None
     ratio_source: str | None = None
+    # The dtype the calibration behind the ratio was measured in (a calibration serves every
+    # floating-point dtype of its model: ``calibration.SERVES_DTYPES``); None when the ratio came from none.
+    calibration_dtype: str | None = None
     # The share of the score the check layer ranks the reused tokens by (their deviation; for a
     # selection by the query, the query's attention) that the recomputed ones hold; None when
     # nothing was blended.

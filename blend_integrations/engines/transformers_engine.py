@@ -170,6 +170,7 @@ class TransformersEngine(Engine):
                     chunks_computed=stats.chunks_computed,
                     recompute_ratio=stats.recompute_ratio,
                     ratio_source=stats.ratio_source,
+                    calibration_dtype=stats.calibration_dtype,
                     deviation_captured=stats.deviation_captured,
                 )
                 stream.generation = Generation(

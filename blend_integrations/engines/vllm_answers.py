@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..calibration import RatioChoice
 from ..fusion import PrefillPlan, PrefillStats
 from ..fusion.selection import RankShares
 from . import stream_usage
@@ -79,7 +80,9 @@ class Answers:
         self.planned: dict[str, PrefillPlan] = {}  # req_id -> its plan, whose usage it reports
         self.reports: dict[str, PassReport] = {}  # req_id -> its pass's report, until it finishes
         self.fallbacks: dict[str, tuple[str, str]] = {}  # req_id -> (why, REASONS' name)
-        self.in_full: dict[str, str] = {}  # req_id -> the calibration's source, for a request it computes in full
+        self.in_full: dict[
+            str, RatioChoice
+        ] = {}  # req_id -> the calibration's choice, for a request it computes in full
         # req_id -> (its answer, its plan, its kv_transfer_params): finished, until the step settles
         self._finishing: dict[str, tuple[dict | None, PrefillPlan | None, Any]] = {}
         self.counters = BlendCounters()  # settled requests since vLLM last asked
@@ -112,7 +115,8 @@ class Answers:
             answer = answer_of(plan, report)
             plan = plan if report is None else None  # reported already: nothing left to amend
         elif calibration is not None:
-            answer = {"blend": PrefillPlan("full", 1.0, (), 0, ratio_source=calibration).usage()}
+            full = PrefillPlan("full", 1.0, (), 0, ratio_source=calibration.source, calibration_dtype=calibration.dtype)
+            answer = {"blend": full.usage()}
         else:
             answer = None
         self._finishing[req_id] = (answer, plan, kv_transfer_params)

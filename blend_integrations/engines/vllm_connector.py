@@ -218,7 +218,7 @@ class BlendConnector(KVConnectorBase_V1):
             return False
         if choice is None or not in_full(choice):
             return False
-        self._answers.in_full[req_id] = choice.source
+        self._answers.in_full[req_id] = choice
         return True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:

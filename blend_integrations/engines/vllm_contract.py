@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ..calibration import SERVES_DTYPES
 from ..config import MODES, RATIO_SOURCES, SETTINGS, BlendConfig, check_mode, check_ratio
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import PrefillPlan
@@ -456,6 +457,7 @@ def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str |
 _BLEND_RATIO = {
     "recompute_ratio": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0,
     "ratio_source": lambda v: v in RATIO_SOURCES,
+    "calibration_dtype": lambda v: v in SERVES_DTYPES,
     "deviation_captured": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0,
 }
 # The usage counts the connector reports (the token counts come from vLLM).

@@ -62,6 +62,7 @@ class PrefillStats:
     chunks_computed: int = 0  # chunks in the store the loading controller computed instead
     recompute_ratio: float | None = None  # the ratio the walk blended at (None: not blended)
     ratio_source: str | None = None  # where it came from (``config.RATIO_SOURCES``)
+    calibration_dtype: str | None = None  # the dtype of the calibration it came from (``Usage.calibration_dtype``)
     deviation_captured: float | None = None  # the share of the check layer's ranking score that ratio covers
     deviation_share: RankShares | None = field(default=None, repr=False)  # the same, for any ratio
     # the prompt's tokens whose KV came from the store, as [start, end) spans, and of those the recomputed ones
@@ -254,6 +255,7 @@ class Blender:
         if plan.reports_ratio:  # the planned ratio, or the guard's (the walk's is None when nothing was reused)
             stats.recompute_ratio = walk.ratio if walk.ratio is not None else plan.ratio
             stats.ratio_source = "guard" if walk.guarded else plan.ratio_source
+            stats.calibration_dtype = plan.calibration_dtype
             stats.deviation_captured, stats.deviation_share = walk.captured, walk.share
         return out, stats
 

@@ -72,6 +72,7 @@ class PrefillPlan:
     guard: Guard | None = None  # may raise the ratio in the walk (calibrated "auto" only)
     check_layers: tuple[int, ...] = (1,)  # where the walk measures deviation (``BlendConfig.check_layers``)
     deviation: str = "v"  # what it compares there (``BlendConfig.deviation``)
+    calibration_dtype: str | None = None  # the dtype of the calibration ``ratio`` came from (``RatioChoice.dtype``)
 
     def schedule(self, ratio: float) -> list[tuple[int, float]]:
         """(layer, ratio) per check layer, for ``ratio`` (``config.check_schedule``)."""
@@ -100,6 +101,7 @@ class PrefillPlan:
             "chunks_computed": sum(c.action == COMPUTE for c in self.chunks),
             "recompute_ratio": self.ratio if blend else None,
             "ratio_source": self.ratio_source if blend else None,
+            "calibration_dtype": self.calibration_dtype if blend else None,
         }
 
 
@@ -183,6 +185,7 @@ class Planner:
                 guard,
                 s.check_layers,
                 s.deviation,
+                choice.dtype,
             )
 
         if in_full(choice):

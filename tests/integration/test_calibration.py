@@ -169,7 +169,7 @@ def test_a_calibrated_policy_brings_its_settings_and_a_request_s_own_win(private
     plain = private.generate(prompt, max_tokens=4, recompute_ratio=0.4)
     assert (auto.usage.ratio_source, auto.usage.recompute_ratio) == ("calibrated", 0.4)
     assert auto.token_ids == asked.token_ids and auto.usage == dataclasses.replace(
-        asked.usage, ratio_source="calibrated"
+        asked.usage, ratio_source="calibrated", calibration_dtype=private.dtype_name
     )
     # two sink tokens of each of the 3 chunks are computed fresh, not counted as cached
     assert auto.usage.cached_tokens == plain.usage.cached_tokens - 2 * 3
@@ -409,6 +409,7 @@ def test_the_warmer_calibrates_at_ingestion_once(private):
 def test_the_vllm_engine_plans_with_the_stored_calibration(vllm_engine, engine, docs):
     """The vLLM connector's scheduler reads the record from the store (another process) within RELOAD_S."""
     name = record_name(vllm_engine.fingerprint, vllm_engine.dtype_name)
+    other = record_name(vllm_engine.fingerprint, "bfloat16")
     settings = {**engine.config.settings(), "check_layers": [1, 2], "sink_tokens": 2}
     record = record_for(engine, ratio=0.5, settings=settings)
     vllm_engine.store.put_record(name, record.to_bytes())
@@ -418,6 +419,7 @@ def test_the_vllm_engine_plans_with_the_stored_calibration(vllm_engine, engine, 
         gen = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
         # the calibrated ratio, with the settings it was calibrated under
         assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("calibrated", 0.5)
+        assert gen.usage.calibration_dtype == vllm_engine.dtype_name == "float32"
         assert gen.usage.recomputed_tokens == round(0.5 * gen.usage.cached_tokens)
         same = engine.generate(
             BlendPrompt("Docs:", docs, QUESTION), max_tokens=2, recompute_ratio=0.5, check_layers=[1, 2], sink_tokens=2
@@ -436,8 +438,17 @@ def test_the_vllm_engine_plans_with_the_stored_calibration(vllm_engine, engine, 
         full = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2, mode="full")
         assert (whole.usage.ratio_source, whole.usage.recompute_ratio) == ("calibrated", 1.0)
         assert whole.usage.cached_tokens == 0 and whole.token_ids == full.token_ids and whole.fallback is None
+        assert whole.usage.calibration_dtype == "float32"
+        # none measured in this dtype: one measured in another serves it, and the usage names that dtype
+        vllm_engine.store.delete_record(name)
+        vllm_engine.store.put_record(other, dataclasses.replace(record, dtype="bfloat16").to_bytes())
+        time.sleep(RELOAD_S + 0.2)
+        crossed = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
+        assert (crossed.usage.ratio_source, crossed.usage.recompute_ratio) == ("calibrated", 0.5)
+        assert crossed.usage.calibration_dtype == "bfloat16" and crossed.stats()["calibration_dtype"] == "bfloat16"
     finally:
         vllm_engine.store.delete_record(name)
+        vllm_engine.store.delete_record(other)
         time.sleep(RELOAD_S + 0.2)  # the next tests see the fallback again
     after = vllm_engine.generate(BlendPrompt("Docs:", docs, QUESTION), max_tokens=2)
     assert (after.usage.ratio_source, after.usage.recompute_ratio) == ("fallback", FALLBACK_RATIO)

@@ -125,14 +125,94 @@ def test_damaged_foreign_and_unknown_packaged_files_are_refused(tmp_path, monkey
         assert [p.path.name for p in found.values()] == ["reader-transformers.json"]
         for name in set(files) - {"reader-transformers.json"}:
             assert f"the packaged calibration {name} is refused" in caplog.text, name
-        # keyed by model, dtype and engine: a record of this model reaches no other engine, dtype or model
+        # keyed by model, dtype and engine: a record of this model reaches no other engine or model, and
+        # serves another floating-point dtype of its own
         fingerprint = good["record"]["fingerprint"]
         store = ChunkStore(tmp_path / "store", remote="")
         assert Calibrations(store, fingerprint, "float32", engine="transformers").packaged() is not None
         assert Calibrations(store, fingerprint, "float32", engine="vllm").packaged() is None
-        assert Calibrations(store, fingerprint, "bfloat16", engine="transformers").packaged() is None
+        assert Calibrations(store, fingerprint, "bfloat16", engine="transformers").packaged().record.dtype == "float32"
         other = Calibrations(store, "0" * 64, "float32", engine="transformers")
         assert other.packaged() is None and other.source() == "fallback" and other.choice().ratio == 0.15
         store.close()
     finally:
         packaged_calibrations.cache_clear()
+
+
+def test_a_calibration_serves_its_model_in_another_dtype_unless_one_measured_in_that_dtype_exists(tmp_path, caplog):
+    """The reader's packaged calibration was measured in float32; the order "auto" reads in: the
+    store's record, then the packaged one, in the engine's own dtype, then the same in another."""
+    fingerprint = model_fingerprint(reader_model_dir())
+    packaged = packaged_calibrations()[(fingerprint, "float32", "transformers")]
+    store = ChunkStore(tmp_path / "store", remote="")
+
+    def calibrations(dtype: str) -> Calibrations:  # a new one reads the store now, not within RELOAD_S
+        return Calibrations(store, fingerprint, dtype, engine="transformers")
+
+    with caplog.at_level(logging.INFO, logger=cal.__name__):
+        bf16 = calibrations("bfloat16")
+        assert bf16.source() == "packaged" and bf16.record() is packaged.record and bf16.packaged() is packaged
+        assert bf16.choice().dtype == "float32" and bf16.choice().ratio == packaged.record.choice().ratio
+    assert (
+        "no calibration was measured in bfloat16 for this model on the transformers engine; "
+        f'"auto" runs the packaged {packaged.path.name}, measured in float32' in caplog.text
+    )
+    assert "(transformers engine, float32, " in packaged.meaning()  # the meaning names the dtype too
+
+    # the user's own, measured in float32, serves bfloat16 before the packaged one does
+    own = dataclasses.replace(packaged.record, ratio=0.5, guard=None, guard_settings=None, model="mine")
+    store.put_record(record_name(fingerprint, "float32"), own.to_bytes())
+    assert (calibrations("bfloat16").record(), calibrations("bfloat16").choice().dtype) == (own, "float32")
+    # the packaged one measured in float32 serves float32 before the user's own measured in bfloat16
+    own_bf16 = dataclasses.replace(own, dtype="bfloat16", ratio=0.3)
+    store.delete_record(record_name(fingerprint, "float32"))
+    store.put_record(record_name(fingerprint, "bfloat16"), own_bf16.to_bytes())
+    assert calibrations("float32").source() == "packaged"
+    # and one measured in bfloat16 is what bfloat16 runs
+    assert (calibrations("bfloat16").record(), calibrations("bfloat16").choice().dtype) == (own_bf16, "bfloat16")
+    # a dtype that is not a floating-point one of the same model is never served
+    assert calibrations("int8").source() == "fallback"
+    store.close()
+
+
+def test_the_fallback_names_why_no_packaged_calibration_applies(tmp_path, caplog):
+    fingerprint = model_fingerprint(reader_model_dir())
+    cases = {
+        "an unknown checkpoint": (
+            Calibrations(ChunkStore(tmp_path / "a", remote=""), "0" * 64, "float32", engine="transformers"),
+            "none ships for this checkpoint (fingerprint 000000000000...; the package ships them for ",
+        ),
+        "another engine": (
+            Calibrations(ChunkStore(tmp_path / "b", remote=""), fingerprint, "float32", engine="server"),
+            "the package ships one for this checkpoint on the transformers and vllm engine, not on server",
+        ),
+        "another codec": (
+            Calibrations(ChunkStore(tmp_path / "c", remote="", kv_codec="fp8"), fingerprint, "bfloat16", engine="vllm"),
+            "the packaged reader-vllm.json was not shown to hold on this store's fp8 chunks",
+        ),
+        "a dtype no calibration serves": (
+            Calibrations(ChunkStore(tmp_path / "d", remote=""), fingerprint, "int8", engine="transformers"),
+            "the packaged reader-transformers.json was measured in float32, which does not serve int8",
+        ),
+    }
+    for case, (calibrations, why) in cases.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=cal.__name__):
+            assert calibrations.choice().source == "fallback", case
+        assert why in caplog.text, (case, caplog.text)
+        assert "blending at the fallback ratio 0.15" in caplog.text and "engine.calibrate(documents)" in caplog.text
+        calibrations.store.close()
+
+
+def test_auto_names_the_dtype_of_the_calibration_it_runs(tmp_path):
+    """The reader in bfloat16 runs its float32 packaged calibration; the usage says so."""
+    for dtype in ("float32", "bfloat16"):
+        engine = load_engine(
+            str(reader_model_dir()), store=ChunkStore(tmp_path / dtype, remote=""), device="cpu", dtype=dtype
+        )
+        gen = engine.generate(reader_prompt(engine), max_tokens=2)
+        assert engine.calibration_source() == "packaged" and gen.usage.ratio_source in ("packaged", "guard")
+        assert gen.usage.calibration_dtype == "float32" and gen.stats()["calibration_dtype"] == "float32"
+        full = engine.generate(reader_prompt(engine), max_tokens=2, mode="full")
+        assert full.usage.calibration_dtype is None
+        engine.store.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -147,3 +148,22 @@ def test_a_packaged_model_loads_by_its_name(qwen05_engine):
     assert resolve_model_dir("qwen2.5-coder-0.5b") == str(QWEN25_CODER_05B.checkpoint())
     by_name = load_engine("qwen2.5-coder-0.5b", store=engine.store, device="cpu")
     assert (by_name.fingerprint, by_name.dtype_name) == (engine.fingerprint, engine.dtype_name)
+
+
+def test_qwen_1_5b_in_float32_runs_its_packaged_bfloat16_policy(tmp_path, caplog):
+    """On a CPU without bfloat16 instructions, dtype "auto" loads Qwen2.5-Coder-1.5B in float32:
+    "auto" runs the calibration shipped for it, measured in bfloat16, named, never the fallback."""
+    store = ChunkStore(tmp_path / "store", remote="")
+    engine = load_engine(str(QWEN25_CODER_15B.checkpoint()), store=store, device="cpu", dtype="float32")
+    assert engine.dtype_name == "float32"
+    engine.warm(DOCS)
+    with caplog.at_level(logging.INFO, logger="blend_integrations.calibration"):
+        gen = engine.generate(rag_prompt(DOCS, QUESTION, engine.tokenizer, engine.config.separator), max_tokens=1)
+    packaged = engine.calibrations.packaged()
+    assert packaged is not None and packaged.path.name == "qwen2.5-coder-1.5b-transformers.json"
+    assert packaged.record.dtype == "bfloat16" and engine.calibration_source() == "packaged"
+    assert gen.usage.ratio_source in ("packaged", "guard") and gen.usage.calibration_dtype == "bfloat16"
+    assert gen.usage.cached_tokens > 0 and gen.usage.recompute_ratio < 1.0  # blended, at the shipped policy
+    assert "fallback" not in caplog.text
+    assert '"auto" runs the packaged qwen2.5-coder-1.5b-transformers.json, measured in bfloat16' in caplog.text
+    store.close()
