@@ -10,13 +10,13 @@ transformers' GGUF loader uses).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from ..wheels import sha256_file
 from .hf import check_supported
 
 MAGIC = b"GGUF"
@@ -43,14 +43,6 @@ def gguf_file(path: str | os.PathLike) -> Path | None:
             )
         return found[0] if found else None
     return None
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _check_header(path: Path) -> None:

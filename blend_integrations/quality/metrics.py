@@ -1,17 +1,23 @@
 """Answer quality, beside the layers: metrics for generated replies, as the quality benchmark and the
 examples score them: normalized exact match, answer contained in the reply,
-and token F1."""
+and token F1. The normalization is SQuAD's official one (``squad.py`` scores
+against the best of a question's answers with these)."""
 
 from __future__ import annotations
 
+import re
 import string
 from collections import Counter
 
+PUNCTUATION = frozenset(string.punctuation)
+ARTICLES = re.compile(r"\b(a|an|the)\b")
+
 
 def normalize(text: str) -> str:
-    text = text.strip().lower()
-    text = "".join(ch for ch in text if ch not in string.punctuation)
-    return " ".join(text.split())
+    """SQuAD v1.1's answer normalization: lowercase, drop punctuation, drop the
+    articles a/an/the, collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in PUNCTUATION)
+    return " ".join(ARTICLES.sub(" ", text).split())
 
 
 def exact_match(prediction: str, answer: str) -> float:
