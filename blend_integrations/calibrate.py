@@ -1,6 +1,7 @@
 """Calibrate a model's recompute ratio on your documents and store it for every engine on the store.
 
-    python -m blend_integrations.calibrate MODEL --store DIR [--documents PATH [PATH ...]] [--target 0.95]
+    python -m blend_integrations.calibrate MODEL --store DIR [--documents PATH [PATH ...]] [--questions FILE]
+                                           [--target 0.95]
     python -m blend_integrations.calibrate http://HOST:PORT --documents PATH [PATH ...]
 
 
@@ -8,6 +9,11 @@ Documents: a folder (each .txt or .md file in it is one document), a text
 file (one document), or a .jsonl file (one document per line: a string, or an
 object with a "text" field). Use the documents your application retrieves;
 without --documents, the model's chunks already in the store are used.
+Questions (``--questions``): your application's own, a text file of one
+question per line, or a .jsonl file (a string, or an object with a
+"question" field, per line); each probe asks one over the documents a BM25
+retriever ranks first for it. Without them the probes ask made-up questions
+about the documents.
 The record goes into the store (disk, and Redis with --store-remote), keyed by
 the model's fingerprint and dtype; engines with ``recompute_ratio="auto"``
 (the default) use it from then on, in any process. Given the URL of a blend
@@ -59,6 +65,31 @@ def read_documents(paths: list[str]) -> list[str]:
     return docs
 
 
+def read_questions(name: str) -> list[str]:
+    """The questions in ``name`` (see the module docstring); raises ValueError naming a bad path or line."""
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{name}: no such file")
+    questions = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            questions.append(line.strip())
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}:{i}: not JSON ({e.msg})") from None
+        question = item.get("question") if isinstance(item, dict) else item
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f'{name}:{i}: expected a string or an object with a "question" string')
+        questions.append(question.strip())
+    if not questions:
+        raise ValueError(f"{name}: no question in it")
+    return questions
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m blend_integrations.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -77,6 +108,12 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         metavar="PATH",
         help="folders or files of documents (default: the model's chunks already in the store)",
+    )
+    parser.add_argument(
+        "--questions",
+        metavar="FILE",
+        help="your application's own questions (one per line, or .jsonl), asked over the documents retrieved for "
+        "each (default: questions made up about the documents)",
     )
     parser.add_argument("--target", type=float, default=0.95, help="agreement with full prefill to hold, in (0, 1]")
     parser.add_argument("--confidence", type=float, default=0.8, help="of the lower bound the target is held at")
@@ -118,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         documents = None if args.documents is None else read_documents(args.documents)
     except (OSError, ValueError) as e:
         parser.error(f"--documents: {e}")
+    try:
+        questions = None if args.questions is None else read_questions(args.questions)
+    except (OSError, ValueError) as e:
+        parser.error(f"--questions: {e}")
 
     from .engines import load_engine
     from .engines.server_engine import ServerError
@@ -133,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         min_speedup=args.min_speedup,
         plot=args.plot,
         exhaustive=args.exhaustive,
+        questions=questions,
     )
     if args.model.startswith(("http://", "https://")):
         if args.store is not None or args.store_remote is not None or args.kv_codec != "raw":

@@ -120,12 +120,26 @@ def meets(row: dict, target: float, n: int, min_speedup: float) -> bool:
 
 
 def choose(
-    curve: list[dict], *, base, ladder, target, confidence, tokens, n, min_speedup, identity: dict, version, seconds
+    curve: list[dict],
+    *,
+    base,
+    ladder,
+    target,
+    confidence,
+    tokens,
+    tasks: dict[str, int],
+    min_speedup,
+    identity: dict,
+    version,
+    seconds,
 ) -> CalibrationRecord:
-    """The cheapest policy meeting the target: the single ratio (with its
+    """The cheapest policy meeting the target on every task (a row's
+    ``lower_bound`` is its worst task's): the single ratio (with its
     settings) for every engine, and the guard when it is cheaper still; each
     only if measured at least ``min_speedup`` times sooner than full prefill,
-    else full prefill. ``identity``: the record's model, fingerprint, dtype, engine and kv_codec."""
+    else full prefill. ``tasks``: each kind of question's probe count.
+    ``identity``: the record's model, fingerprint, dtype, engine and kv_codec."""
+    n = sum(tasks.values())
     meeting = [c for c in curve if c["n"] == n and c["lower_bound"] >= target]
     cost = lambda c: (c["cost"], c["ratio"])  # noqa: E731
     worth = [c for c in meeting if c["ttft_speedup"] >= min_speedup]  # confirmed by measured TTFT
@@ -133,10 +147,13 @@ def choose(
     guarded = min((c for c in worth if c["policy"] == "guard"), key=cost, default=None)
     if guarded is not None and uniform is not None and cost(guarded) >= cost(uniform):
         guarded = None  # the guard only when it is cheaper than one ratio for every request
-    if max_misses(n, target, confidence) < 0:
+    short = [(name, k) for name, k in tasks.items() if max_misses(k, target, confidence) < 0]
+    if short:
         needed = _prompts_needed(target, confidence)
+        name, k = short[0]
         why = (
-            f"{n} prompts cannot show agreement {target} at {confidence:.0%} confidence even if every one agrees "
+            f"{k} prompts{f' of {name}' if len(tasks) > 1 else ''} cannot show agreement {target} at "
+            f"{confidence:.0%} confidence even if every one agrees "
             + (f"(that takes {needed} or more)" if needed else "(no number of prompts can: lower the target)")
             + ": full prefill"
         )
@@ -166,6 +183,7 @@ def choose(
         confidence=confidence,
         tokens=tokens,
         n=n,
+        tasks=dict(tasks),
         curve=curve,
         date=time.strftime("%Y-%m-%d"),
         package_version=version,

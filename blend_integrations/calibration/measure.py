@@ -4,13 +4,14 @@ policies cheapest first, chooses, and keeps the record. It needs of an engine on
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,7 +22,7 @@ from ..prompt import PromptInput, TokenizedPrompt
 from ..store import ChunkStore
 from ..version import __version__
 from .choice import candidates, choose, default_variants, max_misses, meets, wilson_lower
-from .probes import MIN_PROBE_TOKENS, probe_prompts
+from .probes import MIN_PROBE_TOKENS, probe_prompts, question_probes
 from .records import LADDER, CalibrationError, CalibrationRecord, record_name, settings_label
 from .report import report, write_plot
 
@@ -95,8 +96,9 @@ class _Replies:
     """Each probe's full prefill, and its blended replies under each setting
     and ratio, each run once, when a policy first needs it."""
 
-    def __init__(self, probes: list, fulls: list, blend: Callable, settings: list[dict]) -> None:
+    def __init__(self, probes: list, fulls: list, blend: Callable, settings: list[dict], tasks: list[str]) -> None:
         self.probes, self.fulls, self.blend, self.settings = probes, fulls, blend, settings
+        self.tasks = tasks  # each probe's kind of question
         self.runs: dict[tuple[int, float, int], Reply] = {}
 
     def has(self, settings: int, ratio: float, j: int) -> bool:
@@ -116,6 +118,7 @@ class _Replies:
         at = {j: i for i, j in enumerate(order)}
         self.probes = [self.probes[j] for j in order]
         self.fulls = [self.fulls[j] for j in order]
+        self.tasks = [self.tasks[j] for j in order]
         self.runs = {(s, r, at[j]): g for (s, r, j), g in self.runs.items()}
 
 
@@ -147,7 +150,8 @@ def calibrate(
     engine: Calibratable,
     documents: Sequence[str] | None = None,
     *,
-    prompts: Sequence[PromptInput] | None = None,
+    prompts: Sequence[PromptInput] | Mapping[str, Sequence[PromptInput]] | None = None,
+    questions: Sequence[str] | None = None,
     target: float = 0.95,
     confidence: float = 0.8,
     tokens: int = 4,
@@ -165,8 +169,14 @@ def calibrate(
     full prefill on ``target`` of the prompts, store it, and return the record.
     ``variants``: blend settings tried besides the engine's own, each a dict
     of ``config.SETTINGS`` changes (None: ``default_variants``; ``[]``: only
-    the engine's own). See the module docstring for the method; ``prompts``
-    replaces the probes built from ``documents``. ``min_speedup``: a policy
+    the engine's own). See the module docstring for the method.
+
+    Probes: ``prompts`` (the application's own; a mapping of kinds of
+    question to their prompts calibrates on every kind at once, and a policy
+    meets the target only where it meets it on each: the worst decides), else
+    ``questions`` (the application's own questions) asked over the
+    ``documents`` a BM25 retriever ranks first for each, else questions made
+    up about ``documents`` (``probes.probe_prompts``). ``min_speedup``: a policy
     measured less than this many times sooner than full prefill is not worth
     its risk: when none meeting the target is faster, the record chooses full
     prefill. Policies are measured cheapest first and stop early (see
@@ -201,8 +211,14 @@ def calibrate(
         if settings not in tried:
             tried.append(settings)
     if prompts is not None:
-        probes = [engine.tokenize(p) for p in prompts]
-        source = f"{len(probes)} given prompts"
+        given = prompts if isinstance(prompts, Mapping) else {"prompts": prompts}
+        if not given or isinstance(prompts, str) or any(isinstance(v, str) or not v for v in given.values()):
+            raise CalibrationError("prompts must be a list of prompts, or a mapping of task names to such lists")
+        probes, tasks = [], []
+        for task, of_task in given.items():
+            probes += [engine.tokenize(p) for p in of_task]
+            tasks += [str(task)] * len(of_task)
+        source = f"{len(probes)} given prompts" + (f" of {len(given)} tasks" if len(given) > 1 else "")
     else:
         if documents is None:
             documents = engine.stored_documents()
@@ -221,11 +237,23 @@ def calibrate(
                 f"calibration needs at least 2 documents of {MIN_PROBE_TOKENS} tokens or more to blend; "
                 f"got {len(docs)} text(s), {len(usable)} long enough"
             )
-        probes = probe_prompts(engine, usable, num_prompts, seed)
-        source = f"{len(probes)} probes from {len(usable)} documents"
-    probes = [p for p in probes if p.chunk_spans]
+        if questions is not None:
+            if isinstance(questions, str) or not all(isinstance(q, str) and q.strip() for q in questions):
+                raise CalibrationError("questions must be a list of non-empty question strings")
+            if not questions:
+                raise CalibrationError("questions is empty: pass your application's questions, or none")
+            probes = question_probes(engine, usable, list(questions), num_prompts, seed)
+            tasks = ["questions"] * len(probes)
+            source = f"{len(probes)} probes of {len(questions)} questions over {len(usable)} documents"
+        else:
+            probes = probe_prompts(engine, usable, num_prompts, seed)
+            tasks = ["documents"] * len(probes)
+            source = f"{len(probes)} probes from {len(usable)} documents"
+    kept = [j for j, p in enumerate(probes) if p.chunk_spans]
+    probes, tasks = [probes[j] for j in kept], [tasks[j] for j in kept]
     if len(probes) < 2:
         raise CalibrationError("calibration needs at least 2 prompts with retrieved documents (chunks) in them")
+    task_sizes = dict(collections.Counter(tasks))
     name = record_name(engine.fingerprint, engine.dtype_name, engine.kv_codec)
     show = progress if progress is not None else True
     started = time.perf_counter()
@@ -243,7 +271,7 @@ def calibrate(
             for tp in probes:
                 fulls.append(engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP))
                 bar.update()
-            replies = _Replies(probes, fulls, blend, tried)
+            replies = _Replies(probes, fulls, blend, tried, tasks)
             for j in range(n):
                 replies.blended(0, ladder[0], j)
                 bar.update()
@@ -267,7 +295,7 @@ def calibrate(
             target=target,
             confidence=confidence,
             tokens=tokens,
-            n=n,
+            tasks=task_sizes,
             identity={
                 "model": engine.model_name,
                 "fingerprint": engine.fingerprint,
@@ -291,13 +319,27 @@ def _row(
     per_probe: list[tuple[float, Reply | None]],
     tokens: int,
     confidence: float,
-    n: int,
+    tasks: list[str],
     **fields,
 ) -> dict:
     """One policy's measures over the probes it ran on (the first ``len(per_probe)``);
-    a None generation is full prefill (the guard's 1.0)."""
+    a None generation is full prefill (the guard's 1.0). Its lower bound is
+    its worst task's (``tasks``: each probe's): one stopped early has none."""
+    n = len(fulls)
     measured = fulls[: len(per_probe)]
-    agree = sum(g is None or _agree(f, g, tokens) for f, (_, g) in zip(measured, per_probe))
+    agrees = [g is None or _agree(f, g, tokens) for f, (_, g) in zip(measured, per_probe)]
+    agree = sum(agrees)
+    by_task: dict[str, dict[str, Any]] = {}
+    bounds: list[float] = []
+    for task in dict.fromkeys(tasks):
+        of_task = [a for a, t in zip(agrees, tasks) if t == task]
+        size = tasks.count(task)
+        bounds.append(round(wilson_lower(sum(of_task), size, confidence), 4) if len(of_task) == size else 0.0)
+        by_task[task] = {
+            "n": len(of_task),
+            "agreement": round(sum(of_task) / len(of_task), 4) if of_task else None,
+            "lower_bound": bounds[-1],
+        }
     kls = [k for f, (_, g) in zip(measured, per_probe) if g is not None and (k := _first_token_kl(f, g)) is not None]
     ttft = [g.ttft_s if g is not None else f.ttft_s for f, (_, g) in zip(measured, per_probe)]
     return {
@@ -306,7 +348,8 @@ def _row(
         "n": len(per_probe),
         "agreement": round(agree / len(per_probe), 4),
         # a policy stopped early is short of n probes: it cannot meet the target
-        "lower_bound": round(wilson_lower(agree, n, confidence), 4) if len(per_probe) == n else 0.0,
+        "lower_bound": min(bounds) if len(per_probe) == n else 0.0,
+        **({"tasks": by_task} if len(by_task) > 1 else {}),
         "kl": round(statistics.fmean(kls), 4) if kls else None,
         "ttft_speedup": round(statistics.fmean(f.ttft_s for f in measured) / statistics.fmean(ttft), 3),
     }
@@ -338,13 +381,15 @@ def _measure(
     first = [replies.blended(0, ladder[0], j) for j in range(n)]
     hardness = [(_agree(f, g, tokens), -(_first_token_kl(f, g) or 0.0)) for f, g in zip(replies.fulls, first)]
     replies.reorder(sorted(range(n), key=lambda j: hardness[j]))
-    misses_allowed = max_misses(n, target, confidence)
+    tasks = replies.tasks
+    allowed = {t: max_misses(tasks.count(t), target, confidence) for t in dict.fromkeys(tasks)}
+    showable = min(allowed.values()) >= 0  # else no policy can meet the target on every task
     best_single = best_any = too_slow = math.inf
     rows = []
     # each setting's guard shares, in the probes' new order (from its cheapest runs: the first
     # setting's made above); none where the engine reports none, or where no policy can meet the target
     shares = {}
-    for i in range(len(tried) if misses_allowed >= 0 else 0):
+    for i in range(len(tried) if showable else 0):
         of_probes = [s for j in range(n) if (s := replies.blended(i, ladder[0], j).deviation_share) is not None]
         if len(of_probes) < n:
             break  # the engine reports no shares
@@ -360,23 +405,25 @@ def _measure(
         settings = tried[policy.settings]
         cheaper_met = best_single if policy.kind == "ratio" else best_any
         measured = all(replies.has(policy.settings, r, j) for j, r in enumerate(policy.rungs))
-        if not (exhaustive or measured) and (misses_allowed < 0 or policy.cost >= min(cheaper_met, too_slow)):
+        if not (exhaustive or measured) and (not showable or policy.cost >= min(cheaper_met, too_slow)):
             continue  # its row costs nothing to give when its replies are all there
-        per_probe, misses = [], 0
+        per_probe: list[tuple[float, Reply | None]] = []
+        misses = dict.fromkeys(allowed, 0)
         for j, r in enumerate(policy.rungs):
-            # past the miss that rules the target out, only replies already measured are counted
-            if misses > misses_allowed and not exhaustive and not replies.has(policy.settings, r, j):
+            # past the miss that rules the target out on a task, only replies already measured are counted
+            ruled_out = any(misses[t] > allowed[t] for t in allowed)
+            if ruled_out and not exhaustive and not replies.has(policy.settings, r, j):
                 break
             g = replies.get(policy.settings, r, j)
             per_probe.append((r, g))
-            misses += g is not None and not _agree(replies.fulls[j], g, tokens)
+            misses[tasks[j]] += g is not None and not _agree(replies.fulls[j], g, tokens)
         fields = {"threshold": policy.threshold} if policy.kind == "guard" else {}
         row = _row(
             replies.fulls,
             per_probe,
             tokens,
             confidence,
-            n,
+            tasks,
             policy=policy.kind,
             variant=settings_label(settings, base),
             settings=settings,

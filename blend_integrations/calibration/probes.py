@@ -1,4 +1,5 @@
-"""Calibration, measurement: the probe prompts calibration asks, made from the user's documents."""
+"""Calibration, measurement: the probe prompts calibration asks, made from the user's documents,
+and from the user's own questions where there are some."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..chat import rag_prompt
+from ..quality.retrieval import BM25
 
 QUESTIONS = (
     "What do the documents say about {topic}?",
@@ -37,3 +39,28 @@ def probe_prompts(engine: Any, documents: Sequence[str], count: int, seed: int, 
         question = rng.choice(QUESTIONS).format(topic=_topic(rng.choice(docs), rng))
         prompts.append(rag_prompt(docs, question, engine.tokenizer, engine.config.separator))
     return prompts
+
+
+def question_probes(
+    engine: Any, documents: Sequence[str], questions: Sequence[str], count: int, seed: int, per_prompt: int = 4
+) -> list:
+    """``count`` probe prompts of the user's own ``questions`` (shuffled, each
+    asked once before any is asked again): each with the ``per_prompt``
+    documents a BM25 retriever ranks first for it, in its order, as a RAG
+    application's retriever gives them."""
+    rng = random.Random(seed)
+    index = BM25(documents)
+    order: list[str] = []
+    while len(order) < count:
+        batch = list(questions)
+        rng.shuffle(batch)
+        order += batch
+    return [
+        rag_prompt(
+            [documents[d] for d in index.top(q, min(per_prompt, len(documents)))],
+            q,
+            engine.tokenizer,
+            engine.config.separator,
+        )
+        for q in order[:count]
+    ]

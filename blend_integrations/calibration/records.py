@@ -97,6 +97,9 @@ class CalibrationRecord:
     guard_settings: dict | None = None
     kv_codec: str | None = None
     codecs_checked: list[str] = dataclasses.field(default_factory=list)
+    # the kinds of question the probes came from, each with its probe count: a policy meets the
+    # target only where it meets it on every one of them (the worst decides)
+    tasks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def holds_under(self, kv_codec: str | None) -> bool:
         """Whether ``"auto"`` may use this record in a store of ``kv_codec``."""
@@ -113,7 +116,8 @@ class CalibrationRecord:
     ) -> CalibrationRecord:
         """Parse and check a stored record (its check layers against the
         model's ``num_layers``); raises CalibrationError naming what is wrong.
-        Records from before KV codecs (no ``kv_codec``) were measured raw."""
+        Records from before KV codecs (no ``kv_codec``) were measured raw;
+        those from before tasks (no ``tasks``) on one kind of question."""
         try:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -135,7 +139,7 @@ class CalibrationRecord:
                 **{
                     f.name: data[f.name]
                     for f in dataclasses.fields(cls)
-                    if f.name != "guard" and (f.name in data or f.name not in ("kv_codec", "codecs_checked"))
+                    if f.name != "guard" and (f.name in data or f.name not in ("kv_codec", "codecs_checked", "tasks"))
                 },
                 guard=None
                 if guard is None
@@ -147,6 +151,10 @@ class CalibrationRecord:
                 raise ValueError("codecs_checked must be a list")
             for codec in record.codecs_checked:
                 check_kv_codec(codec)
+            if not isinstance(record.tasks, dict) or not all(
+                isinstance(k, str) and type(v) is int and v > 0 for k, v in record.tasks.items()
+            ):
+                raise ValueError("tasks must map names to probe counts")
             if record.guard is not None:
                 check_ratio(record.guard.base)
                 check_ratio(record.guard.threshold, name="guard threshold")

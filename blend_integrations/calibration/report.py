@@ -9,18 +9,24 @@ from .records import CalibrationRecord, settings_label
 
 
 def curve_table(curve: list[dict], n: int) -> list[str]:
-    """The single-ratio policies measured, as a Markdown table."""
+    """The single-ratio policies measured, as a Markdown table; with probes
+    of several tasks, each task's agreement (the lower bound is the worst task's)."""
+    tasks = list(next((c["tasks"] for c in curve if "tasks" in c), {}))
+    per_task = "".join(f" {t} |" for t in tasks)
     lines = [
-        "| settings | ratio | computed share | agreement | lower bound | first-token KL | TTFT full / blend |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| settings | ratio | computed share | agreement |{per_task} lower bound | first-token KL | TTFT full / blend |",
+        "|---|---:|---:|---:|" + "---:|" * len(tasks) + "---:|---:|---:|",
     ]
     for c in curve:
         if c["policy"] == "ratio":
             kl = "-" if c["kl"] is None else f"{c['kl']:.4f}"
             agreement = f"{c['agreement']:.3f}" + ("" if c["n"] == n else f" (stopped after {c['n']})")
+            of_tasks = "".join(
+                " - |" if c["tasks"][t]["agreement"] is None else f" {c['tasks'][t]['agreement']:.3f} |" for t in tasks
+            )
             lines.append(
-                f"| {c['variant']} | {c['ratio']:.2f} | {c['cost']:.3f} | {agreement} | {c['lower_bound']:.3f} | "
-                f"{kl} | {c['ttft_speedup']:.2f}x |"
+                f"| {c['variant']} | {c['ratio']:.2f} | {c['cost']:.3f} | {agreement} |{of_tasks} "
+                f"{c['lower_bound']:.3f} | {kl} | {c['ttft_speedup']:.2f}x |"
             )
     return lines
 
@@ -31,6 +37,15 @@ def report(record: CalibrationRecord) -> str:
         f"Calibration of {record.model} ({record.dtype}, {record.engine} engine): {record.n} prompts, "
         f"agreement = the first {record.tokens} greedy tokens equal full prefill's; target {record.target} "
         f"(lower bound at {record.confidence:.0%} confidence); {record.seconds:.0f} s",
+        *(
+            [
+                "Probes of "
+                + ", ".join(f"{t} ({k})" for t, k in record.tasks.items())
+                + ": a policy's lower bound is its worst task's."
+            ]
+            if len(record.tasks) > 1
+            else []
+        ),
         "",
         *curve_table(record.curve, record.n),
     ]

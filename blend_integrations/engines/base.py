@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -377,15 +377,18 @@ class Engine(ABC):
         self,
         documents: Sequence[str] | None = None,
         *,
-        prompts: Sequence[PromptInput] | None = None,
+        prompts: Sequence[PromptInput] | Mapping[str, Sequence[PromptInput]] | None = None,
+        questions: Sequence[str] | None = None,
         target: float = 0.95,
         **options,
     ) -> CalibrationRecord:
         """Measure the recompute ratio this model needs to agree with full
-        prefill on ``target`` of prompts about ``documents`` (or on
-        ``prompts``), store it for every engine on this store, and return it.
-        Options and method: ``calibration.calibrate``."""
-        return calibrate(self, documents, prompts=prompts, target=target, **options)
+        prefill on ``target`` of prompts about ``documents`` (your own
+        ``questions`` over them where you have some), or on ``prompts`` (a
+        mapping of kinds of question to prompts: the worst kind decides),
+        store it for every engine on this store, and return it. Options and
+        method: ``calibration.calibrate``."""
+        return calibrate(self, documents, prompts=prompts, questions=questions, target=target, **options)
 
     def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds processes
         """Release what the engine holds (the vLLM engine's processes); closing twice is harmless."""

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
+from blend_integrations.calibrate import read_questions
 from blend_integrations.calibration import (
     RELOAD_S,
     CalibrationError,
@@ -26,7 +27,9 @@ from blend_integrations.calibration import (
     report,
     wilson_lower,
 )
+from blend_integrations.calibration.probes import question_probes
 from blend_integrations.config import FALLBACK_RATIO, computed_share
+from tests.fixtures.documents import DOCS
 from tests.fixtures.local_models import sample_text
 
 QUESTION = "Question: which city is named in the documents? Answer:"
@@ -391,6 +394,66 @@ def test_the_cli_calibrates_a_store_from_a_folder_of_documents(model_dirs, tmp_p
         cmd + ["--documents", str(folder), "--target", "1.5"], capture_output=True, text=True, timeout=120
     )
     assert target.returncode == 2 and "--target must be in (0, 1]" in target.stderr
+    empty = tmp_path / "questions.txt"
+    empty.write_text("\n")
+    questions = subprocess.run(
+        cmd + ["--documents", str(folder), "--questions", str(empty)], capture_output=True, text=True, timeout=120
+    )
+    assert questions.returncode == 2 and "--questions: " in questions.stderr and "no question in it" in questions.stderr
+
+
+def test_a_policy_meets_the_target_only_where_it_meets_it_on_every_task(private):
+    """Probes of several kinds of question: each row's lower bound is its worst task's (each task's own
+    Wilson bound), so a task too small to show the target rules every policy out, pooled or not."""
+    docs = documents(150, 10)
+    a = [BlendPrompt("Docs:", docs[i : i + 4], QUESTION) for i in range(7)]
+    b = [BlendPrompt("Docs:", docs[i:] + docs[:i], "Question: what year is named? Answer:") for i in range(2)]
+    options = dict(ratios=(0.1, 0.5), variants=[], min_speedup=0.01, progress=False, save=False)
+    record = private.calibrate(prompts={"a": a, "b": b}, target=0.5, confidence=0.5, exhaustive=True, **options)
+    assert record.tasks == {"a": 7, "b": 2} and record.n == 9
+    for c in record.curve:
+        tasks = c["tasks"]
+        for name, size in record.tasks.items():
+            agree = round(tasks[name]["agreement"] * size)
+            assert tasks[name]["n"] == size and tasks[name]["lower_bound"] == round(wilson_lower(agree, size, 0.5), 4)
+        assert c["lower_bound"] == min(t["lower_bound"] for t in tasks.values())
+    assert "Probes of a (7), b (2): a policy's lower bound is its worst task's." in report(record)
+    assert "| settings | ratio | computed share | agreement | a | b | lower bound |" in report(record)
+    # 2 prompts cannot show 0.9 at 80% (it takes 7): no policy meets it, though the 9 pooled could
+    small = private.calibrate(prompts={"a": a, "b": b}, target=0.9, confidence=0.8, **options)
+    assert small.ratio == 1.0 and small.why.startswith("2 prompts of b cannot show agreement 0.9 at 80% confidence")
+    pooled = private.calibrate(prompts=a + b, target=0.9, confidence=0.8, **options)
+    assert pooled.tasks == {"prompts": 9} and "cannot show" not in pooled.why
+
+
+def test_calibration_asks_the_users_own_questions_over_the_documents_retrieved_for_them(private, tmp_path):
+    docs = DOCS + documents(160, 4)
+    questions = ["Who founded Harbor Press?", "When did the city library move into the customs house?"]
+    probes = question_probes(private, docs, questions, 4, seed=0, per_prompt=2)
+    texts = [private.tokenizer.decode(p.token_ids) for p in probes]
+    assert sorted(q for t in texts for q in questions if q in t) == sorted(questions * 2)  # each asked twice
+    for question, answer_doc in zip(questions, (DOCS[0], DOCS[2])):
+        for probe, text in zip(probes, texts):
+            if question in text:  # over the 2 documents BM25 ranks first for it, the best first
+                start, end = probe.chunk_spans[0]
+                assert len(probe.chunk_spans) == 2
+                assert private.tokenizer.decode(probe.token_ids[start:end]).strip() == answer_doc
+    options = dict(num_prompts=4, ratios=(0.5,), variants=[], min_speedup=0.01, progress=False, save=False)
+    record = private.calibrate(docs, questions=questions, **options)
+    assert record.tasks == {"questions": 4} and record.n == 4
+    for bad in ("Who founded Harbor Press?", ["ok?", ""], []):
+        with pytest.raises(CalibrationError, match="questions"):
+            private.calibrate(docs, questions=bad, **options)
+    # the command line's file of questions: one per line, or .jsonl
+    lines = tmp_path / "questions.txt"
+    lines.write_text("Who founded Harbor Press?\n\n  When did the library move?  \n")
+    assert read_questions(str(lines)) == ["Who founded Harbor Press?", "When did the library move?"]
+    jsonl = tmp_path / "questions.jsonl"
+    jsonl.write_text('"Who founded Harbor Press?"\n{"question": "When?"}\n{"text": "no question"}\n')
+    with pytest.raises(ValueError, match='questions.jsonl:3: expected a string or an object with a "question"'):
+        read_questions(str(jsonl))
+    with pytest.raises(ValueError, match="no such file"):
+        read_questions(str(tmp_path / "missing.txt"))
 
 
 def test_the_warmer_calibrates_at_ingestion_once(private):
