@@ -193,19 +193,44 @@ def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendProm
     return prompt
 
 
-def time_cases(engine, prompt: Callable[[], BlendPrompt], cases, repeats: int) -> tuple[dict, dict]:
+def served_as(gen) -> str:
+    """How a request that asked to blend or reuse was served: "blend" (chunk
+    KV reused from the store), "fallback" (the vLLM blend pass failed and vLLM
+    computed the prompt: ``Generation.fallback``) or "full" (nothing reused: a
+    calibration that recomputes every token, or no chunk in the store). Only a
+    "blend" may be timed or scored as one."""
+    if gen.fallback is not None:
+        return "fallback"
+    return "blend" if gen.usage.cached_tokens > 0 else "full"
+
+
+def time_cases(engine, prompt: Callable[[], BlendPrompt], cases, repeats: int) -> tuple[dict, dict, dict]:
     """Each case's ``(name, mode, ratio)`` time to first token over ``repeats``
     rounds that take turns (after one more that warms up), a new prompt each
-    time: ``(seconds per name, the last usage per name)``."""
+    time: ``(seconds per name, the last usage per name, rounds not timed per
+    name)``. A round of a case asked to blend or reuse that was not served so
+    (``served_as``: it fell back, or ran as full prefill) is never timed as
+    one: it is counted apart. Raises RuntimeError when a case has no round left."""
     times: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    apart = dict.fromkeys(times, 0)
     usage = {}
     for round_ in range(repeats + 1):  # round 0 warms up
         for name, mode, ratio in cases:
             g = engine.generate(prompt(), max_tokens=1, mode=mode, recompute_ratio=ratio)
-            if round_:
-                times[name].append(g.ttft_s)
-                usage[name] = g.usage
-    return times, usage
+            if not round_:
+                continue
+            if mode != "full" and served_as(g) != "blend":
+                apart[name] += 1
+                continue
+            times[name].append(g.ttft_s)
+            usage[name] = g.usage
+    empty = [name for name, t in times.items() if not t]
+    if empty:
+        raise RuntimeError(
+            f"no round of {', '.join(empty)} was blended (each fell back or ran as full prefill): "
+            "nothing to time as a blend"
+        )
+    return times, usage, apart
 
 
 def scratch_dir(prefix: str) -> str:

@@ -1,20 +1,25 @@
 """Calibration, judged on questions it never saw.
 
-Calibrates a model (``engine.calibrate``) on the documents of one set of
-synthetic questions, then asks held-out questions about other documents
-(another seed; the two sets share no document) in every mode side by side:
-full prefill; blend with the defaults, which use the calibration (the guard
-on the transformers engine, the single calibrated ratio on vLLM); blend at the
+Calibrates a model (``engine.calibrate``) on probes of two kinds of question
+at once (``--tasks``): the package's generated task and SQuAD train, so that
+the kind where a policy does worst decides. Then it asks the held-out split
+(``held_out.py``: the generated task on a seed no run had used, and SQuAD
+dev; no document of them was calibrated on) in every mode side by side: full
+prefill; blend with the defaults, which use the calibration; blend at the
 calibrated single ratio; and blend at the uncalibrated fallback ratio. For
-each: agreement with full prefill's first ``tokens`` greedy tokens, whether
-the reply contains the answer, the mean ratio used, how often the guard raised
-it, and time to first token against full prefill's, measured side by side.
+each, pooled and by task: agreement with full prefill's first ``tokens``
+greedy tokens with its lower bound, the share answered right (SQuAD: its
+F1), the mean ratio used, how often the guard raised it, and time to first
+token against full prefill's, measured side by side. A request not blended
+(it fell back, or ran as full prefill) is counted apart.
 
     python -m benchmarks calibration [--model reader|smollm2|gemma3-270m|DIR] [--backend transformers|vllm]
-                                     [--prompts 48] [--questions 60] [--target 0.95] [--package]
+                                     [--prompts 48] [--questions 60] [--tasks generated squad] [--package]
 
-``--package`` also writes the record, with its held-out numbers, as the
-calibration the package ships for that model and engine.
+``--prompts`` and ``--questions`` are per task. ``--package`` also writes the
+record, with its held-out numbers, as the calibration the package ships for
+that model and engine, only where the held-out agreement's lower bound meets
+the target on every task: otherwise the file ships full prefill, and says why.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from blend_integrations.calibration import (
@@ -32,14 +38,18 @@ from blend_integrations.calibration import (
     curve_table,
     packaged_name,
     settings_label,
+    wilson_lower,
 )
 from blend_integrations.config import FALLBACK_RATIO
 from blend_integrations.engines import load_engine
+from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.quality.metrics import contains
+from blend_integrations.quality.squad import load_squad, retrieval_examples, squad_f1
 from blend_integrations.store import ChunkStore
 
-from . import machine, scratch_dir, write_results
-from .quality import HELD_OUT_SEED, model_and_task, results_name
+from . import held_out, machine, scratch_dir, served_as, write_results
+from .quality import model_and_task, results_name
+from .squad import squad_task
 
 PROBES = {
     "questions": "the calibration set's own questions",
@@ -53,36 +63,69 @@ SHIPPED = {
     "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
     "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct",
 }
-CALIBRATION_SEED = 30_000  # the documents calibration probes; the held-out questions use HELD_OUT_SEED
+CALIBRATION_SEED = 30_000  # the generated task's probes; the held-out ones: held_out.GENERATED_SEED
+# The kinds of question (``--tasks``): each one's name among calibration's probes and held out.
+TASKS = {"generated": ("generated", "generated"), "squad": ("squad-train", "squad-dev")}
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A question as the benchmark asks it: its prompt, its documents and its gold answers."""
+
+    prompt: TokenizedPrompt
+    documents: list[str]
+    answers: tuple[str, ...]
+
+
+def asked_questions(kind: str, split: str, n: int, engine, task, args) -> list[Asked]:
+    """``n`` questions of one kind (``TASKS``) from its calibration (``"probes"``) or held-out split:
+    the generated task on ``CALIBRATION_SEED`` or ``held_out.GENERATED_SEED``, SQuAD train or dev."""
+    if kind == "generated":
+        seed = CALIBRATION_SEED if split == "probes" else held_out.GENERATED_SEED
+        examples = task.examples(n, seed, tuple(args.doc_tokens) if args.doc_tokens else None)
+        return [
+            Asked(task.prompt(e, engine.tokenizer, engine.config.separator), e.documents, (e.answer,)) for e in examples
+        ]
+    squad_split, seed = (
+        ("train", held_out.SQUAD_TRAIN_SEED) if split == "probes" else (held_out.SQUAD_SPLIT, held_out.SQUAD_SEED)
+    )
+    examples, _ = retrieval_examples(load_squad(squad_split), n, seed=seed, n_docs=tuple(args.squad_docs))
+    asking = squad_task(engine)
+    return [
+        Asked(asking.prompt(e, engine.tokenizer, engine.config.separator), e.documents, e.answers) for e in examples
+    ]
+
+
+def right(kind: str, text: str, answers: tuple[str, ...]) -> float:
+    """The generated task's answer is a name in a sentence (contained); SQuAD's is scored by its F1."""
+    return contains(text, answers[0]) if kind == "generated" else squad_f1(text, answers)
 
 
 def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
-    doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else None
     store = ChunkStore(scratch_dir("blend-calibration-store-"), remote="")
     started = time.perf_counter()
     engine = load_engine(str(model_dir), store=store, backend=args.backend)
-
-    def asked(examples):
-        return [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
-
-    calibration_set = task.examples(args.prompts, CALIBRATION_SEED, doc_tokens)
-    calibration_docs = sorted({d for e in calibration_set for d in e.documents})
-    held_out = task.examples(args.questions, HELD_OUT_SEED, doc_tokens)
-    seen = set(calibration_docs) & {d for e in held_out for d in e.documents}
+    probes = {TASKS[k][0]: asked_questions(k, "probes", args.prompts, engine, task, args) for k in args.tasks}
+    held = {TASKS[k][1]: asked_questions(k, "held out", args.questions, engine, task, args) for k in args.tasks}
+    calibrated_on = {d for qs in probes.values() for q in qs for d in q.documents}
+    seen = calibrated_on & {d for qs in held.values() for q in qs for d in q.documents}
     assert not seen, f"{len(seen)} held-out documents were calibrated on"
     t0 = time.perf_counter()
-    # "questions": the application's own prompts (the calibration set's questions, asked as the
-    # held-out ones are); "documents": probes calibrate() builds from the documents alone
-    probes = {"prompts": asked(calibration_set)} if args.probes == "questions" else {"documents": calibration_docs}
+    # "questions": the application's own prompts (each kind's questions, asked as the held-out ones are);
+    # "documents": probes calibrate() builds from the documents alone
+    given = (
+        {"prompts": {name: [q.prompt for q in qs] for name, qs in probes.items()}}
+        if args.probes == "questions"
+        else {"documents": sorted(calibrated_on)}
+    )
     record = engine.calibrate(
-        **probes, num_prompts=args.prompts, target=args.target, plot=args.out / f"calibration-{args.tag}.png"
+        **given, num_prompts=args.prompts, target=args.target, plot=args.out / f"calibration-{args.tag}.png"
     )
     calibrate_s = time.perf_counter() - t0
 
-    prompts = asked(held_out)
-    engine.warm([d for e in held_out for d in e.documents], progress=True)
+    engine.warm(sorted({d for qs in held.values() for q in qs for d in q.documents}), progress=True)
     modes = {
         "full": {"mode": "full"},
         "default (calibrated)": {},
@@ -90,37 +133,32 @@ def run(args) -> dict:
         f"calibrated single ratio ({record.ratio})": {"recompute_ratio": record.ratio, **record.settings},
         f"fallback ({FALLBACK_RATIO})": {"recompute_ratio": FALLBACK_RATIO},
     }
-    rows: dict[str, list[dict]] = {name: [] for name in modes}
-    for example, tp in zip(held_out, prompts):
-        full = None
-        for name, options in modes.items():
-            gen = engine.generate(tp, max_tokens=task.max_tokens, **options)
-            if name == "full":
-                full = gen
-            assert full is not None
-            rows[name].append(
-                {
-                    "agree": gen.token_ids[: record.tokens] == full.token_ids[: record.tokens],
-                    "right": contains(gen.text, example.answer),
-                    "ttft": gen.ttft_s,
-                    "ratio": gen.usage.recompute_ratio,
-                    "source": gen.usage.ratio_source,
-                }
-            )
-    full_ttft = statistics.fmean(r["ttft"] for r in rows["full"])
-    table = {}
-    for name, rs in rows.items():
-        ratios = [r["ratio"] for r in rs if r["ratio"] is not None]
-        table[name] = {
-            "agreement": round(statistics.fmean(r["agree"] for r in rs), 4),
-            "right": round(statistics.fmean(r["right"] for r in rs), 4),
-            "mean_ratio": round(statistics.fmean(ratios), 4) if ratios else None,
-            "guard_fired": round(statistics.fmean(r["source"] == "guard" for r in rs), 4),
-            "ttft_s": round(statistics.fmean(r["ttft"] for r in rs), 4),
-            "ttft_speedup": round(full_ttft / statistics.fmean(r["ttft"] for r in rs), 3),
-        }
+    rows: dict[str, dict[str, list[dict]]] = {name: {mode: [] for mode in modes} for name in held}
+    for name, questions in held.items():
+        kind = next(k for k, names in TASKS.items() if names[1] == name)
+        for q in questions:
+            full = None
+            for mode, options in modes.items():
+                gen = engine.generate(q.prompt, max_tokens=task.max_tokens, **options)
+                full = gen if mode == "full" else full
+                assert full is not None
+                rows[name][mode].append(
+                    {
+                        "served": "full" if mode == "full" else served_as(gen),
+                        "agree": gen.token_ids[: record.tokens] == full.token_ids[: record.tokens],
+                        "right": right(kind, gen.text, q.answers),
+                        "ttft": gen.ttft_s,
+                        "full_ttft": full.ttft_s,
+                        "ratio": gen.usage.recompute_ratio,
+                        "source": gen.usage.ratio_source,
+                    }
+                )
+    by_task = {name: held_out_table(of_task, record.confidence) for name, of_task in rows.items()}
+    pooled = held_out_table(
+        {mode: [r for of_task in rows.values() for r in of_task[mode]] for mode in modes}, record.confidence
+    )
     if args.package:
-        write_packaged(record, table, args)
+        write_packaged(record, pooled, by_task, args)
     return {
         "config": {
             "model": label,
@@ -128,12 +166,14 @@ def run(args) -> dict:
             "backend": args.backend,
             "dtype": engine.dtype_name,
             "cpu": machine(),
-            "calibration_documents": len(calibration_docs),
+            "calibration_documents": len(calibrated_on),
             "probes": args.probes,
             "calibration_prompts": record.n,
+            "calibration_tasks": record.tasks,
             "calibration_seconds": round(calibrate_s, 1),
-            "held_out_questions": len(held_out),
-            "mean_prompt_tokens": round(statistics.fmean(len(tp) for tp in prompts)),
+            "held_out_questions": sum(len(qs) for qs in held.values()),
+            "held_out_tasks": {name: len(qs) for name, qs in held.items()},
+            "mean_prompt_tokens": round(statistics.fmean(len(q.prompt) for qs in held.values() for q in qs)),
             "target": record.target,
             "confidence": record.confidence,
             "tokens_compared": record.tokens,
@@ -149,24 +189,79 @@ def run(args) -> dict:
             "guard_settings": record.guard_settings,
             "curve": record.curve,
         },
-        "held_out": table,
+        "held_out": pooled,
+        "held_out_tasks": by_task,
     }
 
 
-def write_packaged(record, table: dict, args) -> Path:
+def held_out_table(rows: dict[str, list[dict]], confidence: float) -> dict[str, dict]:
+    """Each mode over the questions it blended (full prefill: all of them), with the requests it did
+    not blend (fell back, or ran as full prefill) counted apart, never scored or timed as blends:
+    agreement with its Wilson lower bound, the share right, the mean ratio, the speedup. A mode that
+    blended none (a calibration that chose full prefill) is given as served."""
+    table = {}
+    for mode, rs in rows.items():
+        blended = [r for r in rs if r["served"] == ("full" if mode == "full" else "blend")]
+        scored = blended or rs
+        ratios = [r["ratio"] for r in scored if r["ratio"] is not None]
+        agree = sum(r["agree"] for r in scored)
+        table[mode] = {
+            "blended": len(blended),
+            "not_blended": len(rs) - len(blended),
+            "agreement": round(agree / len(scored), 4),
+            "agreement_lower": round(wilson_lower(agree, len(scored), confidence), 4),
+            "right": round(statistics.fmean(r["right"] for r in scored), 4),
+            "mean_ratio": round(statistics.fmean(ratios), 4) if ratios else None,
+            "guard_fired": round(statistics.fmean(r["source"] == "guard" for r in scored), 4),
+            "ttft_s": round(statistics.fmean(r["ttft"] for r in scored), 4),
+            "ttft_speedup": round(sum(r["full_ttft"] for r in scored) / sum(r["ttft"] for r in scored), 3),
+        }
+    return table
+
+
+def write_packaged(record, table: dict, by_task: dict[str, dict], args, folder: Path = PACKAGED_DIR) -> Path:
     """The calibration this package ships for a model it ships (``calibration.PACKAGED_DIR``): the record,
-    named for the model, with the held-out measurements that say what its ratio means."""
-    fallback = next(v for k, v in table.items() if k.startswith("fallback"))
-    held_out = {
-        "questions": args.questions,
-        "tokens": record.tokens,
-        "full_right": table["full"]["right"],
-        "calibrated": {**table["default (calibrated)"], "ratio": table["default (calibrated)"]["mean_ratio"]},
-        "fallback": {**fallback, "ratio": FALLBACK_RATIO},
+    named for the model, with the held-out measurements that say what it means, pooled and by task. A
+    policy ships only where its held-out agreement's lower bound meets the target on every task:
+    otherwise the file ships full prefill, and says why."""
+    short = {
+        name: rows["default (calibrated)"]
+        for name, rows in by_task.items()
+        if rows["default (calibrated)"]["agreement_lower"] < record.target
     }
+    blends = record.ratio < 1.0 or record.guard is not None
+    if blends and short:
+        why = "; ".join(
+            f"{name}: {row['agreement']:.3f} agree (at least {row['agreement_lower']:.3f})"
+            for name, row in short.items()
+        )
+        record = dataclasses.replace(
+            record,
+            ratio=1.0,
+            guard=None,
+            guard_settings=None,
+            meets_target=False,
+            why=f"held out, the chosen policy falls short of the target {record.target} at its lower bound ({why}): "
+            "not shipped; full prefill",
+        )
+        print(f"not shipped: {record.why}")
+
+    def summary(rows: dict, questions: int) -> dict:
+        fallback = next(v for k, v in rows.items() if k.startswith("fallback"))
+        calibrated = rows["default (calibrated)"]
+        return {
+            "questions": questions,
+            "full_right": rows["full"]["right"],
+            "calibrated": {**calibrated, "ratio": calibrated["mean_ratio"]},
+            "fallback": {**fallback, "ratio": FALLBACK_RATIO},
+        }
+
+    held = summary(table, sum(table["full"]["blended"] for table in by_task.values()))
+    held["tokens"] = record.tokens
+    held["tasks"] = {name: summary(rows, rows["full"]["blended"]) for name, rows in by_task.items()}
     name = results_name(args.model)
-    packaged = PackagedCalibration(dataclasses.replace(record, model=SHIPPED[name]), held_out, machine(), Path())
-    path = PACKAGED_DIR / packaged_name(name, args.backend)
+    packaged = PackagedCalibration(dataclasses.replace(record, model=SHIPPED[name]), held, machine(), Path())
+    path = folder / packaged_name(name, args.backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(packaged.to_bytes())
     print(f"packaged calibration written: {path}")
@@ -197,21 +292,32 @@ def markdown(report: dict) -> str:
         "",
         *curve_table(cal["curve"], c["calibration_prompts"]),
     ]
+    tables = {"all": report["held_out"], **report.get("held_out_tasks", {})}
+    tasks = c.get("held_out_tasks", {})
     lines += [
         "",
         f"Held out: {c['held_out_questions']} questions about documents calibration never saw "
-        f"({c['mean_prompt_tokens']} prompt tokens on average):",
-        "",
-        f"| mode | agrees with full (first {c['tokens_compared']} tokens) | answer right | mean ratio | "
-        "guard raised it | TTFT full / mode |",
-        "|---|---:|---:|---:|---:|---:|",
+        + (f"({', '.join(f'{k}: {v}' for k, v in tasks.items())}; " if tasks else "(")
+        + f"{c['mean_prompt_tokens']} prompt tokens on average). Each mode over the requests it blended, those it "
+        "did not (fell back, or ran as full prefill) counted apart; right: the reply contains the answer "
+        f"(generated), SQuAD's F1 (squad-dev); the agreement's lower bound at {c['confidence']:.0%}:",
     ]
-    for name, r in report["held_out"].items():
-        ratio = "-" if r["mean_ratio"] is None else f"{r['mean_ratio']:.3f}"
-        lines.append(
-            f"| {name} | {r['agreement']:.3f} | {r['right']:.3f} | {ratio} | {r['guard_fired']:.2f} | "
-            f"{r['ttft_speedup']:.2f}x |"
-        )
+    for task, table in tables.items():
+        if len(tables) > 1:
+            lines += ["", f"{task}:"]
+        lines += [
+            "",
+            f"| mode | blended | not blended | agrees with full (first {c['tokens_compared']} tokens) | lower bound | "
+            "answer right | mean ratio | guard raised it | TTFT full / mode |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, r in table.items():
+            ratio = "-" if r["mean_ratio"] is None else f"{r['mean_ratio']:.3f}"
+            lower = f"{r['agreement_lower']:.3f}" if "agreement_lower" in r else "-"
+            lines.append(
+                f"| {name} | {r.get('blended', '-')} | {r.get('not_blended', '-')} | {r['agreement']:.3f} | {lower} | "
+                f"{r['right']:.3f} | {ratio} | {r['guard_fired']:.2f} | {r['ttft_speedup']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -272,11 +378,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks calibration", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="reader", help=f"{', '.join(SHIPPED)} or a checkpoint directory")
     parser.add_argument("--backend", default="transformers", choices=("transformers", "vllm"))
-    parser.add_argument("--prompts", type=int, default=48, help="calibration probe prompts")
-    parser.add_argument("--questions", type=int, default=60, help="held-out questions")
+    parser.add_argument("--prompts", type=int, default=48, help="calibration probe prompts per task")
+    parser.add_argument("--questions", type=int, default=60, help="held-out questions per task")
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument(
         "--doc-tokens", type=int, nargs=2, metavar=("MIN", "MAX"), help="document length (default: the model's task's)"
+    )
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=tuple(TASKS),
+        default=list(TASKS),
+        help="the kinds of question calibration probes and the held-out split asks: the generated task, and "
+        "SQuAD (train for the probes, dev held out)",
+    )
+    parser.add_argument(
+        "--squad-docs",
+        type=int,
+        nargs=2,
+        default=(6, 11),
+        metavar=("MIN", "MAX"),
+        help="SQuAD paragraphs per prompt, the gold one among them",
     )
     parser.add_argument(
         "--probes",

@@ -4,7 +4,7 @@
                                 [--questions 300] [--calibrate [--package]] [--prompts 48]
 
 For a raw store and one of each codec (``ChunkStore(kv_codec=...)``), on the
-quality benchmark's held-out questions (``quality.HELD_OUT_SEED``): the bytes
+quality benchmark's held-out questions (``quality.DEVELOPMENT_SEED``): the bytes
 the store keeps per token, whether blending at ratio 1.0 is still exactly
 full prefill, and at 0.15 and at the calibrated setting the agreement with
 full prefill (the whole answer, as the quality benchmark compares it, and
@@ -38,7 +38,7 @@ from blend_integrations.store import KV_CODECS, ChunkStore
 
 from . import machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED, SHIPPED
-from .quality import HELD_OUT_SEED, model_and_task, results_name
+from .quality import DEVELOPMENT_SEED, model_and_task, results_name
 
 TOKENS = 4  # the first greedy tokens compared with full prefill
 CODECS: tuple[str | None, ...] = (None, *KV_CODECS)
@@ -81,7 +81,7 @@ def write_checked(choices: dict, model: str, backend: str, directory: Path = PAC
 
 def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
-    held_out = task.examples(args.questions, HELD_OUT_SEED)
+    held_out = task.examples(args.questions, DEVELOPMENT_SEED)
     calibration_set = task.examples(args.prompts, CALIBRATION_SEED)
     right = exact_match if task.accuracy == "em" else contains
     started = time.perf_counter()

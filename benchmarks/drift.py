@@ -34,7 +34,7 @@ from blend_integrations.prompt import bos_id_added
 from training.data import make_examples
 
 from . import write_results
-from .quality import HELD_OUT_SEED, model_and_task, results_name
+from .quality import DEVELOPMENT_SEED, model_and_task, results_name
 
 LENGTHS = ((20, 40), (80, 120), (230, 270), (450, 550))  # words per document, as the quality bench draws them
 HEAD = 4  # a chunk's first tokens: where its own attention sink sits when nothing comes before it
@@ -97,7 +97,7 @@ def run(args) -> dict:
     named = recipes(tokenizer)
     rows, started = [], time.time()
     for lengths in args.lengths:
-        examples = make_examples(args.questions, seed=HELD_OUT_SEED + 1, n_docs=(6, 6), doc_tokens=lengths)
+        examples = make_examples(args.questions, seed=DEVELOPMENT_SEED + 1, n_docs=(6, 6), doc_tokens=lengths)
         per_recipe = {name: [] for name in named}  # name -> per question, per layer drift of all chunk tokens
         tokens = []
         for example in examples:
@@ -127,7 +127,7 @@ def run(args) -> dict:
         "documents": 6,
         "system_prompt": task.system,
         "prompt": "the chat template" if getattr(tokenizer, "chat_template", None) else "plain text (no chat template)",
-        "seed": HELD_OUT_SEED + 1,
+        "seed": DEVELOPMENT_SEED + 1,
         "minutes": round((time.time() - started) / 60, 1),
         "date": time.strftime("%Y-%m-%d"),
     }

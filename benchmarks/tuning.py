@@ -5,7 +5,7 @@
 
 For the untuned model and the tuned one (``python -m blend_integrations.tune``,
 which trains on the standard library's docstrings): held-out synthetic
-questions (``quality.HELD_OUT_SEED``: documents tuning never read) asked with
+questions (``quality.DEVELOPMENT_SEED``: documents tuning never read) asked with
 full prefill, reuse (r=0), blend at 0.05 and 0.15, and the defaults
 (``recompute_ratio="auto"``: the untuned model's packaged calibration; with
 ``--calibrate`` the tuned model is calibrated first on other documents, as
@@ -42,7 +42,7 @@ from training.data import make_examples
 
 from . import machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED
-from .quality import HELD_OUT_SEED, model_and_task
+from .quality import DEVELOPMENT_SEED, model_and_task
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 4  # the first greedy tokens compared with the untuned model's full prefill
@@ -95,7 +95,7 @@ def run(args) -> dict:
     base_dir, task, label = model_and_task(args.model)
     tuned_dir = args.tuned
     doc_tokens = tuple(args.doc_tokens) if args.doc_tokens else task.doc_tokens
-    held_out = make_examples(args.questions, seed=HELD_OUT_SEED, doc_tokens=doc_tokens)
+    held_out = make_examples(args.questions, seed=DEVELOPMENT_SEED, doc_tokens=doc_tokens)
     calibration_set = make_examples(args.prompts, seed=CALIBRATION_SEED, doc_tokens=doc_tokens)
     started = time.perf_counter()
     reference: list[list[int]] = []  # the untuned model's full-prefill tokens, per question

@@ -83,7 +83,7 @@ def run(args) -> Iterator[dict]:
     try:
         for n in sizes:
             prompt = shuffled_prompts(chunks[:n])
-            times, usage = time_cases(engine, prompt, cases, args.repeats)
+            times, usage, apart = time_cases(engine, prompt, cases, args.repeats)
             full, reuse = statistics.median(times["full"]), statistics.median(times["reuse"])
             rows = {}
             for name, mode, _ in cases:
@@ -101,6 +101,7 @@ def run(args) -> Iterator[dict]:
                     "chunks_hit": u.chunks_hit,
                     "chunks_computed": u.chunks_computed,
                     "ceiling": ceiling,
+                    "not_blended": apart[name],  # rounds that fell back or ran in full: not timed
                 }
                 if mode == "blend":
                     predicted = reuse + (full - reuse) / ceiling
@@ -126,6 +127,8 @@ def render(reports: list[dict]) -> str:
             if name == "config":
                 continue
             predicted = f"{row['predicted_ms']:.0f} | {row['of_predicted']:.2f}x" if "predicted_ms" in row else "- | -"
+            apart = row.get("not_blended", 0)
+            name = f"{name} ({apart} rounds fell back, not timed)" if apart else name
             lines.append(
                 f"| {r['config']['prompt_tokens']} | {name} | {row['median_ms']:.0f} | {row['min_ms']:.0f}-"
                 f"{row['max_ms']:.0f} | {row['speedup']:.2f}x | {row['cached_tokens']} | {row['recomputed_tokens']} "

@@ -47,17 +47,7 @@ def read_documents(paths: list[str]) -> list[str]:
                 raise ValueError(f"{name}: no {' or '.join(DOCUMENT_SUFFIXES)} file in this folder")
             docs += [f.read_text(encoding="utf-8", errors="replace") for f in files]
         elif path.suffix == ".jsonl":
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{name}:{i}: not JSON ({e.msg})") from None
-                text = item.get("text") if isinstance(item, dict) else item
-                if not isinstance(text, str):
-                    raise ValueError(f'{name}:{i}: expected a string or an object with a "text" string')
-                docs.append(text)
+            docs += read_jsonl(path, name, "text")
         elif path.is_file():
             docs.append(path.read_text(encoding="utf-8", errors="replace"))
         else:
@@ -70,24 +60,31 @@ def read_questions(name: str) -> list[str]:
     path = Path(name).expanduser()
     if not path.is_file():
         raise ValueError(f"{name}: no such file")
-    questions = []
+    if path.suffix == ".jsonl":
+        questions = [q.strip() for q in read_jsonl(path, name, "question")]
+    else:
+        questions = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    questions = [q for q in questions if q]
+    if not questions:
+        raise ValueError(f"{name}: no question in it")
+    return questions
+
+
+def read_jsonl(path: Path, name: str, field: str) -> list[str]:
+    """Each line of a .jsonl file that is not blank: a string, or an object with a ``field`` string."""
+    values = []
     for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
-            continue
-        if path.suffix != ".jsonl":
-            questions.append(line.strip())
             continue
         try:
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{name}:{i}: not JSON ({e.msg})") from None
-        question = item.get("question") if isinstance(item, dict) else item
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError(f'{name}:{i}: expected a string or an object with a "question" string')
-        questions.append(question.strip())
-    if not questions:
-        raise ValueError(f"{name}: no question in it")
-    return questions
+        value = item.get(field) if isinstance(item, dict) else item
+        if not isinstance(value, str):
+            raise ValueError(f'{name}:{i}: expected a string or an object with a "{field}" string')
+        values.append(value)
+    return values
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,7 +58,7 @@ None of them imports an engine: the engines import ``measure`` for
 ``Engine.calibrate``, and ``fusion`` imports ``policy``.
 """
 
-from .choice import default_variants, policy_cost, wilson_lower
+from .choice import default_variants, policy_cost
 from .measure import KL_TOP, Calibratable, calibrate, check_target, exclusive
 from .packaged import PACKAGED_DIR, PackagedCalibration, packaged_calibrations, packaged_name
 from .policy import RELOAD_S, SERVES_DTYPES, Calibrations, choose_ratio
@@ -72,6 +72,7 @@ from .records import (
     RatioChoice,
     record_name,
     settings_label,
+    wilson_lower,
 )
 from .report import curve_table, report, write_plot
 

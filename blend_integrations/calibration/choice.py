@@ -11,21 +11,10 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from ..config import BlendConfig, computed_share
-from .records import CalibrationRecord, Guard
+from .records import CalibrationRecord, Guard, wilson_lower
 
 # What a query-aware selection's reuse pass adds to a policy's cost (it computes the prompt's new tokens once more).
 QUERY_PASS_COST = 0.05
-
-
-def wilson_lower(successes: int, n: int, confidence: float) -> float:
-    """One-sided Wilson score lower bound of a proportion (0 for no trials)."""
-    if n == 0:
-        return 0.0
-    z = NormalDist().inv_cdf(confidence)
-    p = successes / n
-    centre = p + z * z / (2 * n)
-    margin = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, (centre - margin) / (1 + z * z / n))
 
 
 @dataclass(frozen=True)

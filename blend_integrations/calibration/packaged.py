@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .records import CalibrationError, CalibrationRecord, settings_label
+from .records import CalibrationError, CalibrationRecord, settings_label, wilson_lower
 
 logger = logging.getLogger(__name__.rsplit(".", 1)[0])
 
@@ -99,9 +99,11 @@ class PackagedCalibration:
                 f"of prompts (calibrated on {r.n} prompts)"
             )
         else:
+            lower = wilson_lower(round(cal["agreement"] * n), n, r.confidence)
             head = (
-                f"{r.model} keeps full prefill's first {tokens} tokens on {cal['agreement']:.0%} of {n} held-out "
-                f"questions at {at}{settings}, {cal['ttft_speedup']:.2f}x sooner"
+                f"{r.model} keeps full prefill's first {tokens} tokens on {cal['agreement']:.0%} (at least "
+                f"{lower:.0%}, at {r.confidence:.0%} confidence) of {n} held-out questions at {at}{settings}, "
+                f"{cal['ttft_speedup']:.2f}x sooner"
             )
         if r.guard is None and r.ratio == fb["ratio"] and not settings:
             return f"{head} ({r.engine} engine, {r.dtype}, {self.cpu})."

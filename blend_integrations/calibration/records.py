@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 from ..config import SETTINGS, BlendConfig, check_kv_codec, check_ratio
@@ -26,6 +28,17 @@ def record_name(fingerprint: str, dtype: Any, kv_codec: str | None = None) -> st
     dtype and the store's KV codec (a lossy codec may need another ratio)."""
     name = dtype if isinstance(dtype, str) else dtype_name(dtype)
     return f"calibration.{fingerprint[:64]}.{name}" + (f".{kv_codec}" if kv_codec is not None else "")
+
+
+def wilson_lower(successes: int, n: int, confidence: float) -> float:
+    """One-sided Wilson score lower bound of a proportion (0 for no trials)."""
+    if n == 0:
+        return 0.0
+    z = NormalDist().inv_cdf(confidence)
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    margin = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (centre - margin) / (1 + z * z / n))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks import oracle, probes
-from benchmarks.quality import BASE, HELD_OUT_SEED, TASKS
+from benchmarks.quality import BASE, DEVELOPMENT_SEED, TASKS
 from blend_integrations import BlendConfig, ChunkStore, load_engine
 from blend_integrations.quality import reader_model_dir
 
@@ -20,7 +20,7 @@ def reader(tmp_path_factory):
     engine = load_engine(
         str(reader_model_dir()), store=ChunkStore(tmp_path_factory.mktemp("store")), config=BlendConfig(**BASE)
     )
-    example = TASKS["reader"].examples(1, HELD_OUT_SEED)[0]
+    example = TASKS["reader"].examples(1, DEVELOPMENT_SEED)[0]
     engine.warm(example.documents)
     return engine, TASKS["reader"].prompt(example, engine.tokenizer)
 

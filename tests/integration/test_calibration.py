@@ -551,7 +551,7 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "benchmarks", "calibration", "--model", model_dirs("llama"), "--out", str(out)]
     done = subprocess.run(
-        cmd + ["--prompts", "4", "--questions", "3", "--doc-tokens", "20", "40"],
+        cmd + ["--prompts", "4", "--questions", "3", "--doc-tokens", "20", "40", "--squad-docs", "2", "3"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -567,10 +567,55 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
         f"calibrated single ratio ({report['calibration']['ratio']})",
         f"fallback ({FALLBACK_RATIO})",
     }
-    assert held["full"]["agreement"] == 1.0 and report["config"]["held_out_questions"] == 3
-    assert report["config"]["probes"] == "questions" and report["config"]["calibration_prompts"] == 4
+    config = report["config"]
+    assert held["full"]["agreement"] == 1.0 and config["held_out_questions"] == 6
+    # probes of two kinds of question, and two held out: SQuAD's train and dev, never the same documents
+    assert config["calibration_tasks"] == {"generated": 4, "squad-train": 4} and config["calibration_prompts"] == 8
+    assert config["held_out_tasks"] == {"generated": 3, "squad-dev": 3} and config["probes"] == "questions"
+    for table in report["held_out_tasks"].values():
+        assert set(table) == set(held) and table["full"]["blended"] == 3
+        row = table[f"fallback ({FALLBACK_RATIO})"]
+        assert row["blended"] + row["not_blended"] == 3 and 0 <= row["agreement_lower"] <= row["agreement"]
     summary = (out / "calibration.md").read_text()
     assert (
         f"[{model_dirs('llama').rsplit('/', 1)[-1]}](calibration-" in summary
         and "| transformers | questions |" in summary
     )
+
+
+def test_a_policy_ships_only_where_its_held_out_lower_bound_meets_the_target(tmp_path):
+    """``benchmarks calibration --package``: the record, with what held-out questions measured of it,
+    pooled and by task; a policy whose held-out agreement's lower bound falls short of the target on
+    any task is not shipped: the file ships full prefill, and says why."""
+    import argparse
+
+    from benchmarks.calibration import write_packaged
+    from blend_integrations.calibration import PACKAGED_DIR, PackagedCalibration
+
+    shipped = PackagedCalibration.from_bytes((PACKAGED_DIR / "reader-transformers.json").read_bytes(), PACKAGED_DIR)
+    record = shipped.record
+    assert record.ratio < 1.0 and record.meets_target
+
+    def rows(agree: int, n: int = 60) -> dict:
+        row = {"blended": n, "not_blended": 0, "agreement": agree / n, "right": 0.9, "mean_ratio": 0.15}
+        row |= {"agreement_lower": wilson_lower(agree, n, record.confidence), "guard_fired": 0.0}
+        row |= {"ttft_s": 1.0, "ttft_speedup": 2.0}
+        return {"full": row, "default (calibrated)": row, f"fallback ({FALLBACK_RATIO})": row}
+
+    args = argparse.Namespace(model="reader", backend="transformers")
+    held = {"generated": rows(60), "squad-dev": rows(60)}
+    path = write_packaged(record, rows(120, 120), held, args, folder=tmp_path)
+    kept = PackagedCalibration.from_bytes(path.read_bytes(), path)
+    assert (kept.record.ratio, kept.record.meets_target) == (record.ratio, True)
+    assert kept.held_out["questions"] == 120 and set(kept.held_out["tasks"]) == {"generated", "squad-dev"}
+    # 57 of 60 on SQuAD: 95% agree, at least 92% at 80%, short of 0.95
+    held["squad-dev"] = rows(57)
+    refused = PackagedCalibration.from_bytes(
+        write_packaged(record, rows(117, 120), held, args, folder=tmp_path).read_bytes(), path
+    )
+    assert (refused.record.ratio, refused.record.guard, refused.record.meets_target) == (1.0, None, False)
+    assert refused.record.why.startswith(
+        "held out, the chosen policy falls short of the target 0.95 at its lower bound"
+    )
+    assert "squad-dev: 0.950 agree (at least 0.921)" in refused.record.why and "generated" not in refused.record.why
+    assert refused.record.choice().ratio == 1.0  # "auto" runs full prefill

@@ -365,7 +365,7 @@ def test_a_kernel_that_disagrees_with_sdpa_is_never_used(vllm_engine):
 
 def test_vllm_workers_run_on_tcmalloc_where_it_is_installed(vllm_engine):
     """On a CPU the engine starts vLLM's processes with tcmalloc preloaded, as
-    vLLM's CPU guide asks (.ci/run installs it); where it is not installed
+    vLLM's CPU guide asks (`make test` installs it, as root); where it is not installed
     they run on the system's malloc."""
     expected = "tcmalloc" if tcmalloc_library() is not None else "system"
     assert vllm_engine.llm.collective_rpc("blend_allocator") == [expected]
@@ -580,6 +580,34 @@ def test_a_failing_blend_pass_costs_one_request_not_the_engine(vllm_engine, docs
     assert len(log) == 1 and log[0].startswith("ERROR request ") and "OutOfMemoryError" in log[0], log
     again = vllm_engine.generate(prompts[2], max_tokens=8, recompute_ratio=1.0)
     assert again.fallback is None and again.usage.chunks_hit == 3 and again.token_ids == full[2]
+
+
+def test_a_round_that_fell_back_is_never_timed_as_a_blend(vllm_engine, docs):
+    """The benchmarks' timer (``benchmarks.time_cases``) on a blend pass that fails for real in the
+    worker on every prompt that holds one document: those rounds are counted apart, not timed."""
+    import itertools
+
+    from benchmarks import served_as, time_cases
+
+    vllm_engine.warm(docs)
+    poison = vllm_engine.tokenizer.encode(docs[3], add_special_tokens=False)
+    failing, blending = BlendPrompt("Read.", [docs[0], docs[3]], QUESTION), BlendPrompt("Read.", docs[:2], QUESTION)
+    # one call a case, in turn: round 0 (warm-up) full, blend; round 1 full, blend; ... so the timed blend rounds
+    # get failing, failing, blending
+    prompts = itertools.cycle([failing, failing, blending, failing, failing, failing, failing, blending])
+    cases = [("full", "full", None), ("blend", "blend", 0.5)]
+    vllm_engine.llm.collective_rpc("blend_fail_on", args=(poison,))
+    try:
+        times, usage, apart = time_cases(vllm_engine, lambda: next(prompts), cases, repeats=3)
+        assert (len(times["full"]), len(times["blend"]), apart) == (3, 1, {"full": 0, "blend": 2})
+        assert usage["blend"].cached_tokens > 0  # the round that blended
+        fell_back = vllm_engine.generate(failing, max_tokens=1, recompute_ratio=0.5)
+        assert fell_back.fallback is not None and served_as(fell_back) == "fallback"
+        with pytest.raises(RuntimeError, match="no round of blend was blended"):
+            time_cases(vllm_engine, lambda: failing, cases, repeats=1)
+    finally:
+        vllm_engine.llm.collective_rpc("blend_fail_on", args=(None,))
+    assert served_as(vllm_engine.generate(failing, max_tokens=1, recompute_ratio=0.5)) == "blend"
 
 
 def test_a_blend_pass_short_of_memory_falls_back_before_it_starts(vllm_engine, docs):

@@ -15,7 +15,7 @@ INSTALLED = tcmalloc_library()
 
 def test_tcmalloc_goes_first_and_keeps_what_was_preloaded():
     preload = tcmalloc_preload({"LD_PRELOAD": "/opt/libgomp.so.1"})
-    if INSTALLED is None:  # .ci/run installs it; elsewhere the system's malloc stays
+    if INSTALLED is None:  # `make test` installs it (as root); elsewhere the system's malloc stays
         assert preload is None
     else:
         assert preload == f"{INSTALLED}:/opt/libgomp.so.1"

@@ -191,7 +191,10 @@ def run(args) -> dict:
         ("blend@1.0", "blend", 1.0),
         ("reuse", "reuse", None),
     ]
-    wall, usage = time_cases(engine, prompt, cases, args.repeats)
+    wall, usage, apart = time_cases(engine, prompt, cases, args.repeats)
+    for name, count in apart.items():
+        if count:  # not timed: the medians are of the rounds that blended
+            print(f"{name}: {count} of {args.repeats} rounds fell back or ran as full prefill, not timed")
     profiled = {}
     for name, mode, ratio in cases:
         by_scope, totals = profiled_run(engine, prompt(), mode=mode, recompute_ratio=ratio)
