@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from blend_integrations.calibration import (
     PACKAGED_DIR,
     PackagedCalibration,
@@ -136,7 +138,7 @@ def run(args) -> dict:
     rows: dict[str, dict[str, list[dict]]] = {name: {mode: [] for mode in modes} for name in held}
     for name, questions in held.items():
         kind = next(k for k, names in TASKS.items() if names[1] == name)
-        for q in questions:
+        for q in tqdm(questions, desc=f"held out, {name}: {len(modes)} modes", unit="question"):
             full = None
             for mode, options in modes.items():
                 gen = engine.generate(q.prompt, max_tokens=task.max_tokens, **options)

@@ -27,11 +27,15 @@ probes SQuAD train: docs/calibration.md#held-out-on-real-questions).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import random
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from blend_integrations.calibration import wilson_lower
 from blend_integrations.config import SELECTIONS
@@ -115,13 +119,26 @@ def run(args) -> dict:
     prompts = [
         task.prompt(_Asked(e.documents, e.question), engine.tokenizer, engine.config.separator) for e in examples
     ]
-    engine.warm(sorted({d for e in examples for d in e.documents}), progress=True)
     plan = modes(args.selections, args.ratios)
+    # what a checkpoint must match to be resumed: the same questions, modes and machine
+    key = {
+        "model": label,
+        "backend": args.backend,
+        "dtype": engine.dtype_name,
+        "cpu": machine(),
+        "ids": [e.id for e in examples],
+        "modes": plan,
+        "tokens": args.tokens,
+    }
+    rows, replies = resume(args.checkpoint, key)
+    done = len(replies)
+    engine.warm(sorted({d for e in examples[done:] for d in e.documents}), progress=True)
     options = {"max_tokens": task.max_tokens, "stop": ["\n"]}
     engine.generate(prompts[0], **options)  # warms the engine's kernels up before anything is timed
-    rows: dict[str, list[Answer]] = {name: [] for name in plan}
-    replies = []  # each question's replies, to read what each mode answered
-    for example, tp in zip(examples, prompts):
+    asking = list(zip(examples, prompts))[done:]
+    for example, tp in tqdm(
+        asking, desc=f"asking {len(plan)} modes", unit="question", initial=done, total=len(examples)
+    ):
         full = None
         texts = {}
         for name, mode in plan.items():
@@ -142,6 +159,7 @@ def run(args) -> dict:
         replies.append(
             {"id": example.id, "answers": list(example.answers), "gold_rank": example.gold_rank, "replies": texts}
         )
+        checkpoint(args.checkpoint, key, rows, replies)
     return {
         "config": {
             "model": label,
@@ -155,6 +173,7 @@ def run(args) -> dict:
             "mean_prompt_tokens": round(statistics.fmean(len(tp) for tp in prompts)),
             "tokens_compared": args.tokens,
             "confidence": args.confidence,
+            "resumed_after": done or None,  # questions asked by an earlier process, from its checkpoint
             "calibration": engine.calibration_source(),
             "calibration_dtype": None if engine.calibration() is None else engine.calibration().dtype,
             "system": task.system,
@@ -164,6 +183,30 @@ def run(args) -> dict:
         "modes": summarize(rows, args.confidence),
         "questions": replies,
     }
+
+
+def resume(path: Path, key: dict) -> tuple[dict[str, list[Answer]], list[dict]]:
+    """The rows and replies of the questions an earlier run of the same questions, modes and machine
+    asked before it stopped (its checkpoint), else none."""
+    rows: dict[str, list[Answer]] = {name: [] for name in key["modes"]}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return rows, []
+    if not isinstance(saved, dict) or saved.get("key") != json.loads(json.dumps(key)):
+        print(f"{path} is of another run: starting over")
+        return rows, []
+    print(f"resuming after {len(saved['replies'])} questions from {path}")
+    return {name: [Answer(**a) for a in saved["rows"][name]] for name in key["modes"]}, saved["replies"]
+
+
+def checkpoint(path: Path, key: dict, rows: dict[str, list[Answer]], replies: list[dict]) -> None:
+    """What was asked so far, so that a run stopped (a session's end) resumes where it stopped."""
+    data = {"key": key, "rows": {name: [dataclasses.asdict(a) for a in answers] for name, answers in rows.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(data | {"replies": replies}))
+    partial.replace(path)  # whole or not at all
 
 
 @dataclass(frozen=True)
@@ -364,6 +407,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from .quality import results_name
 
+    # each question's answers are kept as they come: a run stopped resumes where it stopped (same arguments)
+    args.checkpoint = (
+        args.out / f".squad-{results_name(args.model)}-{args.backend}-{args.dtype}-{args.split}.partial.json"
+    )
     report = run(args)
     tag = f"squad-{results_name(args.model)}-{args.backend}-{report['config']['dtype']}" + (
         "" if args.split == "dev" else f"-{args.split}"
@@ -379,3 +426,4 @@ def main(argv: list[str] | None = None) -> None:
         command=f"`python -m benchmarks squad {' '.join(argv or [])}`",
     )
     print(f"written: {summary(args.out)}")
+    args.checkpoint.unlink(missing_ok=True)

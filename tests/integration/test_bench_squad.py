@@ -51,3 +51,20 @@ def test_the_loss_bound_is_a_seeded_paired_bootstrap():
     assert loss_bound(full, mode, 0.8) == loss_bound(full, mode, 0.8) >= 0.1  # the mean loss, or more
     assert loss_bound(full, full, 0.8) == 0.0
     assert loss_bound(full, mode, 0.99) >= loss_bound(full, mode, 0.8)
+
+
+def test_a_stopped_run_resumes_from_its_checkpoint_only_if_it_asks_the_same(tmp_path, capsys):
+    from benchmarks.squad import checkpoint, resume
+
+    key = {"model": "m", "backend": "vllm", "dtype": "float32", "cpu": "c", "ids": ["a", "b"], "tokens": 4}
+    key["modes"] = {"full": {"mode": "full"}, "deviation@0.15": {"recompute_ratio": 0.15, "check_layers": [1]}}
+    path = tmp_path / ".squad.partial.json"
+    assert resume(path, key) == ({"full": [], "deviation@0.15": []}, [])  # nothing asked yet
+    rows = {"full": [answer("full", 1.0, 2.0)], "deviation@0.15": [answer("blend", 0.5, 1.0)]}
+    replies = [{"id": "a", "answers": ["x"], "gold_rank": 0, "replies": {"full": "x", "deviation@0.15": "y"}}]
+    checkpoint(path, key, rows, replies)
+    assert resume(path, key) == (rows, replies)
+    for changed in ({"ids": ["a", "c"]}, {"cpu": "another"}, {"modes": {"full": {"mode": "full"}}}):
+        assert resume(path, key | changed)[1] == [] and "of another run: starting over" in capsys.readouterr().out
+    path.write_text("{not json")  # a damaged checkpoint is no checkpoint
+    assert resume(path, key)[1] == []
