@@ -151,6 +151,7 @@ def test_results_of_a_fallback():
         "chunks_computed": 0,
         "recompute_ratio": None,
         "ratio_source": None,
+        "calibration_dtype": None,
     }
     assert loading is None and why == "kv_transfer_params.blend.ratio must be ..."
     assert blend_results(None) == ({}, None, None)

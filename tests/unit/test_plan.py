@@ -48,6 +48,7 @@ def test_full_mode_plans_nothing(tmp_path):
         chunks_computed=0,
         recompute_ratio=None,
         ratio_source=None,
+        calibration_dtype=None,
     )
 
 
@@ -74,6 +75,7 @@ def test_a_promised_plan_looks_chunks_up_and_its_usage_counts_them(tmp_path):
         chunks_computed=0,
         recompute_ratio=0.25,
         ratio_source="config",
+        calibration_dtype=None,
     )
     assert reuse.usage()["recomputed_tokens"] == 0 and reuse.usage()["cached_tokens"] == 16
     assert reuse.usage()["recompute_ratio"] is None
@@ -110,6 +112,7 @@ def test_the_loading_controller_computes_a_chunk_slower_to_load(tmp_path):
         chunks_computed=3,
         recompute_ratio=slow.ratio,
         ratio_source="config",
+        calibration_dtype=None,
     )
     assert slow.loading.chunks_computed == 3 and slow.loading.ratio_floor == 0.15
     assert [c.action for c in unmeasured.chunks] == [LOAD] * 3 and unmeasured.ratio == 0.15
