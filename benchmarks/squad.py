@@ -44,7 +44,7 @@ from blend_integrations.quality.squad import load_squad, retrieval_examples, squ
 from blend_integrations.store import ChunkStore
 
 from . import held_out, machine, scratch_dir, served_as, write_results
-from .quality import Task
+from .quality import Task, model_and_task, results_name
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3)
@@ -107,8 +107,6 @@ def modes(selections, ratios) -> dict[str, dict]:
 
 
 def run(args) -> dict:
-    from .quality import model_and_task
-
     model_dir, _, label = model_and_task(args.model)
     store = ChunkStore(scratch_dir("blend-squad-store-"), remote="")
     started = time.perf_counter()
@@ -116,9 +114,7 @@ def run(args) -> dict:
     task = squad_task(engine)
     seed = held_out.SQUAD_SEED if args.split == held_out.SQUAD_SPLIT else held_out.SQUAD_TRAIN_SEED
     examples, retrieval = retrieval_examples(load_squad(args.split), args.questions, seed=seed, n_docs=args.docs)
-    prompts = [
-        task.prompt(_Asked(e.documents, e.question), engine.tokenizer, engine.config.separator) for e in examples
-    ]
+    prompts = [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
     plan = modes(args.selections, args.ratios)
     # what a checkpoint must match to be resumed: the same questions, modes and machine
     key = {
@@ -209,14 +205,6 @@ def checkpoint(path: Path, key: dict, rows: dict[str, list[Answer]], replies: li
     partial.replace(path)  # whole or not at all
 
 
-@dataclass(frozen=True)
-class _Asked:
-    """What ``Task.prompt`` reads of an example."""
-
-    documents: list[str]
-    question: str
-
-
 def summarize(rows: dict[str, list[Answer]], confidence: float) -> dict[str, dict]:
     """Each mode over the questions it blended (full prefill: all of them),
     with the requests it did not blend counted apart."""
@@ -224,8 +212,6 @@ def summarize(rows: dict[str, list[Answer]], confidence: float) -> dict[str, dic
     table = {}
     for name, answers in rows.items():
         kept = [i for i, a in enumerate(answers) if a.served == ("full" if name == "full" else "blend")]
-        if name == "reuse":  # reuse recomputes nothing: a prompt that reused nothing is full prefill
-            kept = [i for i, a in enumerate(answers) if a.served == "blend"]
         f1 = [answers[i].f1 for i in kept]
         base = [full[i].f1 for i in kept]
         agree = sum(answers[i].agree for i in kept)
@@ -332,8 +318,6 @@ def write_plot(report: dict, path: Path) -> None:
 
 def summary(out: Path) -> Path:
     """docs/results/squad.md: every model, engine and dtype run so far, in the CacheBlend paper's form."""
-    import json
-
     lines = [
         "# SQuAD v1.1: real questions, every packaged model",
         "",
@@ -405,8 +389,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--confidence", type=float, default=0.8, help="of the bounds")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    from .quality import results_name
-
     # each question's answers are kept as they come: a run stopped resumes where it stopped (same arguments)
     args.checkpoint = (
         args.out / f".squad-{results_name(args.model)}-{args.backend}-{args.dtype}-{args.split}.partial.json"

@@ -20,9 +20,9 @@ logger = logging.getLogger(__name__.rsplit(".", 1)[0])
 # How often an engine looks for a new calibration record in its store (another process may write one).
 RELOAD_S = 1.0
 # A calibration measured in one of these serves the same model and engine in the others, where none
-# measured in that dtype exists: which tokens a policy recomputes follows the model's attention, not its
-# dtype's rounding, and a CPU without bfloat16 instructions runs a bfloat16 checkpoint in float32
-# (measured: docs/calibration.md#dtypes).
+# measured in that dtype exists: a CPU without bfloat16 instructions runs a bfloat16 checkpoint in
+# float32, and there Qwen2.5-Coder-1.5B's bfloat16 policy beat the fallback on SQuAD
+# (docs/calibration.md#dtypes).
 SERVES_DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
 
 
@@ -59,7 +59,7 @@ class Calibrations:
     @property
     def name(self) -> str:
         """The record's name in the store: its codec's (``record_name``)."""
-        return record_name(self.fingerprint, self.dtype, self.store.kv_codec)
+        return self._name(self.dtype)
 
     def use_store(self, store: ChunkStore) -> None:
         with self._lock:
@@ -118,20 +118,20 @@ class Calibrations:
 
     def _read(self) -> tuple[CalibrationRecord | None, str]:
         for dtype in self.dtypes():
-            own = self._read_store(dtype)
-            packaged = None if own is not None else self._packaged(dtype)
-            record = own if own is not None else None if packaged is None else packaged.record
+            record, source, where = self._read_store(dtype), "calibrated", f"the store's {self._name(dtype)}"
             if record is None:
-                continue
+                packaged = self._packaged(dtype)
+                if packaged is None:
+                    continue
+                record, source, where = packaged.record, "packaged", f"the packaged {packaged.path.name}"
             if dtype != self.dtype:
-                where = f"the store's {self._name(dtype)}" if own is not None else f"the packaged {packaged.path.name}"  # type: ignore[union-attr]
                 self._say(
                     f"no calibration was measured in {self.dtype} for this model on the {self.engine} engine; "
                     f'"auto" runs {where}, measured in {dtype} (a policy serves every floating-point dtype '
                     f"of its model and engine: docs/calibration.md#dtypes)",
                     level=logging.INFO,
                 )
-            return record, "calibrated" if own is not None else "packaged"
+            return record, source
         return None, "fallback"
 
     def dtypes(self) -> tuple[str, ...]:
