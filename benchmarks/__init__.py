@@ -12,8 +12,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from blend_integrations.config import BlendConfig
 from blend_integrations.engines.vllm_host import process_allocator
 from blend_integrations.prompt import BlendPrompt
+
+# Benchmarks ask one request after another and time them: a live check (``BlendConfig.quality_check``)
+# running in the gap would share the CPU with the next one. They run "auto" without it; ``live-check``
+# measures the check itself.
+UNCHECKED = BlendConfig(quality_check=0.0)
 
 
 def machine(vllm_engine=None) -> str:

@@ -49,7 +49,7 @@ from blend_integrations.quality.metrics import contains
 from blend_integrations.quality.squad import load_squad, retrieval_examples, squad_f1
 from blend_integrations.store import ChunkStore
 
-from . import held_out, machine, scratch_dir, served_as, write_results
+from . import UNCHECKED, held_out, machine, scratch_dir, served_as, write_results
 from .quality import model_and_task, results_name
 from .squad import squad_task
 
@@ -108,7 +108,7 @@ def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
     store = ChunkStore(scratch_dir("blend-calibration-store-"), remote="")
     started = time.perf_counter()
-    engine = load_engine(str(model_dir), store=store, backend=args.backend)
+    engine = load_engine(str(model_dir), store=store, backend=args.backend, config=UNCHECKED)
     probes = {TASKS[k][0]: asked_questions(k, "probes", args.prompts, engine, task, args) for k in args.tasks}
     held = {TASKS[k][1]: asked_questions(k, "held out", args.questions, engine, task, args) for k in args.tasks}
     calibrated_on = {d for qs in probes.values() for q in qs for d in q.documents}

@@ -36,7 +36,7 @@ from blend_integrations.engines import load_engine
 from blend_integrations.quality.metrics import contains, exact_match, normalize
 from blend_integrations.store import KV_CODECS, ChunkStore
 
-from . import machine, scratch_dir, write_results
+from . import UNCHECKED, machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED, SHIPPED
 from .quality import DEVELOPMENT_SEED, model_and_task, results_name
 
@@ -91,7 +91,7 @@ def run(args) -> dict:
     raw_store = None
     for codec in CODECS:
         store = ChunkStore(scratch_dir(f"blend-codecs-{codec_name(codec)}-"), remote="", kv_codec=codec)
-        with load_engine(str(model_dir), store=store, backend=args.backend) as engine:
+        with load_engine(str(model_dir), store=store, backend=args.backend, config=UNCHECKED) as engine:
             keys = [
                 engine.chunk_key(engine.tokenizer.encode(d, add_special_tokens=False))
                 for d in sorted({d for e in held_out for d in e.documents})

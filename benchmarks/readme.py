@@ -88,17 +88,30 @@ def render_commands(results: Path) -> str:
     )
 
 
+# The held-out kinds of question (the calibration benchmark's ``held_out_tasks``), as the README names them.
+TASK_NAMES = {"generated": "generated", "squad-dev": "SQuAD dev"}
+
+
 def calibration_row(results: Path, label: str, engine: str) -> tuple[list[str], dict]:
     report = load(results, f"calibration-{label}-{engine}.json")
     cfg, held = report["config"], report["held_out"]
+    # reports from before SQuAD held out one kind of question: the generated one
+    tasks = report.get("held_out_tasks") or {"generated": held}
+    sizes = cfg.get("held_out_tasks") or {"generated": cfg["held_out_questions"]}
     (fallback_key,) = [key for key in held if key.startswith("fallback")]
     full, default, fallback = held["full"], held["default (calibrated)"], held[fallback_key]
-    if report["calibration"]["ratio"] >= 1.0:
+    if report["calibration"]["ratio"] >= 1.0 and report["calibration"]["guard"] is None:
         matched = f"{default['ttft_speedup']:.2f}x: needs full prefill"
     else:
-        n = cfg["held_out_questions"]
-        bound = wilson_lower(round(default["agreement"] * n), n, cfg["confidence"])
-        matched = f"{default['ttft_speedup']:.2f}x, {percent(default['agreement'])} agree (at least {percent(bound)})"
+        agree = []
+        for name, table in tasks.items():
+            row, n = table["default (calibrated)"], sizes[name]
+            bound = row.get("agreement_lower", wilson_lower(round(row["agreement"] * n), n, cfg["confidence"]))
+            agree.append(
+                f"{percent(row['agreement'])} agree (at least {percent(bound)})"
+                + (f" on {TASK_NAMES[name]}" if len(tasks) > 1 else "")
+            )
+        matched = f"{default['ttft_speedup']:.2f}x, " + ", ".join(agree)
     row = [
         CALIBRATED[label],
         f"{ENGINES[engine]}, {hardware(cfg['cpu'], cfg.get('cpus'))}",
@@ -107,7 +120,7 @@ def calibration_row(results: Path, label: str, engine: str) -> tuple[list[str], 
         percent(1.0 - fallback["agreement"]),
         f"{percent(fallback['right'])} ({percent(full['right'])})",
     ]
-    return row, cfg | {"fallback_ratio": fallback["mean_ratio"]}
+    return row, cfg | {"fallback_ratio": fallback["mean_ratio"], "held_out_sizes": sizes}
 
 
 def random_row(model: str, engine: str, where: str, speedup: str) -> list[str]:
@@ -150,7 +163,7 @@ def render_gains(results: Path) -> str:
 
     first = configs[0]
     for cfg in configs:
-        for key in ("held_out_questions", "tokens_compared", "target"):
+        for key in ("tokens_compared", "target"):
             if cfg[key] != first[key]:
                 raise ValueError(f"the calibration results differ in {key}: {cfg[key]} and {first[key]}")
     dates = sorted({c["date"] for c in configs} | {ttft["config"]["date"], vllm["config"]["date"], gpu_cfg["date"]})
@@ -171,17 +184,34 @@ def render_gains(results: Path) -> str:
         f"Speedup: full prefill's time to first token over blend's. Matched quality: at the ratio that\n"
         f"[calibration](docs/concepts.md#calibration) chose to keep full prefill's first {tokens} tokens on"
         f' {percent(first["target"])} of prompts; "at least": the\n{percent(first["confidence"])} lower bound of'
-        " the held-out agreement beside it, on the package's generated questions (for the real models the\n"
-        "oracle benchmark's 12, which chose the selections calibration tries, among them; [real questions](docs/results/squad.md)).\n"
-        f"Answers changed: the share of {first['held_out_questions']} questions calibration never saw whose first"
-        f" {tokens} tokens differ from\nfull prefill's; right: the share answered right. The random-weight rows"
-        f" time real model shapes on prompts\nof {chunks(ttft['config']['chunks'])} (CPU) and"
+        f" the agreement on questions calibration never saw\n({held_out_words(configs)}).\n"
+        "Answers changed: the share of them whose first"
+        f" {tokens} tokens differ from\nfull prefill's; right: the share answered right (SQuAD: F1)."
+        " The random-weight rows time real model shapes on prompts\n"
+        f"of {chunks(ttft['config']['chunks'])} (CPU) and"
         f" {chunks(gpu_cfg['chunks'])} (GPU). Measured {span}:\n"
-        "[calibration](docs/results/calibration.md), [TTFT](docs/results/ttft.md), [vLLM](docs/results/vllm.md),"
+        "[calibration](docs/results/calibration.md), [real questions](docs/results/squad.md), [TTFT](docs/results/ttft.md), [vLLM](docs/results/vllm.md),"
         " [GPU](docs/results/gpu-h200.md).",
         "",
     ]
     return "\n".join(lines)
+
+
+def held_out_words(configs: list[dict]) -> str:
+    """The held-out questions in words: those of the rows calibrated before SQuAD (one kind) and after (two)."""
+    old = sorted({c["held_out_sizes"]["generated"] for c in configs if len(c["held_out_sizes"]) == 1})
+    new = [c["held_out_sizes"] for c in configs if len(c["held_out_sizes"]) > 1]
+    parts = []
+    if old:
+        parts.append(
+            f"{'/'.join(map(str, old))} generated ones; for the real models the oracle benchmark's 12,\n"
+            "which chose the selections calibration tries, among them"
+        )
+    if new:
+        kinds = {name: sorted({sizes[name] for sizes in new}) for name in new[0]}
+        listed = " and ".join(f"{'/'.join(map(str, n))} {TASK_NAMES[name]}" for name, n in kinds.items())
+        parts.append(f"where a kind is named: {listed}, on a seed and articles no run had used")
+    return "; ".join(parts)
 
 
 RENDERERS = {"commands": render_commands, "gains": render_gains}

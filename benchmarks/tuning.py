@@ -40,7 +40,7 @@ from blend_integrations.quality.metrics import contains
 from blend_integrations.store import ChunkStore
 from training.data import make_examples
 
-from . import machine, scratch_dir, write_results
+from . import UNCHECKED, machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED
 from .quality import DEVELOPMENT_SEED, model_and_task
 
@@ -104,7 +104,7 @@ def run(args) -> dict:
     config: dict = {}
     for name, model_dir in models.items():
         store = ChunkStore(scratch_dir(f"blend-tuning-{name}-"), remote="")
-        with load_engine(model_dir, store=store, backend=args.backend) as engine:
+        with load_engine(model_dir, store=store, backend=args.backend, config=UNCHECKED) as engine:
 
             def asked(examples, engine=engine):
                 return [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]

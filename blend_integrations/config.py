@@ -11,12 +11,16 @@ DEVIATIONS: tuple[str, ...] = ("k", "v")
 # Where a request's recompute ratio came from (``Usage.ratio_source``): the
 # store's calibration for this model (the user's own), the calibration the
 # package ships for it, the documented fallback (``"auto"`` without either),
-# the request's own, the engine config's, or the
-# per-request guard, which raised the calibrated ratio for this request.
-RatioSource = Literal["calibrated", "packaged", "fallback", "request", "config", "guard"]
-RATIO_SOURCES: tuple[str, ...] = ("calibrated", "packaged", "fallback", "request", "config", "guard")
-# The sources that are a measured calibration: one that chose ratio 1.0 is run as full prefill.
-CALIBRATION_SOURCES: tuple[str, ...] = ("calibrated", "packaged")
+# the request's own, the engine config's, the
+# per-request guard, which raised the calibrated ratio for this request, or the
+# live check (``quality_check``), which raised it for every request after
+# checked answers disagreed with full prefill.
+RatioSource = Literal["calibrated", "packaged", "fallback", "request", "config", "guard", "checked"]
+RATIO_SOURCES: tuple[str, ...] = ("calibrated", "packaged", "fallback", "request", "config", "guard", "checked")
+# The sources that are measured (a calibration, or its live check): ratio 1.0 from one is run as full prefill.
+CALIBRATION_SOURCES: tuple[str, ...] = ("calibrated", "packaged", "checked")
+# The share of "auto" requests checked against full prefill by default (``BlendConfig.quality_check``).
+QUALITY_CHECK = 0.05
 # The ratio ``"auto"`` uses for a model the store holds no calibration for:
 # what the answer-quality benchmark picks on the bundled reader
 # (docs/results/quality.md). It is too low for small chat models (SmolLM2
@@ -83,6 +87,12 @@ class BlendConfig:
         "fp8" or "int8" (about a quarter of float32's bytes; see
         docs/storage.md). A store passed to the engine keeps its own codec
         (``ChunkStore(kv_codec=...)``); this, when set, must be the same.
+    quality_check: the share (0 to 1) of greedy blended ``"auto"`` requests
+        whose answer is checked against full prefill's first tokens after it
+        is answered, off its path (docs/calibration.md#live-check). Each
+        check adds to the model's running agreement in the store; when its
+        lower bound falls below the calibration's target, ``"auto"`` steps up
+        the ladder for every engine on the store. 0 turns it off.
     """
 
     recompute_ratio: float | Literal["auto"] = "auto"
@@ -94,9 +104,11 @@ class BlendConfig:
     loading_controller: bool = False
     pipelined_loading: bool = False
     kv_codec: str | None = None
+    quality_check: float = QUALITY_CHECK
 
     def __post_init__(self) -> None:
         check_kv_codec(self.kv_codec)
+        object.__setattr__(self, "quality_check", check_ratio(self.quality_check, name="quality_check"))
         if self.recompute_ratio != "auto":
             object.__setattr__(self, "recompute_ratio", check_ratio(self.recompute_ratio, auto=True))
         layers = tuple(self.check_layers) if not isinstance(self.check_layers, int) else (self.check_layers,)

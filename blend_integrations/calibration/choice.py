@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from ..config import BlendConfig, computed_share
-from .records import CalibrationRecord, Guard, wilson_lower
+from .records import CalibrationRecord, Guard, max_misses, wilson_lower
 
 # What a query-aware selection's reuse pass adds to a policy's cost (it computes the prompt's new tokens once more).
 QUERY_PASS_COST = 0.05
@@ -74,11 +74,6 @@ def _prompts_needed(target: float, confidence: float) -> int | None:
     while wilson_lower(n, n, confidence) < target:  # float rounding at the boundary
         n += 1
     return n
-
-
-def max_misses(n: int, target: float, confidence: float) -> int:
-    """The most disagreements out of ``n`` that still meet ``target`` (-1: none does)."""
-    return max((f for f in range(n + 1) if wilson_lower(n - f, n, confidence) >= target), default=-1)
 
 
 def candidates(

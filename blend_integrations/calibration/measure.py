@@ -21,9 +21,9 @@ from ..config import BlendConfig, check_ratio
 from ..prompt import PromptInput, TokenizedPrompt
 from ..store import ChunkStore
 from ..version import __version__
-from .choice import candidates, choose, default_variants, max_misses, meets, wilson_lower
+from .choice import candidates, choose, default_variants, meets
 from .probes import MIN_PROBE_TOKENS, probe_prompts, question_probes
-from .records import LADDER, CalibrationError, CalibrationRecord, record_name, settings_label
+from .records import LADDER, CalibrationError, CalibrationRecord, max_misses, record_name, settings_label, wilson_lower
 from .report import report, write_plot
 
 KL_TOP = 20  # the first token's KL is over full prefill's top KL_TOP tokens and the rest as one bucket

@@ -12,6 +12,7 @@ from typing import Any
 from ..config import FALLBACK_RATIO, BlendConfig
 from ..store import ChunkStore
 from ..store.format import dtype_name
+from .live_check import DEFAULT_CONFIDENCE, DEFAULT_TARGET, LiveCheck, state_name
 from .packaged import PackagedCalibration, packaged_calibrations
 from .records import CalibrationError, CalibrationRecord, RatioChoice, record_name
 
@@ -32,7 +33,9 @@ class Calibrations:
     (another process may have calibrated), and checked; else the calibration
     this package ships for the model on this ``engine``, if any; each
     measured in this dtype, else in another floating-point one
-    (``SERVES_DTYPES``). Says once per problem why a record is not used."""
+    (``SERVES_DTYPES``). Says once per problem why a record is not used.
+    ``live``: the live check's state (``live_check``), read with the record,
+    which may have put ``"auto"`` on a higher rung than the calibrated one."""
 
     def __init__(
         self,
@@ -55,6 +58,7 @@ class Calibrations:
         self._read_at = -math.inf
         self._said: set[str] = set()
         self._lock = threading.Lock()
+        self.live = LiveCheck(store, self._state_name(), self.label)
 
     @property
     def name(self) -> str:
@@ -64,6 +68,10 @@ class Calibrations:
     def use_store(self, store: ChunkStore) -> None:
         with self._lock:
             self.store, self._record, self._read_at = store, None, -math.inf
+            self.live = LiveCheck(store, self._state_name(), self.label)
+
+    def _state_name(self) -> str:
+        return state_name(self.fingerprint, self.dtype, self.engine, self.store.kv_codec)
 
     def record(self) -> CalibrationRecord | None:
         return self.current()[0]
@@ -77,6 +85,7 @@ class Calibrations:
             if time.monotonic() - self._read_at >= RELOAD_S:
                 self._read_at = time.monotonic()
                 self._record, self._source = self._read()
+                self.live.reload()
             return self._record, self._source
 
     def packaged(self) -> PackagedCalibration | None:
@@ -105,11 +114,25 @@ class Calibrations:
         return packaged
 
     def choice(self) -> RatioChoice:
-        """The ratio ``"auto"`` gives a request now: the user's calibration, else the packaged one, else the fallback."""
+        """The ratio ``"auto"`` gives a request now: the user's calibration, else
+        the packaged one, else the fallback; on the rung the live check put it on."""
+        return self.live.apply(self.calibrated_choice())
+
+    def calibrated_choice(self) -> RatioChoice:
+        """``choice`` before the live check: the policy the checks are judged against."""
         record, source = self.current()
         if record is None:
             return self.fallback()
         return record.choice(source=source)
+
+    def record_check(self, base: RatioChoice, rung: float, agreed: bool | None) -> None:
+        """One live check of a request served at ``rung`` under ``base``
+        (``calibrated_choice``): it agreed with full prefill, or not, or (None)
+        could not run. Judged against the record's target (the fallback: 0.95)."""
+        record = self.record()
+        target = record.target if record is not None else DEFAULT_TARGET
+        confidence = record.confidence if record is not None else DEFAULT_CONFIDENCE
+        self.live.record(base, rung, agreed, target, confidence)
 
     def set(self, record: CalibrationRecord) -> None:
         """Use ``record`` now (just written by ``calibrate``)."""

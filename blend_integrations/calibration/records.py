@@ -41,6 +41,11 @@ def wilson_lower(successes: int, n: int, confidence: float) -> float:
     return max(0.0, (centre - margin) / (1 + z * z / n))
 
 
+def max_misses(n: int, target: float, confidence: float) -> int:
+    """The most disagreements out of ``n`` that still meet ``target`` (-1: none does)."""
+    return max((f for f in range(n + 1) if wilson_lower(n - f, n, confidence) >= target), default=-1)
+
+
 @dataclass(frozen=True)
 class Guard:
     """Recompute more for a request whose ranking is spread out: when the

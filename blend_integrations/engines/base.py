@@ -22,6 +22,7 @@ from ..fusion.plan import ChunkKeys
 from ..prompt import PromptError, PromptInput, TextOrIds, TokenizedPrompt, bos_id_added, tokenize_prompt
 from ..store import ChunkStore
 from .decoding import check_sampling
+from .quality_check import QualityChecker
 
 
 @dataclass
@@ -46,6 +47,8 @@ class Usage:
     # selection by the query, the query's attention) that the recomputed ones hold; None when
     # nothing was blended.
     deviation_captured: float | None = None
+    # Whether this answer is checked against full prefill after it was given (``BlendConfig.quality_check``).
+    quality_checked: bool = False
 
     @property
     def chunks_recomputed(self) -> int:
@@ -131,6 +134,7 @@ class Request:
     settings: dict[str, Any]
     logprobs: int | None
     started: float  # perf_counter() when the call came in: time to first token counts from here
+    checking: bool = False  # a live check's full prefill (``quality_check``): never offered, counted or shown
 
 
 @dataclass
@@ -318,6 +322,35 @@ class Engine(ABC):
     def _run(self, request: Request, stream: GenerationStream) -> Iterator[str]:
         """Yield text deltas and set ``stream.generation`` at the end."""
 
+    @property
+    def quality_checker(self) -> QualityChecker:
+        """This engine's live checks (``BlendConfig.quality_check``), made on first use."""
+        checker = self.__dict__.get("_quality_checker")
+        if checker is None:
+            checker = self.__dict__.setdefault("_quality_checker", QualityChecker(self, self.config.quality_check))
+        return checker
+
+    def _answered(self, request: Request, generation: Generation) -> Generation:
+        """An answer about to be handed over: picked for a live check or not (``Usage.quality_checked``)."""
+        generation.usage.quality_checked = self.quality_checker.offer(request, generation)
+        return generation
+
+    def idle(self) -> bool:
+        """Whether no user request is in flight (a live check waits for it)."""
+        return True
+
+    def full_prefill_tokens(self, prompt: TokenizedPrompt, tokens: int) -> list[int]:
+        """Full prefill's first ``tokens`` greedy tokens of ``prompt``: a live check's run."""
+        request = dataclasses.replace(self._request(prompt, max_tokens=tokens, mode="full"), checking=True)
+        stream = GenerationStream(iter(()))
+        for _ in self._run(request, stream):
+            pass
+        return stream.result().token_ids
+
+    def quality_check_stats(self) -> dict:
+        """The live checks this engine ran, and the state in use (``QualityChecker.stats``)."""
+        return self.quality_checker.stats()
+
     def generate_many(self, prompts: Sequence[PromptInput], **kwargs) -> list[Generation]:
         """Generate for several prompts; engines that batch run them together."""
         return [self.generate(p, **kwargs) for p in prompts]
@@ -390,8 +423,11 @@ class Engine(ABC):
         method: ``calibration.calibrate``."""
         return calibrate(self, documents, prompts=prompts, questions=questions, target=target, **options)
 
-    def close(self) -> None:  # noqa: B027 - a no-op unless the engine holds processes
-        """Release what the engine holds (the vLLM engine's processes); closing twice is harmless."""
+    def close(self) -> None:
+        """Release what the engine holds (the live checks' thread, the vLLM engine's processes); closing twice is harmless."""
+        checker = self.__dict__.get("_quality_checker")
+        if checker is not None:
+            checker.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -71,6 +71,8 @@ class TransformersEngine(Engine):
         eos = eos if isinstance(eos, list) else [eos]
         self._eos = {e for e in eos + [self._tokenizer.eos_token_id] if e is not None}
         self._lock = threading.RLock()  # one request at a time on this model
+        self._in_flight = 0  # user requests started and not finished (a live check waits for none)
+        self._in_flight_lock = threading.Lock()
 
     @property
     def tokenizer(self):
@@ -110,7 +112,24 @@ class TransformersEngine(Engine):
         return computed
 
     # -- generation -----------------------------------------------------
+    def idle(self) -> bool:
+        return self._in_flight == 0
+
     def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
+        if req.checking:
+            yield from self._walk(req, stream)
+            return
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            yield from self._walk(req, stream)
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+        if stream.generation is not None:
+            self._answered(req, stream.generation)
+
+    def _walk(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         tp = req.prompt
         with self._lock, contextlib.ExitStack() as held:
             generator = None

@@ -24,6 +24,7 @@ from ..prompt import PromptInput, TextOrIds
 from ..store import ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage, engine_store
 from .blend_metrics import BlendCounters
+from .quality_check import CheckPreempted
 from .vllm_answers import blend_details
 from .vllm_contract import (
     CONNECTOR_MODULE,
@@ -151,6 +152,7 @@ class VLLMEngine(Engine):
         self._counters = BlendCounters()  # every finished request's blend outcome: ``stats()``
         self._counters_lock = threading.Lock()
         self._requests: dict[str, queue.Queue] = {}  # request id -> its outputs, until finished
+        self._checks: set[str] = set()  # of those, the live checks' (``quality_check``): users' requests preempt them
         self._lock = threading.Lock()  # vLLM's engine is not thread-safe
         self._wake = threading.Event()
         self._closed = False
@@ -185,6 +187,8 @@ class VLLMEngine(Engine):
         """Stop the stepping thread and vLLM's engine core."""
         if self._closed:
             return
+        self._preempt_checks()
+        super().close()
         self._closed = True
         self._wake.set()
         self._stepper.join(timeout=30)
@@ -242,19 +246,41 @@ class VLLMEngine(Engine):
             extra_args={"kv_transfer_params": params} if params else None,
         )
 
+    def idle(self) -> bool:
+        try:
+            return not (self._requests.keys() - self._checks)
+        except RuntimeError:  # the stepping thread changed the dict meanwhile: not idle
+            return False
+
+    def _preempt_checks(self) -> None:
+        """Abort the live checks in flight: a user's request never waits behind one."""
+        for rid in list(self._checks):
+            with self._lock:
+                self.llm.llm_engine.abort_request([rid])
+            waiting = self._requests.pop(rid, None)
+            if waiting is not None:
+                waiting.put(None)  # its follower raises CheckPreempted
+            self._checks.discard(rid)
+
     def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         from vllm.inputs import TokensPrompt
 
         params = self._sampling_params(req)
-        rid = f"blend-{next(self._ids)}"
+        rid = f"blend-{'check-' if req.checking else ''}{next(self._ids)}"
         outputs: queue.Queue = queue.Queue()
-        self._requests[rid] = outputs
+        self._requests[rid] = outputs  # before it is a check: a preemption finds its queue
+        if req.checking:
+            self._checks.add(rid)
+        else:
+            self._preempt_checks()
         with self._lock:
             # vLLM 0.32 and 0.33 deprecate raw prompts in add_request; it takes what the
             # engine's renderer makes of one (the raw path ran the same renderer inside).
             engine = self.llm.llm_engine
             (prompt,) = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=req.prompt.token_ids)])
             engine.add_request(rid, prompt, params)
+            if req.checking and rid not in self._checks:  # a user's request preempted it before it was added
+                engine.abort_request([rid])
         self._wake.set()
         return self._follow(stream, rid, outputs, req)
 
@@ -287,6 +313,9 @@ class VLLMEngine(Engine):
         try:
             while not finished:
                 out = outputs.get()
+                if out is None:  # a live check, preempted by a user's request (``_preempt_checks``)
+                    finished = True
+                    raise CheckPreempted(rid)
                 finished = out.finished
                 completion = out.outputs[0]
                 if completion.token_ids and ttft is None:
@@ -302,10 +331,11 @@ class VLLMEngine(Engine):
             if details is None and not blend.get("cached_tokens"):
                 details = ((), (), None)  # nothing was reused
             spans, positions, shares = details or (None, None, None)
-            with self._counters_lock:
-                self._counters.add(out.kv_transfer_params)
+            if not req.checking:
+                with self._counters_lock:
+                    self._counters.add(out.kv_transfer_params)
             usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
-            stream.generation = Generation(
+            generation = Generation(
                 text="".join(text),
                 token_ids=ids,
                 prompt_token_ids=list(tp.token_ids),
@@ -321,7 +351,9 @@ class VLLMEngine(Engine):
                 reused_spans=spans,
                 recomputed_positions=positions,
             )
+            stream.generation = generation if req.checking else self._answered(req, generation)
         finally:
+            self._checks.discard(rid)
             if not finished:
                 with self._lock:
                     self.llm.llm_engine.abort_request([rid])

@@ -1,0 +1,179 @@
+"""Engines layer: the live check (``BlendConfig.quality_check``): a share of ``"auto"``'s
+blended answers is checked against full prefill after it is answered, off its path.
+
+``offer`` picks the requests: greedy, blended under ``"auto"`` with chunk KV from the store (not
+fallen back, not run in full, not every chunk missed); every ``1 / share``-th of them, counted, not drawn, so a share is exact over any
+run. A picked request's prompt waits in a short queue (an offer to a full one is dropped and
+counted) for a thread that runs full prefill for its first tokens once the engine is idle,
+compares them with the blend's, and adds the result to the model's live-check state in the
+store (``calibration.live_check``), which may move ``"auto"`` for every engine on the store.
+A check that fails is counted, never raised: the answer was already given. On vLLM a user's
+request that arrives during a check preempts it (``VLLMEngine``); the check runs again later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..calibration import RatioChoice
+
+if TYPE_CHECKING:
+    from ..prompt import TokenizedPrompt
+    from .base import Engine, Generation, Request
+
+logger = logging.getLogger(__name__.rsplit(".", 2)[0])
+
+QUEUE = 8  # checks waiting for an idle engine; more are dropped (counted)
+TOKENS = 4  # the first tokens compared, where no calibration record says (``CalibrationRecord.tokens``)
+RETRIES = 3  # times a preempted check runs again before it is dropped
+IDLE_POLL_S = 0.02
+# The ratio sources of a request "auto" planned (config.RATIO_SOURCES).
+AUTO_SOURCES = ("calibrated", "packaged", "fallback", "guard", "checked")
+
+
+class CheckPreempted(Exception):
+    """A user's request arrived while a check ran: the check gives way and runs again later."""
+
+
+@dataclass(frozen=True)
+class Check:
+    prompt: TokenizedPrompt
+    blended: tuple[int, ...]  # the blend's first tokens, the ones compared
+    base: RatioChoice  # the calibrated policy the request was served under
+    rung: float  # the ratio "auto" was on (the live check's rung)
+    tries: int = 0
+
+
+class QualityChecker:
+    """One engine's live checks: ``offer`` after each answer, a thread that runs them."""
+
+    def __init__(self, engine: Engine, share: float) -> None:
+        self.engine, self.share = engine, share
+        self._due = 0.0
+        self._queue: queue.Queue[Check | None] = queue.Queue(maxsize=QUEUE)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        # offered (eligible requests), picked, checked, agreed, failed, dropped (queue full), preempted, given_up
+        # (preempted RETRIES times); seconds: the checks' compute
+        self.counts: Counter = Counter()
+        self.seconds = 0.0
+
+    def offer(self, req: Request, gen: Generation) -> bool:
+        """Whether this answered request is checked (``Usage.quality_checked``)."""
+        usage = gen.usage
+        if (
+            self.share <= 0
+            or req.checking
+            or req.mode != "blend"
+            or req.temperature > 0
+            or gen.fallback is not None
+            or usage.ratio_source not in AUTO_SOURCES
+            or usage.recompute_ratio is None
+            or usage.recompute_ratio >= 1.0
+            or not usage.cached_tokens  # nothing was reused (every chunk missed): full prefill's answer
+            or not gen.token_ids
+        ):
+            return False
+        calibrations = self.engine.calibrations
+        base = calibrations.calibrated_choice()
+        rung = calibrations.live.apply(base).ratio
+        record = calibrations.record()
+        tokens = record.tokens if record is not None else TOKENS
+        with self._lock:
+            self.counts["offered"] += 1
+            self._due += self.share
+            if self._due < 1.0 or self._closed:
+                return False
+            self._due -= 1.0
+            try:
+                self._queue.put_nowait(Check(req.prompt, tuple(gen.token_ids[:tokens]), base, rung))
+            except queue.Full:
+                self.counts["dropped"] += 1
+                return False
+            self.counts["picked"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="blend-quality-check", daemon=True)
+                self._thread.start()
+        return True
+
+    def _work(self) -> None:
+        while True:
+            check = self._queue.get()
+            if check is None:
+                return
+            while not self._closed and not self.engine.idle():
+                time.sleep(IDLE_POLL_S)
+            if self._closed:
+                return
+            started = time.perf_counter()
+            agreed: bool | None
+            try:
+                full = self.engine.full_prefill_tokens(check.prompt, len(check.blended))
+                agreed = tuple(full[: len(check.blended)]) == check.blended
+            except CheckPreempted:
+                self.seconds += time.perf_counter() - started
+                self.counts["preempted"] += 1
+                try:
+                    if check.tries + 1 >= RETRIES:
+                        raise queue.Full
+                    self._queue.put_nowait(dataclasses.replace(check, tries=check.tries + 1))
+                except queue.Full:
+                    self.counts["given_up"] += 1
+                continue
+            except Exception as e:  # the answer was given: a failed check is counted, never raised
+                self.counts["failed"] += 1
+                logger.warning(
+                    "a live quality check failed (%s: %s); the answer it checked was not affected",
+                    type(e).__name__,
+                    str(e)[:200],
+                )
+                agreed = None
+            self.seconds += time.perf_counter() - started
+            if agreed is not None:
+                self.counts["checked"] += 1
+                self.counts["agreed"] += agreed
+            try:
+                self.engine.calibrations.record_check(check.base, check.rung, agreed)
+            except Exception as e:  # a store problem: the check is lost, counted
+                self.counts["failed"] += 1
+                logger.warning("a live quality check could not be stored (%s: %s)", type(e).__name__, str(e)[:200])
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Wait until every picked check has run (tests, benchmarks); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            c = self.counts
+            if c["checked"] + c["failed"] + c["given_up"] >= c["picked"]:
+                return True
+            time.sleep(IDLE_POLL_S)
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            with contextlib.suppress(queue.Full):  # a full queue: the thread sees _closed at its next check
+                self._queue.put_nowait(None)
+            thread.join(timeout=30)
+
+    def stats(self) -> dict:
+        """The checks so far (this engine's), and the live-check state in use (the store's)."""
+        return {
+            "share": self.share,
+            **{
+                k: self.counts[k]
+                for k in ("offered", "picked", "checked", "agreed", "failed", "dropped", "preempted", "given_up")
+            },
+            "seconds": round(self.seconds, 3),
+            "state": self.engine.calibrations.live.summary(),
+        }
