@@ -7,7 +7,9 @@ judged over windows of ``window`` checked answers, by the rule calibration choos
 window must be able to show the target at ``confidence`` with its Wilson lower bound
 (``choice.max_misses``). The moment a window's misses rule that out, ``"auto"`` steps up one
 rung. A raised rung that passes ``STEP_DOWN_WINDOWS`` windows in a row steps back down one
-(twice as many for each time the rung below failed), never below the calibrated policy.
+(twice as many for each time the rung below failed), never below the calibrated policy. Each
+window a rung passes in a row halves the share of requests checked, down to ``MIN_SHARE_FACTOR``
+of it: where the answers hold, the checks cost less and less.
 
 The state is one JSON record per model, dtype, engine and codec, for one calibrated policy
 (another policy, e.g. after a new calibration, starts afresh). Every process and machine on
@@ -39,6 +41,8 @@ STATE_VERSION = 1
 WINDOW = 100  # checked answers a rung is judged over (at 0.95 and 0.8: 3 misses allowed)
 STEP_DOWN_WINDOWS = 2  # windows a raised rung passes in a row before the rung below is tried again
 KEEP_STEPS = 20  # the latest steps a state keeps, for operators
+# A rung whose windows showed the target in a row is checked less: the share halves per window, down to this.
+MIN_SHARE_FACTOR = 1 / 8
 DEFAULT_TARGET, DEFAULT_CONFIDENCE = 0.95, 0.8  # what a fallback (no calibration) is held to
 
 
@@ -265,6 +269,14 @@ class LiveCheck:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+    def share(self, base: RatioChoice, configured: float) -> float:
+        """The share of requests to check now: ``configured``, halved for each window the rung in
+        use passed in a row (down to ``MIN_SHARE_FACTOR`` of it)."""
+        state = self.state
+        if state is None or state.policy != policy_key(base):
+            return configured
+        return configured * max(MIN_SHARE_FACTOR, 0.5 ** state.counts().passed_in_a_row)
 
     def summary(self) -> dict[str, Any] | None:
         """The state in use: the rung, why, and each rung's running agreement with its lower bound."""

@@ -3,7 +3,7 @@ blended answers is checked against full prefill after it is answered, off its pa
 
 ``offer`` picks the requests: greedy, blended under ``"auto"`` with chunk KV from the store (not
 fallen back, not run in full, not every chunk missed); every ``1 / share``-th of them, counted, not drawn, so a share is exact over any
-run. A picked request's prompt waits in a short queue (an offer to a full one is dropped and
+run (a share the live-check state lowers where the answers held: ``LiveCheck.share``). A picked request's prompt waits in a short queue (an offer to a full one is dropped and
 counted) for a thread that runs full prefill for its first tokens once the engine is idle,
 compares them with the blend's, and adds the result to the model's live-check state in the
 store (``calibration.live_check``), which may move ``"auto"`` for every engine on the store.
@@ -86,11 +86,12 @@ class QualityChecker:
         calibrations = self.engine.calibrations
         base = calibrations.calibrated_choice()
         rung = calibrations.live.apply(base).ratio
+        share = calibrations.live.share(base, self.share)
         record = calibrations.record()
         tokens = record.tokens if record is not None else TOKENS
         with self._lock:
             self.counts["offered"] += 1
-            self._due += self.share
+            self._due += share
             if self._due < 1.0 or self._closed:
                 return False
             self._due -= 1.0
@@ -168,8 +169,10 @@ class QualityChecker:
 
     def stats(self) -> dict:
         """The checks so far (this engine's), and the live-check state in use (the store's)."""
+        calibrations = self.engine.calibrations
         return {
             "share": self.share,
+            "share_now": calibrations.live.share(calibrations.calibrated_choice(), self.share),
             **{
                 k: self.counts[k]
                 for k in ("offered", "picked", "checked", "agreed", "failed", "dropped", "preempted", "given_up")

@@ -158,3 +158,22 @@ def test_the_state_crosses_machines_through_redis(tmp_path, redis_url):
         for _ in range(ALLOWED + 1):
             here.record_check(FALLBACK, 0.15, False)
         assert there.choice() == RatioChoice(0.2, "checked")
+
+
+def test_where_the_answers_hold_the_share_checked_halves_per_window_down_to_an_eighth(tmp_path):
+    with ChunkStore(tmp_path / "store", remote="") as store:
+        live = calibrations(store).live
+        assert live.share(FALLBACK, 0.05) == 0.05  # no state yet
+        shares = []
+        for _ in range(5):
+            for _ in range(WINDOW):
+                live.record(FALLBACK, 0.15, True, 0.95, 0.8)
+            shares.append(live.share(FALLBACK, 0.05))
+        assert shares == [0.025, 0.0125, 0.00625, 0.00625, 0.00625]
+        # a window that fails (a step up) checks the new rung at the full share again
+        for _ in range(ALLOWED + 1):
+            live.record(FALLBACK, 0.15, False, 0.95, 0.8)
+        assert live.apply(FALLBACK).ratio == 0.2 and live.share(FALLBACK, 0.05) == 0.05
+        # another policy's state says nothing about this one
+        other = RatioChoice(0.3, "calibrated")
+        assert live.share(other, 0.05) == 0.05

@@ -1,0 +1,296 @@
+"""The live check (``BlendConfig.quality_check``) on streams of requests: where the policy in use
+loses answers it must climb until they hold, and where it holds it must cost little and stay put.
+
+    python -m benchmarks live-check [--backend vllm|transformers] [--requests 200] [--share 1.0]
+                                    [--holds-share 0.05] [--arrivals 60]
+
+Streams, each request asked with ``"auto"`` and answered before the next:
+
+- **loses**: SmolLM2-135M-Instruct's real weights under a ``config.json`` with one key more, a
+  checkpoint no calibration knows, so ``"auto"`` starts at the fallback (0.15), which changes
+  about a third of its answers; its generated task on a seed no run had used. Checks at
+  ``--share`` (1.0: every request).
+- **holds**: the bundled reader at its packaged calibration on its own task, checks at
+  ``--holds-share``.
+
+After each answer (and its check) the benchmark asks full prefill itself, so each request's
+agreement with full prefill's first tokens is known apart from the check's own verdict. Then
+**arrivals**: the reader's requests arriving at random (exponential gaps, about half the engine
+busy) with checks at ``--holds-share`` and with checks off, in alternating blocks: the users'
+time to first token side by side, and any request that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from blend_integrations import BlendConfig, ChunkStore, load_engine
+from blend_integrations.calibration import wilson_lower
+from blend_integrations.models.smollm2 import smollm2_dir
+
+from . import machine, scratch_dir, served_as, write_results
+from .quality import model_and_task
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+LOSES_SEED, HOLDS_SEED, ARRIVALS_SEED = 76_000, 76_500, 76_900  # seeds no other run uses
+TOKENS = 4  # the first tokens compared, as calibration compares them
+CONFIDENCE = 0.8
+
+
+def uncalibrated_copy(model_dir: Path) -> Path:
+    """A checkpoint the package ships no calibration for: ``model_dir``'s files linked, and its
+    ``config.json`` with one key more (another fingerprint, the same model)."""
+    copy = Path(scratch_dir("blend-live-check-model-"))
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (copy / f.name).symlink_to(f.resolve())
+    config = json.loads((model_dir / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "blend_benchmark_copy": "live-check"}, indent=2))
+    return copy
+
+
+def ask_stream(engine, task, n: int, seed: int, name: str) -> list[dict]:
+    """``n`` requests one after another, each then checked by full prefill here too (the reference)."""
+    examples = task.examples(n, seed, None)
+    engine.warm(sorted({d for e in examples for d in e.documents}), progress=True)
+    rows = []
+    for i, e in enumerate(tqdm(examples, desc=f"{name}: requests", unit="request")):
+        prompt = task.prompt(e, engine.tokenizer, engine.config.separator)
+        gen = engine.generate(prompt, max_tokens=TOKENS)
+        engine.quality_checker.wait(600)
+        full = engine.generate(prompt, max_tokens=TOKENS, mode="full")
+        rows.append(
+            {
+                "i": i,
+                "served": served_as(gen),
+                "ratio": gen.usage.recompute_ratio,
+                "source": gen.usage.ratio_source,
+                "checked": gen.usage.quality_checked,
+                "agree": gen.token_ids[:TOKENS] == full.token_ids[:TOKENS],
+                "ttft": gen.ttft_s,
+                "full_ttft": full.ttft_s,
+            }
+        )
+    return rows
+
+
+def stream_summary(rows: list[dict], engine) -> dict:
+    blended = [r for r in rows if r["served"] == "blend"]
+    steps = engine.calibrations.live.state.steps if engine.calibrations.live.state else []
+    last_move = (
+        max((i for i, (a, b) in enumerate(itertools.pairwise(rows)) if a["ratio"] != b["ratio"]), default=-1) + 1
+    )
+    after = [r for r in rows[last_move:] if r["served"] == "blend"]
+
+    def agreement(rs: list[dict]) -> dict | None:
+        if not rs:
+            return None
+        agreed = sum(r["agree"] for r in rs)
+        return {
+            "n": len(rs),
+            "agreement": round(agreed / len(rs), 4),
+            "lower_bound": round(wilson_lower(agreed, len(rs), CONFIDENCE), 4),
+        }
+
+    stats = engine.quality_check_stats()
+    user_s = sum(r["ttft"] for r in rows)
+    return {
+        "requests": len(rows),
+        "blended": len(blended),
+        "start_ratio": rows[0]["ratio"],
+        "end_ratio": rows[-1]["ratio"],
+        "settled_at_request": last_move,
+        "agreement_all": agreement(blended),
+        "agreement_after_last_step": agreement(after),
+        "steps": [{k: s[k] for k in ("from", "to", "why")} for s in steps],
+        "checks": {k: v for k, v in stats.items() if k != "state"},
+        # the checks' compute against the users' prefill compute (time to first token), both on this engine
+        "check_share_of_prefill": round(stats["seconds"] / user_s, 4) if user_s else None,
+        "ratios": [r["ratio"] for r in rows],
+        "agrees": [r["agree"] for r in rows],
+    }
+
+
+def arrivals(engine, task, n: int, share: float) -> dict:
+    """The reader's requests arriving at random with checks at ``share`` and off, in alternating
+    blocks of 10; each user's time to first token, and failures."""
+    examples = task.examples(n, ARRIVALS_SEED, None)
+    engine.warm(sorted({d for e in examples for d in e.documents}), progress=True)
+    prompts = [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
+    busy = statistics.fmean(engine.generate(p, max_tokens=TOKENS).total_s for p in prompts[:5])
+    rng = random.Random(ARRIVALS_SEED)
+    results: dict[str, list] = {"checks on": [], "checks off": []}
+    failures: dict[str, int] = {"checks on": 0, "checks off": 0}
+    lock = threading.Lock()
+    checker = engine.quality_checker
+
+    def user(prompt, arm: str) -> None:
+        try:
+            gen = engine.generate(prompt, max_tokens=TOKENS)
+            with lock:
+                results[arm].append(gen.ttft_s)
+        except Exception:  # counted: a check must never make a user's request fail
+            with lock:
+                failures[arm] += 1
+
+    for block in tqdm(range(0, n, 10), desc="arrivals", unit="block"):
+        arm = "checks on" if (block // 10) % 2 == 0 else "checks off"
+        checker.share = share if arm == "checks on" else 0.0
+        threads = []
+        for p in prompts[block : block + 10]:
+            t = threading.Thread(target=user, args=(p, arm))
+            t.start()
+            threads.append(t)
+            time.sleep(rng.expovariate(1.0 / (2 * busy)))  # about half the engine busy
+        for t in threads:
+            t.join()
+        checker.wait(600)
+    checker.share = share
+
+    def quantiles(xs: list[float]) -> dict:
+        qs = statistics.quantiles(xs, n=20) if len(xs) >= 2 else [xs[0]] * 19
+        return {"n": len(xs), "p50": round(statistics.median(xs), 4), "p95": round(qs[18], 4)}
+
+    return {
+        "mean_gap_s": round(2 * busy, 3),
+        "ttft": {arm: quantiles(xs) for arm, xs in results.items() if xs},
+        "failed": failures,
+        "checks": {k: v for k, v in checker.stats().items() if k != "state"},
+    }
+
+
+def run(args) -> dict:
+    started = time.perf_counter()
+    report: dict = {
+        "config": {
+            "backend": args.backend,
+            "cpu": machine(),
+            "requests": args.requests,
+            "share": args.share,
+            "holds_share": args.holds_share,
+            "arrivals": args.arrivals,
+            "tokens_compared": TOKENS,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+    }
+    _, smollm2_task, _ = model_and_task("smollm2")
+    store = ChunkStore(scratch_dir("blend-live-check-store-"), remote="")
+    with load_engine(
+        str(uncalibrated_copy(smollm2_dir())),
+        store=store,
+        backend=args.backend,
+        config=BlendConfig(quality_check=args.share),
+    ) as engine:
+        rows = ask_stream(engine, smollm2_task, args.requests, LOSES_SEED, "loses")
+        report["loses"] = {"model": "SmolLM2-135M-Instruct, uncalibrated copy", **stream_summary(rows, engine)}
+    reader_dir, reader_task, label = model_and_task("reader")
+    store = ChunkStore(scratch_dir("blend-live-check-store-"), remote="")
+    with load_engine(
+        str(reader_dir), store=store, backend=args.backend, config=BlendConfig(quality_check=args.holds_share)
+    ) as engine:
+        rows = ask_stream(engine, reader_task, args.requests, HOLDS_SEED, "holds")
+        report["holds"] = {"model": label, **stream_summary(rows, engine)}
+        if args.arrivals:
+            report["arrivals"] = arrivals(engine, reader_task, args.arrivals, args.holds_share)
+    report["config"]["minutes"] = round((time.perf_counter() - started) / 60, 1)
+    return report
+
+
+def markdown(report: dict) -> str:
+    c = report["config"]
+    lines = [
+        f"{c['backend']} engine on {c['cpu']}; {c['date']}; {c['minutes']} min. Agreement: the first "
+        f"{c['tokens_compared']} tokens equal to full prefill's (asked by the benchmark after each answer), "
+        f"over the requests that blended, with the {CONFIDENCE:.0%} Wilson lower bound.",
+        "",
+        "| stream | model | checks | requests | ratio: start → end | settled at request | agreement, all | "
+        "agreement after the last step | checks run (agreed) | check compute / users' prefill |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, share in (("loses", c["share"]), ("holds", c["holds_share"])):
+        s = report[name]
+
+        def agreed(a: dict | None) -> str:
+            return "—" if a is None else f"{a['agreement']:.2f} (≥ {a['lower_bound']:.2f}, n={a['n']})"
+
+        lines.append(
+            f"| {name} | {s['model']} | {share:g} | {s['requests']} | {s['start_ratio']} → {s['end_ratio']} | "
+            f"{s['settled_at_request']} | {agreed(s['agreement_all'])} | {agreed(s['agreement_after_last_step'])} | "
+            f"{s['checks']['checked']} ({s['checks']['agreed']}) | {s['check_share_of_prefill']:.1%} |"
+        )
+    for name in ("loses", "holds"):
+        for step in report[name]["steps"]:
+            lines.append(f"\n- {name}: {step['from']} → {step['to']}: {step['why']}")
+    if "arrivals" in report:
+        a = report["arrivals"]
+        lines += [
+            "",
+            f"Arrivals: {c['arrivals']} of the reader's requests at random (mean gap {a['mean_gap_s']} s), in "
+            "alternating blocks of 10 with checks on and off:",
+            "",
+            "| | requests | TTFT p50 (s) | TTFT p95 (s) | failed |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for arm, t in a["ttft"].items():
+            lines.append(f"| {arm} | {t['n']} | {t['p50']} | {t['p95']} | {a['failed'][arm]} |")
+        ch = a["checks"]
+        lines.append(f"\nChecks during arrivals: {ch['checked']} run, {ch['preempted']} preempted by a user's request.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, name in zip(axes, ("loses", "holds")):
+        s = report[name]
+        ax.step(range(len(s["ratios"])), [r if r is not None else float("nan") for r in s["ratios"]], where="post")
+        ax.set_ylabel("recompute ratio")
+        ax.set_xlabel("request")
+        window = 20
+        rolling = [statistics.fmean(s["agrees"][max(0, i - window + 1) : i + 1]) for i in range(len(s["agrees"]))]
+        twin = ax.twinx()
+        twin.plot(rolling, color="tab:orange", alpha=0.8)
+        twin.set_ylim(0, 1.05)
+        twin.set_ylabel(f"agreement, last {window}")
+        ax.set_title(f"{name}: {s['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks live-check", description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="vllm", choices=("transformers", "vllm"))
+    parser.add_argument("--requests", type=int, default=200, help="requests per stream")
+    parser.add_argument("--share", type=float, default=1.0, help="the check share on the stream that loses answers")
+    parser.add_argument("--holds-share", type=float, default=0.05, help="the check share where the policy holds")
+    parser.add_argument("--arrivals", type=int, default=60, help="requests arriving at random (0: none)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.requests < 2:
+        parser.error("--requests must be at least 2")
+    report = run(args)
+    part = f"live-check-{args.backend}"
+    write_results(
+        args.out,
+        part,
+        "The live check",
+        markdown(report),
+        report,
+        command=f"`python -m benchmarks live-check --backend {args.backend}`",
+        extra=f"\n![ratio and agreement over requests]({part}.png)\n",
+    )
+    plot(report, args.out / f"{part}.png")
