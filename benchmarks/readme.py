@@ -184,13 +184,12 @@ def render_gains(results: Path) -> str:
         f"Speedup: full prefill's time to first token over blend's. Matched quality: at the ratio that\n"
         f"[calibration](docs/concepts.md#calibration) chose to keep full prefill's first {tokens} tokens on"
         f' {percent(first["target"])} of prompts; "at least": the\n{percent(first["confidence"])} lower bound of'
-        f" the agreement on questions calibration never saw\n({held_out_words(configs)}).\n"
-        "Answers changed: the share of them whose first"
-        f" {tokens} tokens differ from\nfull prefill's; right: the share answered right (SQuAD: F1)."
-        " The random-weight rows time real model shapes on prompts\n"
-        f"of {chunks(ttft['config']['chunks'])} (CPU) and"
-        f" {chunks(gpu_cfg['chunks'])} (GPU). Measured {span}:\n"
-        "[calibration](docs/results/calibration.md), [real questions](docs/results/squad.md), [TTFT](docs/results/ttft.md), [vLLM](docs/results/vllm.md),"
+        f" the agreement on questions calibration never saw ({held_out_words(configs)}).\n"
+        f"Answers changed: the share of them whose first {tokens} tokens differ from full prefill's; right: the share"
+        " answered right\n(SQuAD: F1). The random-weight rows time real model shapes on prompts of"
+        f" {chunks(ttft['config']['chunks'])} (CPU) and {chunks(gpu_cfg['chunks'])} (GPU).\nMeasured {span}:"
+        " [calibration](docs/results/calibration.md), [real questions](docs/results/squad.md),"
+        " [TTFT](docs/results/ttft.md), [vLLM](docs/results/vllm.md),"
         " [GPU](docs/results/gpu-h200.md).",
         "",
     ]
@@ -204,7 +203,7 @@ def held_out_words(configs: list[dict]) -> str:
     parts = []
     if old:
         parts.append(
-            f"{'/'.join(map(str, old))} generated ones; for the real models the oracle benchmark's 12,\n"
+            f"{'/'.join(map(str, old))} generated ones; for the real models the oracle benchmark's 12, "
             "which chose the selections calibration tries, among them"
         )
     if new:

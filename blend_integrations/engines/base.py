@@ -24,6 +24,9 @@ from ..store import ChunkStore
 from .decoding import check_sampling
 from .quality_check import QualityChecker
 
+# The ratio sources of a request "auto" planned (``config.RATIO_SOURCES``): the ones a live check judges.
+AUTO_SOURCES = ("calibrated", "packaged", "fallback", "guard", "checked")
+
 
 @dataclass
 class Usage:
@@ -331,8 +334,22 @@ class Engine(ABC):
         return checker
 
     def _answered(self, request: Request, generation: Generation) -> Generation:
-        """An answer about to be handed over: picked for a live check or not (``Usage.quality_checked``)."""
-        generation.usage.quality_checked = self.quality_checker.offer(request, generation)
+        """An answer about to be handed over: picked for a live check or not (``Usage.quality_checked``).
+        Only a greedy ``"auto"`` answer blended from stored chunk KV may be: not sampled, not in
+        ``reuse`` or ``full`` mode, not at a ratio of its own, not fallen back, not run in full."""
+        usage = generation.usage
+        generation.usage.quality_checked = (
+            not request.checking
+            and request.mode == "blend"
+            and request.temperature == 0
+            and generation.fallback is None
+            and usage.ratio_source in AUTO_SOURCES
+            and usage.recompute_ratio is not None
+            and usage.recompute_ratio < 1.0
+            and usage.cached_tokens > 0  # nothing reused (every chunk missed): full prefill's answer
+            and bool(generation.token_ids)
+            and self.quality_checker.offer(request.prompt, generation.token_ids)
+        )
         return generation
 
     def idle(self) -> bool:

@@ -1,13 +1,14 @@
 """Engines layer: the live check (``BlendConfig.quality_check``): a share of ``"auto"``'s
 blended answers is checked against full prefill after it is answered, off its path.
 
-``offer`` picks the requests: greedy, blended under ``"auto"`` with chunk KV from the store (not
-fallen back, not run in full, not every chunk missed); every ``1 / share``-th of them, counted, not drawn, so a share is exact over any
-run (a share the live-check state lowers where the answers held: ``LiveCheck.share``). A picked request's prompt waits in a short queue (an offer to a full one is dropped and
-counted) for a thread that runs full prefill for its first tokens once the engine is idle,
-compares them with the blend's, and adds the result to the model's live-check state in the
-store (``calibration.live_check``), which may move ``"auto"`` for every engine on the store.
-A check that fails is counted, never raised: the answer was already given. On vLLM a user's
+``offer`` is handed the answers that may be checked (``Engine._answered``: greedy, blended
+under ``"auto"`` from stored chunk KV) and picks every ``1 / share``-th of them, counted, not
+drawn, so a share is exact over any run (a share the live-check state lowers where the answers
+held: ``LiveCheck.share``). A picked answer's prompt waits in a short queue (an offer to a full
+one is dropped and counted) for a thread that runs full prefill for its first tokens once the
+engine is idle, compares them with the blend's, and adds the result to the model's live-check
+state in the store (``calibration.live_check``), which may move ``"auto"`` for every engine on
+the store. A check that fails is counted, never raised: the answer was already given. On vLLM a user's
 request that arrives during a check preempts it (``VLLMEngine``); the check runs again later.
 """
 
@@ -21,13 +22,10 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ..calibration import RatioChoice
-
-if TYPE_CHECKING:
-    from ..prompt import TokenizedPrompt
-    from .base import Engine, Generation, Request
+from ..calibration import Calibrations, RatioChoice
+from ..prompt import TokenizedPrompt
 
 logger = logging.getLogger(__name__.rsplit(".", 2)[0])
 
@@ -35,8 +33,17 @@ QUEUE = 8  # checks waiting for an idle engine; more are dropped (counted)
 TOKENS = 4  # the first tokens compared, where no calibration record says (``CalibrationRecord.tokens``)
 RETRIES = 3  # times a preempted check runs again before it is dropped
 IDLE_POLL_S = 0.02
-# The ratio sources of a request "auto" planned (config.RATIO_SOURCES).
-AUTO_SOURCES = ("calibrated", "packaged", "fallback", "guard", "checked")
+
+
+class Checkable(Protocol):
+    """What the live check needs of an engine (``engines.base.Engine`` offers it)."""
+
+    @property
+    def calibrations(self) -> Calibrations: ...
+
+    def idle(self) -> bool: ...
+
+    def full_prefill_tokens(self, prompt: TokenizedPrompt, tokens: int) -> list[int]: ...
 
 
 class CheckPreempted(Exception):
@@ -55,7 +62,7 @@ class Check:
 class QualityChecker:
     """One engine's live checks: ``offer`` after each answer, a thread that runs them."""
 
-    def __init__(self, engine: Engine, share: float) -> None:
+    def __init__(self, engine: Checkable, share: float) -> None:
         self.engine, self.share = engine, share
         self._due = 0.0
         self._queue: queue.Queue[Check | None] = queue.Queue(maxsize=QUEUE)
@@ -67,21 +74,9 @@ class QualityChecker:
         self.counts: Counter = Counter()
         self.seconds = 0.0
 
-    def offer(self, req: Request, gen: Generation) -> bool:
-        """Whether this answered request is checked (``Usage.quality_checked``)."""
-        usage = gen.usage
-        if (
-            self.share <= 0
-            or req.checking
-            or req.mode != "blend"
-            or req.temperature > 0
-            or gen.fallback is not None
-            or usage.ratio_source not in AUTO_SOURCES
-            or usage.recompute_ratio is None
-            or usage.recompute_ratio >= 1.0
-            or not usage.cached_tokens  # nothing was reused (every chunk missed): full prefill's answer
-            or not gen.token_ids
-        ):
+    def offer(self, prompt: TokenizedPrompt, token_ids: list[int]) -> bool:
+        """Whether this answer (an eligible one: ``Engine._answered``) is checked (``Usage.quality_checked``)."""
+        if self.share <= 0:
             return False
         calibrations = self.engine.calibrations
         base = calibrations.calibrated_choice()
@@ -96,7 +91,7 @@ class QualityChecker:
                 return False
             self._due -= 1.0
             try:
-                self._queue.put_nowait(Check(req.prompt, tuple(gen.token_ids[:tokens]), base, rung))
+                self._queue.put_nowait(Check(prompt, tuple(token_ids[:tokens]), base, rung))
             except queue.Full:
                 self.counts["dropped"] += 1
                 return False
