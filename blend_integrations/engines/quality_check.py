@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,6 +34,7 @@ QUEUE = 8  # checks waiting for an idle engine; more are dropped (counted)
 TOKENS = 4  # the first tokens compared, where no calibration record says (``CalibrationRecord.tokens``)
 RETRIES = 3  # times a preempted check runs again before it is dropped
 IDLE_POLL_S = 0.02
+WAKE_S = 5.0  # how often an idle check thread looks whether its engine is gone
 
 
 class Checkable(Protocol):
@@ -63,7 +65,8 @@ class QualityChecker:
     """One engine's live checks: ``offer`` after each answer, a thread that runs them."""
 
     def __init__(self, engine: Checkable, share: float) -> None:
-        self.engine, self.share = engine, share
+        # weakly: an engine dropped without close() is freed, and then this thread ends
+        self._engine, self.share = weakref.ref(engine), share
         self._due = 0.0
         self._queue: queue.Queue[Check | None] = queue.Queue(maxsize=QUEUE)
         self._thread: threading.Thread | None = None
@@ -101,47 +104,64 @@ class QualityChecker:
                 self._thread.start()
         return True
 
+    @property
+    def engine(self) -> Checkable:
+        engine = self._engine()
+        if engine is None:
+            raise ReferenceError("the engine these live checks ran on is gone")
+        return engine
+
     def _work(self) -> None:
-        while True:
-            check = self._queue.get()
-            if check is None:
-                return
-            while not self._closed and not self.engine.idle():
-                time.sleep(IDLE_POLL_S)
-            if self._closed:
-                return
-            started = time.perf_counter()
-            agreed: bool | None
+        while not self._closed:
             try:
-                full = self.engine.full_prefill_tokens(check.prompt, len(check.blended))
-                agreed = tuple(full[: len(check.blended)]) == check.blended
-            except CheckPreempted:
-                self.seconds += time.perf_counter() - started
-                self.counts["preempted"] += 1
-                try:
-                    if check.tries + 1 >= RETRIES:
-                        raise queue.Full
-                    self._queue.put_nowait(dataclasses.replace(check, tries=check.tries + 1))
-                except queue.Full:
-                    self.counts["given_up"] += 1
+                check = self._queue.get(timeout=WAKE_S)
+            except queue.Empty:
+                if self._engine() is None:
+                    return
                 continue
-            except Exception as e:  # the answer was given: a failed check is counted, never raised
-                self.counts["failed"] += 1
-                logger.warning(
-                    "a live quality check failed (%s: %s); the answer it checked was not affected",
-                    type(e).__name__,
-                    str(e)[:200],
-                )
-                agreed = None
+            engine = self._engine()
+            if check is None or engine is None:
+                return
+            self._check(engine, check)
+            del engine
+
+    def _check(self, engine: Checkable, check: Check) -> None:
+        while not self._closed and not engine.idle():
+            time.sleep(IDLE_POLL_S)
+        if self._closed:
+            return
+        started = time.perf_counter()
+        agreed: bool | None
+        try:
+            full = engine.full_prefill_tokens(check.prompt, len(check.blended))
+            agreed = tuple(full[: len(check.blended)]) == check.blended
+        except CheckPreempted:
             self.seconds += time.perf_counter() - started
-            if agreed is not None:
-                self.counts["checked"] += 1
-                self.counts["agreed"] += agreed
+            self.counts["preempted"] += 1
             try:
-                self.engine.calibrations.record_check(check.base, check.rung, agreed)
-            except Exception as e:  # a store problem: the check is lost, counted
-                self.counts["failed"] += 1
-                logger.warning("a live quality check could not be stored (%s: %s)", type(e).__name__, str(e)[:200])
+                if check.tries + 1 >= RETRIES:
+                    raise queue.Full
+                self._queue.put_nowait(dataclasses.replace(check, tries=check.tries + 1))
+            except queue.Full:
+                self.counts["given_up"] += 1
+            return
+        except Exception as e:  # the answer was given: a failed check is counted, never raised
+            self.counts["failed"] += 1
+            logger.warning(
+                "a live quality check failed (%s: %s); the answer it checked was not affected",
+                type(e).__name__,
+                str(e)[:200],
+            )
+            agreed = None
+        self.seconds += time.perf_counter() - started
+        if agreed is not None:
+            self.counts["checked"] += 1
+            self.counts["agreed"] += agreed
+        try:
+            engine.calibrations.record_check(check.base, check.rung, agreed)
+        except Exception as e:  # a store problem: the check is lost, counted
+            self.counts["failed"] += 1
+            logger.warning("a live quality check could not be stored (%s: %s)", type(e).__name__, str(e)[:200])
 
     def wait(self, timeout: float = 60.0) -> bool:
         """Wait until every picked check has run (tests, benchmarks); False on timeout."""

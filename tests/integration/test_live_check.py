@@ -102,3 +102,26 @@ def test_on_vllm_a_check_runs_after_the_answer_and_gives_way_to_a_users_request(
 def test_a_share_outside_0_to_1_is_refused_by_name(share):
     with pytest.raises(ValueError, match="quality_check must be a number in"):
         BlendConfig(quality_check=share)
+
+
+def test_an_engine_dropped_without_close_is_freed_and_its_check_thread_ends(model_dirs, tmp_path):
+    import gc
+    import weakref
+
+    from blend_integrations.engines import quality_check
+
+    store = ChunkStore(tmp_path / "store", remote="")
+    engine = load_engine(model_dirs("llama"), store=store, device="cpu", config=BlendConfig(quality_check=1.0))
+    docs = [" ".join(sample_text(4, seed=88_200 + i)) for i in range(3)]
+    engine.warm(docs)
+    gen = engine.generate(BlendPrompt("Documents:", docs, "Question: which city? Answer:"), max_tokens=3)
+    assert gen.usage.quality_checked and engine.quality_checker.wait(60)
+    thread = engine.quality_checker._thread
+    assert thread is not None and thread.is_alive()
+    dropped = weakref.ref(engine)
+    del engine, gen
+    gc.collect()
+    assert dropped() is None
+    thread.join(quality_check.WAKE_S + 5)
+    assert not thread.is_alive()
+    store.close()
