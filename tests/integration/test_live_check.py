@@ -125,3 +125,35 @@ def test_an_engine_dropped_without_close_is_freed_and_its_check_thread_ends(mode
     thread.join(quality_check.WAKE_S + 5)
     assert not thread.is_alive()
     store.close()
+
+
+def test_both_integrations_pass_the_share_through_and_report_each_check(model_dirs, tmp_path):
+    from langchain_core.messages import HumanMessage
+    from llama_index.core.base.llms.types import ChatMessage
+
+    from blend_integrations.chat import separated
+    from blend_integrations.langchain import ChatBlend, chunk_block
+    from blend_integrations.llama_index import BlendLLM
+
+    docs = [" ".join(sample_text(4, seed=88_300 + i)) for i in range(3)]
+    options = {
+        "model": model_dirs("llama"),
+        "store_path": str(tmp_path / "store"),
+        "config": BlendConfig(quality_check=1.0),
+        "model_kwargs": {"device": "cpu"},
+        "max_tokens": 3,
+    }
+    chat = ChatBlend(**options)
+    message = [HumanMessage(content=[chunk_block(d) for d in docs] + [{"type": "text", "text": "Which city?"}])]
+    first, second = chat.invoke(message), chat.invoke(message)
+    assert not first.response_metadata["quality_checked"]  # every chunk missed: nothing blended to check
+    assert second.response_metadata["quality_checked"] and second.response_metadata["ratio_source"] == "fallback"
+    assert chat.engine.quality_checker.wait(60) and chat.engine.quality_check_stats()["checked"] == 1
+    llm = BlendLLM(**options)
+    text = "Documents:" + separated(docs) + "Which city?"
+    llm.chat([ChatMessage(role="user", content=text)])
+    answer = llm.chat([ChatMessage(role="user", content=text)])
+    assert answer.additional_kwargs["blend"]["quality_checked"]
+    assert llm.engine.quality_checker.wait(60)
+    chat.engine.close()
+    llm.engine.close()
