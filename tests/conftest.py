@@ -98,13 +98,16 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engines(model_dirs, store):
-    """Engines by (model name, dtype), all sharing one store."""
+    """Engines by (model name, dtype), all sharing one store. They run without the live check
+    (``quality_check=0``): they serve many tests' requests, and which answer a check picks would
+    depend on the tests run before (the live check's own tests: test_live_check.py)."""
     made = {}
 
     def get(name: str = "llama", dtype: str = "float32", config: BlendConfig | None = None):
         key = (name, dtype, config)
         if key not in made:
-            made[key] = load_engine(model_dirs(name), store=store, dtype=dtype, device="cpu", config=config)
+            unchecked = (config or BlendConfig()).replace(quality_check=0.0)
+            made[key] = load_engine(model_dirs(name), store=store, dtype=dtype, device="cpu", config=unchecked)
         return made[key]
 
     return get
@@ -159,6 +162,7 @@ def vllm_engine(model_dirs, store, redis_server):
         model_dirs("llama"),
         backend="vllm",
         store=ChunkStore(store.path, remote=remote),
+        config=BlendConfig(quality_check=0.0),  # as the ``engines``: without the live check
         max_model_len=2048,
         kv_cache_gib=1,
         num_gpu_blocks_override=KV_CACHE_TOKENS // engine_block_size(on_gpu),

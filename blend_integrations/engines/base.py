@@ -50,8 +50,9 @@ class Usage:
     # selection by the query, the query's attention) that the recomputed ones hold; None when
     # nothing was blended.
     deviation_captured: float | None = None
-    # Whether this answer is checked against full prefill after it was given (``BlendConfig.quality_check``).
-    quality_checked: bool = False
+    # Whether this answer is checked against full prefill after it was given (``BlendConfig.quality_check``);
+    # not compared: two answers blended alike are equal whether or not one was picked for a check.
+    quality_checked: bool = field(default=False, compare=False)
 
     @property
     def chunks_recomputed(self) -> int:
