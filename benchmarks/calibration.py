@@ -15,11 +15,14 @@ token against full prefill's, measured side by side. A request not blended
 
     python -m benchmarks calibration [--model reader|smollm2|gemma3-270m|DIR] [--backend transformers|vllm]
                                      [--prompts 48] [--questions 60] [--tasks generated squad] [--package]
+                                     [--record docs/results/records/calibration-TAG.json]
 
 ``--prompts`` and ``--questions`` are per task. ``--package`` also writes the
 record, with its held-out numbers, as the calibration the package ships for
 that model and engine, only where the held-out agreement's lower bound meets
 the target on every task: otherwise the file ships full prefill, and says why.
+Each record measured is kept in ``--out``'s ``records/``; ``--record FILE`` judges one
+on the held-out questions without calibrating again (the two parts in two sessions).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from tqdm.auto import tqdm
 
 from blend_integrations.calibration import (
     PACKAGED_DIR,
+    CalibrationError,
+    CalibrationRecord,
     PackagedCalibration,
     curve_table,
     packaged_name,
@@ -69,6 +74,9 @@ CALIBRATION_SEED = 30_000  # the generated task's probes; the held-out ones: hel
 # The kinds of question (``--tasks``): each one's name among calibration's probes and held out.
 TASKS = {"generated": ("generated", "generated"), "squad": ("squad-train", "squad-dev")}
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+# Under ``--out``: each calibration record this benchmark measured, so that its held-out part can run again
+# (``--record``) in another session: on a 1.5B model the two parts take hours each.
+RECORDS = "records"
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,24 @@ def asked_questions(kind: str, split: str, n: int, engine, task, args) -> list[A
     ]
 
 
+def read_record(path: Path, engine, args) -> CalibrationRecord:
+    """A record this benchmark measured before (under ``RECORDS``), checked as an engine checks a stored
+    one, and measured on the probes asked now (the same tasks and number of probes)."""
+    try:
+        record = CalibrationRecord.from_bytes(
+            path.read_bytes(), fingerprint=engine.fingerprint, dtype=engine.dtype_name, num_layers=engine.num_layers
+        )
+    except (OSError, CalibrationError) as e:
+        raise SystemExit(f"--record {path}: {e}") from None
+    tasks = {TASKS[k][0]: args.prompts for k in args.tasks}
+    if record.tasks != tasks or record.engine != engine.backend or record.target != args.target:
+        raise SystemExit(
+            f"--record {path} was measured on {record.tasks} probes on {record.engine} at target {record.target}, "
+            f"not on the {tasks} asked now on {engine.backend} at {args.target}"
+        )
+    return record
+
+
 def right(kind: str, text: str, answers: tuple[str, ...]) -> float:
     """The generated task's answer is a name in a sentence (contained); SQuAD's is scored by its F1."""
     return contains(text, answers[0]) if kind == "generated" else squad_f1(text, answers)
@@ -115,17 +141,24 @@ def run(args) -> dict:
     seen = calibrated_on & {d for qs in held.values() for q in qs for d in q.documents}
     assert not seen, f"{len(seen)} held-out documents were calibrated on"
     t0 = time.perf_counter()
-    # "questions": the application's own prompts (each kind's questions, asked as the held-out ones are);
-    # "documents": probes calibrate() builds from the documents alone
-    given = (
-        {"prompts": {name: [q.prompt for q in qs] for name, qs in probes.items()}}
-        if args.probes == "questions"
-        else {"documents": sorted(calibrated_on)}
-    )
-    record = engine.calibrate(
-        **given, num_prompts=args.prompts, target=args.target, plot=args.out / f"calibration-{args.tag}.png"
-    )
-    calibrate_s = time.perf_counter() - t0
+    if args.record is not None:  # measured before on these probes (under RECORDS): only the held-out part runs
+        record = read_record(args.record, engine, args)
+        engine.keep_calibration(record)
+        calibrate_s = record.seconds
+    else:
+        # "questions": the application's own prompts (each kind's questions, asked as the held-out ones are);
+        # "documents": probes calibrate() builds from the documents alone
+        given = (
+            {"prompts": {name: [q.prompt for q in qs] for name, qs in probes.items()}}
+            if args.probes == "questions"
+            else {"documents": sorted(calibrated_on)}
+        )
+        record = engine.calibrate(
+            **given, num_prompts=args.prompts, target=args.target, plot=args.out / f"calibration-{args.tag}.png"
+        )
+        calibrate_s = time.perf_counter() - t0
+        (args.out / RECORDS).mkdir(parents=True, exist_ok=True)
+        (args.out / RECORDS / f"calibration-{args.tag}.json").write_bytes(record.to_bytes())
 
     engine.warm(sorted({d for qs in held.values() for q in qs for d in q.documents}), progress=True)
     modes = {
@@ -408,6 +441,12 @@ def main(argv: list[str] | None = None) -> None:
         default="questions",
         help="calibrate on the calibration set's own questions (as an application with sample questions does), "
         "or on probes built from its documents alone",
+    )
+    parser.add_argument(
+        "--record",
+        type=Path,
+        help="judge this record (docs/results/records/, measured before with the same --tasks and --prompts) "
+        "on the held-out questions instead of calibrating again",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(

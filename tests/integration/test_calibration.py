@@ -581,6 +581,33 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
         f"[{model_dirs('llama').rsplit('/', 1)[-1]}](calibration-" in summary
         and "| transformers | questions |" in summary
     )
+    # the record is kept, and --record judges it on the held-out questions again without calibrating
+    (kept,) = (out / "records").glob("calibration-*.json")
+    again = subprocess.run(
+        cmd
+        + ["--prompts", "4", "--questions", "3", "--doc-tokens", "20", "40", "--squad-docs", "2", "3"]
+        + ["--record", str(kept)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "calibrating (" not in again.stderr  # no probe was run
+    rejudged = json.loads(report_path.read_text())
+    assert rejudged["calibration"] == report["calibration"] and rejudged["held_out"]["full"]["agreement"] == 1.0
+    # a record of other probes, or not a record, is refused by name
+    import argparse
+
+    from benchmarks.calibration import read_record
+
+    engine = load_engine(model_dirs("llama"), store=ChunkStore(tmp_path / "store", remote=""), device="cpu")
+    asked = argparse.Namespace(tasks=["generated", "squad"], prompts=5, target=0.95)
+    with pytest.raises(SystemExit, match="was measured on .* not on the"):
+        read_record(kept, engine, asked)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="bad.json: the record is not a blend calibration record"):
+        read_record(tmp_path / "bad.json", engine, asked)
 
 
 def test_a_policy_ships_only_where_its_held_out_lower_bound_meets_the_target(tmp_path):
