@@ -1,0 +1,30 @@
+"""The live-check benchmark (``python -m benchmarks live-check``): a small run on the real models
+writes its page, with each stream's ratio, its agreement asked apart from the checks, and the
+arrivals' times with checks on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_a_small_run_writes_its_page(tmp_path):
+    from tests.fixtures.commands import ROOT
+
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "benchmarks", "live-check", "--backend", "transformers", "--requests", "3"]
+    done = subprocess.run(
+        cmd + ["--arrivals", "10", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "live-check-transformers.json").read_text())
+    loses, holds = report["loses"], report["holds"]
+    # every request of the stream that loses answers is checked (share 1) and starts at the fallback
+    assert loses["start_ratio"] == 0.15 and loses["checks"]["checked"] == loses["blended"] == 3
+    assert len(loses["ratios"]) == len(loses["agrees"]) == 3 and holds["requests"] == 3
+    assert report["arrivals"]["failed"] == {"checks on": 0, "checks off": 0}
+    assert report["arrivals"]["ttft"]["checks on"]["n"] == 10
+    page = (out / "live-check-transformers.md").read_text()
+    assert "| loses | SmolLM2-135M-Instruct, uncalibrated copy | 1 | 3 | 0.15 → " in page
+    assert (out / "live-check-transformers.png").is_file()
