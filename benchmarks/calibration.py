@@ -23,13 +23,18 @@ that model and engine, only where the held-out agreement's lower bound meets
 the target on every task: otherwise the file ships full prefill, and says why.
 Each record measured is kept in ``--out``'s ``records/``; ``--record FILE`` judges one
 on the held-out questions without calibrating again (the two parts in two sessions).
+A run stopped midway resumes where it stopped when run again with the same
+arguments: its store, calibration journal and held-out answers are kept in
+``--out``'s ``.calibration-TAG.partial/`` until it ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -54,7 +59,7 @@ from blend_integrations.quality.metrics import contains
 from blend_integrations.quality.squad import load_squad, retrieval_examples, squad_f1
 from blend_integrations.store import ChunkStore
 
-from . import UNCHECKED, held_out, machine, scratch_dir, served_as, write_results
+from . import UNCHECKED, held_out, machine, served_as, write_results
 from .quality import model_and_task, results_name
 from .squad import squad_task
 
@@ -130,9 +135,23 @@ def right(kind: str, text: str, answers: tuple[str, ...]) -> float:
     return contains(text, answers[0]) if kind == "generated" else squad_f1(text, answers)
 
 
+def resumed(path: Path, key: str, modes) -> dict[str, dict[str, list[dict]]]:
+    """The held-out answers an earlier run of the same record and questions wrote before it stopped."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved["key"] == key and all(set(rows) == set(modes) for rows in saved["rows"].values()):
+            return saved["rows"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return {}
+
+
 def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
-    store = ChunkStore(scratch_dir("blend-calibration-store-"), remote="")
+    # what a run stopped midway resumes from (kept until it ends): its store of warmed chunks, the
+    # calibration's journal of replies, and the held-out answers so far
+    args.work.mkdir(parents=True, exist_ok=True)
+    store = ChunkStore(str(args.work / "store"), remote="")
     started = time.perf_counter()
     engine = load_engine(str(model_dir), store=store, backend=args.backend, config=UNCHECKED)
     probes = {TASKS[k][0]: asked_questions(k, "probes", args.prompts, engine, task, args) for k in args.tasks}
@@ -154,7 +173,11 @@ def run(args) -> dict:
             else {"documents": sorted(calibrated_on)}
         )
         record = engine.calibrate(
-            **given, num_prompts=args.prompts, target=args.target, plot=args.out / f"calibration-{args.tag}.png"
+            **given,
+            num_prompts=args.prompts,
+            target=args.target,
+            plot=args.out / f"calibration-{args.tag}.png",
+            journal=args.work / "journal.jsonl",
         )
         calibrate_s = time.perf_counter() - t0
         (args.out / RECORDS).mkdir(parents=True, exist_ok=True)
@@ -168,10 +191,14 @@ def run(args) -> dict:
         f"calibrated single ratio ({record.ratio})": {"recompute_ratio": record.ratio, **record.settings},
         f"fallback ({FALLBACK_RATIO})": {"recompute_ratio": FALLBACK_RATIO},
     }
-    rows: dict[str, dict[str, list[dict]]] = {name: {mode: [] for mode in modes} for name in held}
+    asked = [[list(q.prompt.token_ids) for q in qs] for qs in held.values()]
+    key = hashlib.sha256(record.to_bytes() + json.dumps([asked, list(modes), machine()]).encode()).hexdigest()
+    answers = args.work / "held-out.partial.json"
+    rows = {name: {mode: [] for mode in modes} for name in held} | resumed(answers, key, modes)
     for name, questions in held.items():
         kind = next(k for k, names in TASKS.items() if names[1] == name)
-        for q in tqdm(questions, desc=f"held out, {name}: {len(modes)} modes", unit="question"):
+        done = len(rows[name]["full"])
+        for q in tqdm(questions[done:], desc=f"held out, {name}: {len(modes)} modes", unit="question", initial=done):
             full = None
             for mode, options in modes.items():
                 gen = engine.generate(q.prompt, max_tokens=task.max_tokens, **options)
@@ -188,12 +215,15 @@ def run(args) -> dict:
                         "source": gen.usage.ratio_source,
                     }
                 )
+            answers.with_suffix(".tmp").write_text(json.dumps({"key": key, "rows": rows}))
+            answers.with_suffix(".tmp").replace(answers)  # whole or not at all
     by_task = {name: held_out_table(of_task, record.confidence) for name, of_task in rows.items()}
     pooled = held_out_table(
         {mode: [r for of_task in rows.values() for r in of_task[mode]] for mode in modes}, record.confidence
     )
     if args.package:
         write_packaged(record, pooled, by_task, args)
+    shutil.rmtree(args.work, ignore_errors=True)
     return {
         "config": {
             "model": label,
@@ -464,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
         + ("" if args.probes == "questions" else "-document-probes")
         + ("" if args.target == 0.95 else f"-target-{args.target}")
     )
+    args.work = args.out / f".calibration-{args.tag}.partial"
     report = run(args)
     write_results(
         args.out,

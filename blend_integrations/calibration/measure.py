@@ -22,6 +22,7 @@ from ..prompt import PromptInput, TokenizedPrompt
 from ..store import ChunkStore
 from ..version import __version__
 from .choice import candidates, choose, default_variants, meets
+from .journal import Journal, cpu_name
 from .probes import MIN_PROBE_TOKENS, probe_prompts, question_probes
 from .records import LADDER, CalibrationError, CalibrationRecord, max_misses, record_name, settings_label, wilson_lower
 from .report import report, write_plot
@@ -164,6 +165,7 @@ def calibrate(
     plot: str | os.PathLike | None = None,
     save: bool = True,
     exhaustive: bool = False,
+    journal: str | os.PathLike | None = None,
 ) -> CalibrationRecord:
     """Measure the recompute policy this engine's model needs to agree with
     full prefill on ``target`` of the prompts, store it, and return the record.
@@ -182,7 +184,10 @@ def calibrate(
     prefill. Policies are measured cheapest first and stop early (see
     ``_measure``); ``exhaustive`` measures every one on every probe, for the
     whole curve (slower; the same choice). Prints a table; ``plot``: also
-    write a PNG of agreement and TTFT speedup against the ratio."""
+    write a PNG of agreement and TTFT speedup against the ratio. ``journal``:
+    a file every reply is appended to as it is measured; a calibration
+    stopped midway and run again with the same journal resumes where it
+    stopped (``journal.Journal``)."""
     target = check_target(target)
     confidence = check_target(confidence, "confidence")
     if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup > 0:
@@ -259,8 +264,26 @@ def calibrate(
     started = time.perf_counter()
     n = len(probes)
 
-    def blend(tp, ratio: float, settings: dict) -> Reply:
-        return engine.generate(tp, mode="blend", recompute_ratio=ratio, **settings, max_tokens=tokens, logprobs=KL_TOP)
+    journaled = None
+    if journal is not None:
+        identity: dict[str, Any] = {"fingerprint": engine.fingerprint, "dtype": engine.dtype_name}
+        identity |= {"engine": engine.backend, "kv_codec": engine.kv_codec, "tokens": tokens, "kl_top": KL_TOP}
+        journaled = Journal(journal, identity | {"cpu": cpu_name(), "version": __version__})
+
+    def measured(tp: TokenizedPrompt, ratio: float | None = None, settings: dict | None = None) -> Reply:
+        """Full prefill (no ``ratio``) or a blend of ``tp``: from the journal where it holds it."""
+        key = Journal.key(tp, "full" if ratio is None else "blend", ratio, settings)
+        if journaled is not None and (hit := journaled.get(key)) is not None:
+            return hit
+        if ratio is None:
+            reply = engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP)
+        else:
+            reply = engine.generate(
+                tp, mode="blend", recompute_ratio=ratio, **(settings or {}), max_tokens=tokens, logprobs=KL_TOP
+            )
+        if journaled is not None:
+            journaled.put(key, reply)
+        return reply
 
     with engine.calibration_lock(name):
         chunks = {tuple(p.token_ids[a:b]) for p in probes for a, b in p.chunk_spans}
@@ -269,9 +292,9 @@ def calibrate(
         with tqdm(total=2 * n, desc=first, unit="run", disable=not show) as bar:
             fulls = []
             for tp in probes:
-                fulls.append(engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP))
+                fulls.append(measured(tp))
                 bar.update()
-            replies = _Replies(probes, fulls, blend, tried, tasks)
+            replies = _Replies(probes, fulls, measured, tried, tasks)
             for j in range(n):
                 replies.blended(0, ladder[0], j)
                 bar.update()

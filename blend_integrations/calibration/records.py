@@ -9,10 +9,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import SETTINGS, BlendConfig, check_kv_codec, check_ratio
 from ..store.format import dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 RECORD_VERSION = 2
 # Ratios calibration measures, and the ladder a guard climbs; 1.0 is full prefill's equal and is not run.
@@ -44,6 +47,29 @@ def wilson_lower(successes: int, n: int, confidence: float) -> float:
 def max_misses(n: int, target: float, confidence: float) -> int:
     """The most disagreements out of ``n`` that still meet ``target`` (-1: none does)."""
     return max((f for f in range(n + 1) if wilson_lower(n - f, n, confidence) >= target), default=-1)
+
+
+@dataclass(frozen=True)
+class RankShares:
+    """``shares(r)``: the part of the total score the first check layer ranks
+    the reused tokens by (their deviation; for a selection by the query, the
+    query's attention) that the top ``r`` of them hold: how concentrated the
+    ranking is, which the calibration's guard reads. ``cumulative[i]`` is
+    that part for the top ``i + 1`` tokens (empty when every score is 0: every
+    share is 1.0); plain floats, so it travels from vLLM's worker as it is."""
+
+    cumulative: tuple[float, ...]
+
+    @classmethod
+    def of(cls, scores: torch.Tensor) -> RankShares:  # the walk's scores (fusion.selection)
+        summed = scores.float().sort(descending=True).values.cumsum(0)
+        total = float(summed[-1]) if summed.numel() else 0.0
+        return cls(tuple((summed / total).tolist()) if total > 0 else ())  # (): every share is 1.0
+
+    def __call__(self, r: float) -> float:
+        n = len(self.cumulative)
+        count = min(round(r * n), n)
+        return 1.0 if n == 0 else (self.cumulative[count - 1] if count else 0.0)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..calibration import RatioChoice
+from ..calibration import RankShares, RatioChoice
 from ..fusion import PrefillPlan, PrefillStats
-from ..fusion.selection import RankShares
 from . import stream_usage
 from .blend_metrics import BlendCounters
 from .vllm_contract import not_blended

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..calibration import Calibrations
+from ..calibration import Calibrations, RankShares
 from ..config import BlendConfig
 from ..store import ChunkKV, ChunkStore
 from ..store.layered import LayerReader
@@ -28,7 +28,6 @@ from .controller import LoadingStats
 from .layers import LayerModel, agreed
 from .pipeline import LayerLoader, LoadFailed
 from .plan import COMPUTE, MISS, ChunkKeys, Planner, PrefillPlan, measured_rates
-from .selection import RankShares
 from .walk import KVCache, ReusedSpan, ScratchCache, WalkStats, forward
 
 logger = logging.getLogger(__name__)

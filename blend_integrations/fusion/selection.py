@@ -8,8 +8,6 @@ The walk (``walk.py``) calls these at its check layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .attention import attention_weights
@@ -20,29 +18,6 @@ def over_ranks(model: LayerModel, scores: torch.Tensor) -> torch.Tensor:
     """Per-token scores summed over a tensor-parallel group's heads: each rank
     scores its own heads, and every rank must choose the same tokens."""
     return scores if model.tp is None else model.tp.sum(scores)
-
-
-@dataclass(frozen=True)
-class RankShares:
-    """``shares(r)``: the part of the total score the first check layer ranks
-    the reused tokens by (their deviation; for a selection by the query, the
-    query's attention) that the top ``r`` of them hold: how concentrated the
-    ranking is, which the calibration's guard reads. ``cumulative[i]`` is
-    that part for the top ``i + 1`` tokens (empty when every score is 0: every
-    share is 1.0); plain floats, so it travels from vLLM's worker as it is."""
-
-    cumulative: tuple[float, ...]
-
-    @classmethod
-    def of(cls, scores: torch.Tensor) -> RankShares:
-        summed = scores.float().sort(descending=True).values.cumsum(0)
-        total = float(summed[-1]) if summed.numel() else 0.0
-        return cls(tuple((summed / total).tolist()) if total > 0 else ())  # (): every share is 1.0
-
-    def __call__(self, r: float) -> float:
-        n = len(self.cumulative)
-        count = min(round(r * n), n)
-        return 1.0 if n == 0 else (self.cumulative[count - 1] if count else 0.0)
 
 
 def deviation_score(model: LayerModel, deviation: str, keys, values, start, act, rows) -> torch.Tensor:

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from ..calibration import Guard
+from ..calibration import Guard, RankShares
 from ..store import CodedKV
 from .layers import LayerModel
-from .selection import QUERY_TAIL, RankShares, choose, deviation_score, over_ranks, query_attention
+from .selection import QUERY_TAIL, choose, deviation_score, over_ranks, query_attention
 
 
 @dataclass

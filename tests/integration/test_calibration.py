@@ -186,6 +186,38 @@ def test_a_calibrated_policy_brings_its_settings_and_a_request_s_own_win(private
         private.generate(prompt, deviation="x")
 
 
+def test_a_stopped_calibration_resumes_from_its_journal(private, monkeypatch, tmp_path):
+    """Run again with its journal, a calibration measures only what it had not measured (a reply cut by a
+    kill, or damaged, is measured again) and chooses what it chose; a journal of another CPU is not used."""
+    variants = [{"check_layers": [0]}]
+    options = dict(num_prompts=6, ratios=(0.1, 0.5), variants=variants, target=0.5, confidence=0.5, min_speedup=0.01)
+    options |= {"progress": False, "save": False, "journal": tmp_path / "journal.jsonl"}
+    runs = []
+    generate = private.generate
+    monkeypatch.setattr(private, "generate", lambda *a, **k: runs.append(k["mode"]) or generate(*a, **k))
+    first = private.calibrate(documents(140), **options)
+    measured = len(runs)
+    journal = options["journal"]
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 1 + measured and measured > 6  # its header, then each reply as it was measured
+    damaged = json.loads(lines[1]) | {"ttft_s": -1.0}
+    journal.write_text("\n".join([lines[0], json.dumps(damaged), *lines[2:-1], lines[-1][:40]]))  # no last newline
+    runs.clear()
+    again = private.calibrate(documents(140), **options)
+    assert len(runs) == 2
+    chosen = lambda r: (r.ratio, r.settings, r.guard, r.meets_target, [c["agreement"] for c in r.curve])  # noqa: E731
+    assert chosen(again) == chosen(first)
+    runs.clear()
+    private.calibrate(documents(140), **options)
+    assert runs == []  # the two measured again were appended whole, each on a line of its own
+    header, *replies = journal.read_text().splitlines()
+    other = json.loads(header)
+    other["identity"]["cpu"] = "another CPU x2"
+    journal.write_text("\n".join([json.dumps(other), *replies]) + "\n")
+    private.calibrate(documents(140), **options)
+    assert len(runs) == measured and len(journal.read_text().splitlines()) == 1 + measured
+
+
 def test_what_a_policy_costs():
     assert computed_share((1,), 0.15, 4) == pytest.approx((1 + 3 * 0.15) / 4)
     # gradual: the second check layer still computes the first one's share
@@ -558,6 +590,7 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    assert not list(out.glob(".calibration-*")) and list(out.glob("records/*"))  # what it resumes from: removed
     (report_path,) = out.glob("calibration-*.json")
     report = json.loads(report_path.read_text())
     held = report["held_out"]

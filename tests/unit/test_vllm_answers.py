@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blend_integrations.calibration import RankShares
 from blend_integrations.engines import stream_usage
 from blend_integrations.engines.vllm_answers import Answers, PassReport, blend_details
 from blend_integrations.fusion import PrefillPlan, PrefillStats
 from blend_integrations.fusion.plan import LOAD, ChunkPlan
-from blend_integrations.fusion.selection import RankShares
 
 PLAN = PrefillPlan(
     "blend", 0.1, (ChunkPlan(2, 12, "a", LOAD), ChunkPlan(12, 22, "b", LOAD)), 0, ratio_source="calibrated"

@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from blend_integrations.calibration import RankShares
 from blend_integrations.config import SELECTIONS
 from blend_integrations.fusion import KVCache, ReusedSpan, ScratchCache, forward
 from blend_integrations.fusion.attention import QUERY_GROUP, DenseAttention, query_groups, visible_keys
 from blend_integrations.fusion.controller import token_layers
-from blend_integrations.fusion.selection import QUERY_TAIL, RankShares
+from blend_integrations.fusion.selection import QUERY_TAIL
 from blend_integrations.models import HFDecoder
 from blend_integrations.store import CodedKV
 from blend_integrations.store.codec import encode_kv

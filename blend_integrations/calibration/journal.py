@@ -1,0 +1,152 @@
+"""Calibration, journal: every reply a calibration measures, appended to a file
+as it comes (``calibrate(journal=...)``), so that a calibration stopped midway
+(a session's end, a crash) resumes where it stopped instead of starting over:
+on a CPU a 1.5B model's calibration takes hours.
+
+One JSON line per reply, keyed by what produced it (the probe's tokens and
+chunks, the mode, ratio and settings). The first line names what the replies
+are valid for: the model's checkpoint, dtype, engine and codec, what each
+reply holds, and the CPU (the replies' times are compared with each other,
+so a journal from another machine is not mixed in). A journal that names
+anything else is started afresh; a line that does not read back whole (cut
+by a kill) or holds a value out of range is measured again, never used."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..prompt import TokenizedPrompt
+from .records import RankShares
+
+logger = logging.getLogger(__name__.rsplit(".", 1)[0])
+
+JOURNAL_VERSION = 1
+
+
+def cpu_name() -> str:
+    """The CPU's model name and count: a journal's replies are timed on one machine."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    return f"{names[0] if names else os.uname().machine} x{len(os.sched_getaffinity(0))}"
+
+
+@dataclass
+class KeptReply:
+    """A reply read back from a journal: what calibration reads of a generation (``measure.Reply``)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    ttft_s: float
+    deviation_share: Callable[[float], float] | None  # a RankShares
+
+
+class Journal:
+    """The replies one calibration measured (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, identity: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.header = {"journal": "blend-calibration", "version": JOURNAL_VERSION, "identity": identity}
+        self.replies: dict[str, KeptReply] = {}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        dropped = self._read()
+        if dropped:
+            logger.warning(
+                "calibration journal %s: %d line(s) did not read back whole; measuring them again", path, dropped
+            )
+        if self.replies:
+            logger.info("calibration journal %s: resuming with %d replies measured before", path, len(self.replies))
+
+    def _read(self) -> int:
+        """Read the replies a journal for this identity holds; start it afresh where it is another's."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            text = ""
+        lines = text.splitlines()
+        try:
+            header = json.loads(lines[0]) if lines else None
+        except ValueError:
+            header = None
+        if header != self.header:
+            if lines:
+                logger.warning(
+                    "calibration journal %s was written for another model, engine, CPU or version: starting it afresh",
+                    self.path,
+                )
+            self.path.write_text(json.dumps(self.header) + "\n")
+            return 0
+        if not text.endswith("\n"):  # its last line was cut: the next reply starts a line of its own
+            with open(self.path, "a") as f:
+                f.write("\n")
+        dropped = 0
+        for line in lines[1:]:
+            try:
+                entry = json.loads(line)
+                self.replies[_check_key(entry["key"])] = _reply(entry)
+            except (ValueError, TypeError, KeyError):
+                dropped += 1
+        return dropped
+
+    @staticmethod
+    def key(prompt: TokenizedPrompt, mode: str, ratio: float | None = None, settings: dict | None = None) -> str:
+        what = [list(prompt.token_ids), [list(s) for s in prompt.chunk_spans], mode, ratio, settings]
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+    def get(self, key: str) -> KeptReply | None:
+        return self.replies.get(key)
+
+    def put(self, key: str, reply: Any) -> None:
+        """Append ``reply`` (a generation); one whose guard shares cannot be written is not kept."""
+        shares = reply.deviation_share
+        if shares is not None and not isinstance(shares, RankShares):
+            return
+        entry = {
+            "key": key,
+            "token_ids": list(reply.token_ids),
+            "logprobs": None if reply.logprobs is None else [sorted(step.items()) for step in reply.logprobs],
+            "ttft_s": reply.ttft_s,
+            "shares": None if shares is None else list(shares.cumulative),
+        }
+        try:
+            kept = _reply(json.loads(json.dumps(entry)))  # what a resumed run would read
+        except (ValueError, TypeError):
+            return  # a value a resumed run would refuse (an infinite log-probability): measured again then
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        self.replies[key] = kept
+
+
+def _check_key(key: Any) -> str:
+    if not isinstance(key, str) or len(key) != 64:
+        raise ValueError("key")
+    return key
+
+
+def _reply(entry: dict) -> KeptReply:
+    """A journal line's reply, every value checked (ValueError/TypeError when one is out of range)."""
+    token_ids, logprobs, ttft, shares = (entry[k] for k in ("token_ids", "logprobs", "ttft_s", "shares"))
+    if not isinstance(token_ids, list) or not all(isinstance(t, int) and t >= 0 for t in token_ids):
+        raise ValueError("token_ids")
+    if not isinstance(ttft, float) or not (math.isfinite(ttft) and ttft > 0):
+        raise ValueError("ttft_s")
+    steps = None
+    if logprobs is not None:
+        steps = [{int(t): float(lp) for t, lp in step} for step in logprobs]
+        if any(not math.isfinite(lp) or lp > 1e-6 for step in steps for lp in step.values()):
+            raise ValueError("logprobs")
+    if shares is not None:
+        cumulative = tuple(float(s) for s in shares)
+        if any(not 0.0 <= s <= 1.0 + 1e-6 for s in cumulative) or list(cumulative) != sorted(cumulative):
+            raise ValueError("shares")
+    return KeptReply(token_ids, steps, ttft, None if shares is None else RankShares(cumulative))
