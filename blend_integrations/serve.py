@@ -15,6 +15,10 @@ It runs vLLM's OpenAI-compatible server (what ``vllm serve MODEL`` runs) with th
 - ``--middleware blend_integrations.serve.CheckBlendParams``: a request whose
   ``kv_transfer_params.blend`` breaks a rule (see ``engines/vllm_contract.py``)
   gets HTTP 400 naming the field, and never reaches the engine;
+- the live check (``--quality-check SHARE``, default ``BlendConfig.quality_check``; 0
+  turns it off): ``CheckBlendParams`` checks that share of ``"auto"``'s greedy
+  blended answers against full prefill over loopback when no user request is in
+  flight, and reports it on ``/metrics`` (``http_checks``);
 - ``--middleware blend_integrations.serve.CalibrationRoute``: ``/v1/blend/calibration``,
   where ``load_engine(URL, backend="server").calibrate(documents)`` reads the
   served model's identity and stores the calibration it measured over HTTP.
@@ -33,7 +37,9 @@ Clients send token ids and chunk spans; ``load_engine(URL, backend="server")`` d
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -48,6 +54,7 @@ from .engines.vllm_contract import (
     check_tensor_parallel,
 )
 from .engines.vllm_served import ServedModel
+from .http_checks import CHECK_HEADER, ServedChecks, open_checks
 from .http_edge import (
     check_request_body,
     mark_for_stream_usage,
@@ -61,6 +68,8 @@ from .models.gguf import gguf_file
 from .models.loading import resolve_model_dir
 from .models.packaged import MODELS
 from .store import ChunkStore
+
+logger = logging.getLogger(__name__.rsplit(".", 1)[0])
 
 MIDDLEWARES = ("blend_integrations.serve.CheckBlendParams", "blend_integrations.serve.CalibrationRoute")
 
@@ -133,12 +142,39 @@ class CheckBlendParams(_ApiKeyAware):
     """ASGI middleware for vLLM's API server (``--middleware``): a POST whose
     ``kv_transfer_params.blend`` breaks a rule gets HTTP 400 with vLLM's error
     body and never reaches the engine. A streamed blended completion ends
-    with its blend usage (``engines/stream_usage.py``)."""
+    with its blend usage (``engines/stream_usage.py``). It runs the server's
+    live check (``http_checks``): it sees every user's request and answer."""
+
+    def __init__(self, app) -> None:
+        super().__init__(app)
+        self._checks: ServedChecks | None = None
+        self._checks_tried = False
+        self._opening: asyncio.Lock | None = None
+
+    async def _live_checks(self, scope) -> ServedChecks | None:
+        """This process's live checks, opened at the first request (None: the server runs none)."""
+        if self._checks_tried:
+            return self._checks
+        config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+        if config is None:  # not vLLM's API server
+            return None
+        self._opening = self._opening or asyncio.Lock()
+        async with self._opening:
+            if not self._checks_tried:
+                try:
+                    self._checks = await asyncio.to_thread(open_checks, config)
+                except Exception as e:  # the store cannot be opened: serve without checks, and say so
+                    logger.warning("the live check is off: %s: %s", type(e).__name__, str(e)[:300])
+                self._checks_tried = True
+        return self._checks
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or self._unauthorized(scope):
             await self.app(scope, receive, send)
             return
+        checks = await self._live_checks(scope)
+        if checks is not None and dict(scope.get("headers") or ()).get(CHECK_HEADER) == checks.secret:
+            checks = None  # a live check's own request, not a user's
         body = await read_body(receive)
         if body is None:
             return
@@ -148,6 +184,9 @@ class CheckBlendParams(_ApiKeyAware):
             refused_requests().labels(param or "body").inc()
             await send_error(scope, receive, send, message, 400, param)
             return
+        answered = None
+        if checks is not None:  # before the stream's usage is added: it watches that too
+            send, answered = checks.watch(scope, data, send)
         marked, token = mark_for_stream_usage(data)
         if marked is not None:
             body = marked
@@ -167,9 +206,9 @@ class CheckBlendParams(_ApiKeyAware):
         try:
             await self.app(scope, replay, send)
         finally:
+            if answered is not None:  # off the event loop: it reads the store
+                asyncio.get_running_loop().run_in_executor(None, answered)
             if token is not None:  # not taken: the client went away; the engine may still write it
-                import asyncio
-
                 asyncio.get_running_loop().call_later(60, stream_usage.discard, token)
 
 
@@ -293,6 +332,14 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="auto: bfloat16 on CUDA, and on a CPU with bfloat16 instructions for a bfloat16 checkpoint; else float32",
     )
+    parser.add_argument(
+        "--quality-check",
+        type=float,
+        default=BlendConfig().quality_check,
+        metavar="SHARE",
+        help='the share (0 to 1) of "auto"\'s greedy blended answers checked against full prefill while the '
+        "server is idle, which raises the ratio where they disagree (0: off)",
+    )
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU backend: GiB of RAM for the KV cache")
     parser.add_argument(
         "--tensor-parallel-size",
@@ -333,12 +380,21 @@ def main(argv: list[str] | None = None) -> None:
 
     cpu = not torch.cuda.is_available()
     kv_codec = None if args.kv_codec == "raw" else args.kv_codec
+    try:
+        config = BlendConfig(
+            recompute_ratio=args.recompute_ratio,
+            selection=args.selection,
+            kv_codec=kv_codec,
+            quality_check=args.quality_check,
+        )
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
     with ChunkStore(args.store, remote=args.store_remote, kv_codec=kv_codec) as store:
         cmd = serve_command(
             model,
             store=store,
             max_model_len=args.max_model_len,
-            config=BlendConfig(recompute_ratio=args.recompute_ratio, selection=args.selection, kv_codec=kv_codec),
+            config=config,
             cpu=cpu,
             dtype=args.dtype,
             tensor_parallel_size=tp,

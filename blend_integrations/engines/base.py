@@ -349,7 +349,7 @@ class Engine(ABC):
             and usage.recompute_ratio < 1.0
             and usage.cached_tokens > 0  # nothing reused (every chunk missed): full prefill's answer
             and bool(generation.token_ids)
-            and self.quality_checker.offer(request.prompt, generation.token_ids)
+            and self.quality_checker.offer(request.prompt, generation.token_ids, request.max_tokens)
         )
         return generation
 

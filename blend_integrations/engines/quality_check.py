@@ -10,6 +10,8 @@ engine is idle, compares them with the blend's, and adds the result to the model
 state in the store (``calibration.live_check``), which may move ``"auto"`` for every engine on
 the store. A check that fails is counted, never raised: the answer was already given. On vLLM a user's
 request that arrives during a check preempts it (``VLLMEngine``); the check runs again later.
+The blend server hands it the answers it serves as text (``http_checks``): there the first tokens'
+text of full prefill must begin the blend's.
 """
 
 from __future__ import annotations
@@ -22,16 +24,17 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..calibration import Calibrations, RatioChoice
-from ..prompt import TokenizedPrompt
 
 logger = logging.getLogger(__name__.rsplit(".", 2)[0])
 
 QUEUE = 8  # checks waiting for an idle engine; more are dropped (counted)
 TOKENS = 4  # the first tokens compared, where no calibration record says (``CalibrationRecord.tokens``)
+TOKENS_MAX = 1 << 16
 RETRIES = 3  # times a preempted check runs again before it is dropped
 IDLE_POLL_S = 0.02
 WAKE_S = 5.0  # how often an idle check thread looks whether its engine is gone
@@ -45,17 +48,27 @@ class Checkable(Protocol):
 
     def idle(self) -> bool: ...
 
-    def full_prefill_tokens(self, prompt: TokenizedPrompt, tokens: int) -> list[int]: ...
+    def full_prefill_tokens(self, prompt: Any, tokens: int) -> Sequence[int] | str: ...
 
 
 class CheckPreempted(Exception):
     """A user's request arrived while a check ran: the check gives way and runs again later."""
 
 
+def agrees(full: Sequence[int] | str, blended: tuple[int, ...] | str) -> bool:
+    """Whether full prefill's first tokens are the blend's: as token ids, or (the server's answers) as
+    text, where the text of full prefill's first tokens begins the blend's whole answer (a character cut
+    at the last token is decoded as U+FFFD, and left out)."""
+    if isinstance(blended, str):
+        return isinstance(full, str) and blended.startswith(full.rstrip("\ufffd"))
+    return not isinstance(full, str) and tuple(full[: len(blended)]) == blended
+
+
 @dataclass(frozen=True)
 class Check:
-    prompt: TokenizedPrompt
-    blended: tuple[int, ...]  # the blend's first tokens, the ones compared
+    prompt: Any  # what the engine's ``full_prefill_tokens`` runs: a TokenizedPrompt (the server: a request)
+    blended: tuple[int, ...] | str  # the blend's first ``tokens`` tokens, or (the server) its answer's text
+    tokens: int  # how many of full prefill's first tokens are compared
     base: RatioChoice  # the calibrated policy the request was served under
     rung: float  # the ratio "auto" was on (the live check's rung)
     tries: int = 0
@@ -77,8 +90,9 @@ class QualityChecker:
         self.counts: Counter = Counter()
         self.seconds = 0.0
 
-    def offer(self, prompt: TokenizedPrompt, token_ids: list[int]) -> bool:
-        """Whether this answer (an eligible one: ``Engine._answered``) is checked (``Usage.quality_checked``)."""
+    def offer(self, prompt: Any, answer: Sequence[int] | str, most: int | None = None) -> bool:
+        """Whether this answer (an eligible one: ``Engine._answered``) is checked (``Usage.quality_checked``):
+        its token ids, or its text (the server); ``most``: the tokens it was allowed (fewer are compared)."""
         if self.share <= 0:
             return False
         calibrations = self.engine.calibrations
@@ -86,7 +100,8 @@ class QualityChecker:
         rung = calibrations.live.apply(base).ratio
         share = calibrations.live.share(base, self.share)
         record = calibrations.record()
-        tokens = record.tokens if record is not None else TOKENS
+        tokens = min(record.tokens if record is not None else TOKENS, most or TOKENS_MAX)
+        blended = answer if isinstance(answer, str) else tuple(answer[:tokens])
         with self._lock:
             self.counts["offered"] += 1
             self._due += share
@@ -94,7 +109,7 @@ class QualityChecker:
                 return False
             self._due -= 1.0
             try:
-                self._queue.put_nowait(Check(prompt, tuple(token_ids[:tokens]), base, rung))
+                self._queue.put_nowait(Check(prompt, blended, tokens, base, rung))
             except queue.Full:
                 self.counts["dropped"] += 1
                 return False
@@ -133,8 +148,7 @@ class QualityChecker:
         started = time.perf_counter()
         agreed: bool | None
         try:
-            full = engine.full_prefill_tokens(check.prompt, len(check.blended))
-            agreed = tuple(full[: len(check.blended)]) == check.blended
+            agreed = agrees(engine.full_prefill_tokens(check.prompt, check.tokens), check.blended)
         except CheckPreempted:
             self.seconds += time.perf_counter() - started
             self.counts["preempted"] += 1

@@ -4,8 +4,10 @@ engine on the store following, and checks that give way to users' requests."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -157,3 +159,86 @@ def test_both_integrations_pass_the_share_through_and_report_each_check(model_di
     assert llm.engine.quality_checker.wait(60)
     chat.engine.close()
     llm.engine.close()
+
+
+def live_checks(server) -> dict[str, float]:
+    """The server's live-check counts on ``/metrics``, by outcome, and the ratio "auto" uses now."""
+    series = server.blend_series()
+    counts = {dict(k[1])["outcome"]: v for k, v in series.items() if k[0] == "vllm:blend_live_checks_total"}
+    ratio = {dict(k[1])["source"]: v for k, v in series.items() if k[0] == "vllm:blend_auto_ratio"}
+    return counts | {"ratio": ratio, "seconds": series.get(("vllm:blend_live_check_seconds_total", ()), 0.0)}
+
+
+def ran(counts: dict) -> float:
+    """The checks that ended: ran, failed or were given up."""
+    return sum(counts.get(k, 0) for k in ("agreed", "disagreed", "failed", "given_up", "dropped"))
+
+
+def settled(server, before: float, timeout: float = 120) -> dict:
+    """The server's live checks once they ended one more check than ``before``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = live_checks(server)
+        if ran(now) > before or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def test_the_server_checks_its_answers_raises_auto_and_says_so_on_metrics(tmp_path):
+    """A blend server with ``--quality-check 1`` on SmolLM2-135M's real weights under a fingerprint no
+    calibration knows (the fallback, 0.15, where it loses answers): each greedy "auto" answer is
+    checked over loopback after it was sent; "auto" rises for the next requests, ``/metrics`` counts
+    the checks and gives the ratio and its source, the store holds the state, and a user's request
+    arriving during a check aborts the check, which runs again later."""
+    from benchmarks.live_check import uncalibrated_copy
+    from benchmarks.quality import TASKS
+    from blend_integrations.calibration import Calibrations
+    from blend_integrations.serve import CALIBRATION_PATH
+    from blend_integrations.store import model_fingerprint
+    from tests.fixtures.blend_server import BlendServer
+
+    model = uncalibrated_copy(smollm2_dir())
+    key = "live-check-key"
+    args = ["--max-model-len", "2048", "--kv-cache-gib", "1", "--quality-check", "1", "--api-key", key]
+    with BlendServer(model, store=tmp_path / "store", log=tmp_path / "server.log", args=args) as server:
+        engine = load_engine(server.url, backend="server", api_key=key)
+        task = TASKS["smollm2"]
+        examples = task.examples(24, 7_600, None)
+        engine.warm(sorted({d for e in examples for d in e.documents}), progress=False)
+        assert live_checks(server)["ratio"] == {"fallback": 0.15}
+        served, ended = [], 0.0
+        for e in examples:
+            gen = engine.generate(task.prompt(e, engine.tokenizer, engine.config.separator), max_tokens=4)
+            served.append((gen.usage.recompute_ratio, gen.usage.ratio_source))
+            if gen.usage.ratio_source == "checked":
+                break
+            now = settled(server, ended)
+            assert ran(now) == ended + 1, now
+            ended = ran(now)
+        now = live_checks(server)
+        assert served[0] == (0.15, "fallback") and served[-1][1] == "checked" and served[-1][0] > 0.15, served
+        assert now["disagreed"] == 4 and now.get("failed", 0) == 0 and now["seconds"] > 0, now
+        assert now["ratio"] == {"checked": served[-1][0]}
+        # the state is the store's: what the connector of any server on it reads with the calibration
+        with urllib.request.urlopen(
+            urllib.request.Request(server.url + CALIBRATION_PATH, headers={"Authorization": f"Bearer {key}"})
+        ) as r:
+            dtype = json.loads(r.read())["dtype"]
+        store = ChunkStore(tmp_path / "store", remote="")
+        choice = Calibrations(store, model_fingerprint(model), dtype, engine="vllm", num_layers=30).choice()
+        assert (choice.ratio, choice.source) == (served[-1][0], "checked")
+        store.close()
+        # a user's request that comes while a check runs (a long prompt's) aborts it; it runs again later
+        docs = [" ".join(sample_text(25, seed=88_400 + i)) for i in range(4)]
+        long = engine.tokenize(BlendPrompt("Documents:", docs, "Question: which city is named? Answer:"))
+        engine.warm(docs)
+        for _ in range(5):
+            before = live_checks(server)
+            engine.generate(long, max_tokens=4)
+            time.sleep(0.3)  # the check's full prefill of some 1,500 tokens has started
+            engine.generate("Hello", max_tokens=1)  # a plain prompt: a user all the same
+            if settled(server, ran(before)).get("preempted", 0):
+                break
+        after = live_checks(server)
+        assert after.get("preempted", 0) >= 1 and after.get("failed", 0) == 0, after
+        assert server.healthy()
