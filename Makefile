@@ -79,10 +79,13 @@ lint: install
 # chromium for the demo page's browser test (Playwright never downloads one) and tcmalloc, which the
 # vLLM engine preloads for vLLM's processes on a CPU. Silent when all are there; as root with apt-get
 # it installs the missing ones, otherwise it stops before the long install and names the command.
+# The browser is Debian's package `chromium` (tried: Debian 12) and Ubuntu's `chromium-browser` (not
+# tried here; since Ubuntu 19.10 it installs a snap, which needs snapd).
 system-packages:
 	@missing=""; \
+	browser=$$( . /etc/os-release 2>/dev/null; [ "$$ID" = ubuntu ] && echo chromium-browser || echo chromium ); \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
-	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing="$$missing $$browser"; \
 	{ ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep -q libtcmalloc_minimal || missing="$$missing libtcmalloc-minimal4"; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

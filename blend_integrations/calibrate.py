@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         "--exhaustive", action="store_true", help="measure every policy on every probe (slower; the same choice)"
     )
     parser.add_argument(
+        "--journal",
+        metavar="FILE",
+        help="append each reply measured here; run again with it, a calibration stopped midway resumes",
+    )
+    parser.add_argument(
         "--variants",
         nargs="*",
         metavar="JSON",
@@ -172,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         plot=args.plot,
         exhaustive=args.exhaustive,
         questions=questions,
+        journal=args.journal,
     )
     if args.model.startswith(("http://", "https://")):
         if args.store is not None or args.store_remote is not None or args.kv_codec != "raw":

@@ -28,7 +28,7 @@ from blend_integrations.calibration import packaged_calibrations, record_name
 from blend_integrations.ui.session import EXAMPLE_DOCUMENTS, load_documents
 
 BACKEND = "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"  # Debian's, Ubuntu's
 # As root in a container, with the machine's closed network: no sandbox, no background connections.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"]
 PICKED = ["ada_okafor.txt", "karl_dahl.txt", "harbor_press.txt"]
@@ -50,7 +50,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def browser():
     if not Path(CHROMIUM).exists():
-        pytest.fail("chromium is not installed: `apt-get install chromium` (.ci/run does)")
+        pytest.fail("chromium is not installed: `make system-packages` installs it (as root)")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         yield browser

@@ -1,0 +1,79 @@
+"""The server's live check (``http_checks``): which requests it may check, how it reads an answer
+streamed or not, completion or chat, and when the connector's answer says "auto" blended it.
+The checks themselves run against a real server in tests/integration/test_live_check.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blend_integrations.engines.quality_check import agrees
+from blend_integrations.http_checks import answer_of, blended_by_auto, checkable
+
+BLEND = {"blend": {"mode": "blend", "ratio": "auto", "chunk_spans": [[1, 5]], "num_tokens": 9}}
+GREEDY = {"prompt": list(range(10)), "temperature": 0, "kv_transfer_params": BLEND}
+AUTO = {"blend": {"recompute_ratio": 0.15, "ratio_source": "fallback", "cached_tokens": 4, "recomputed_tokens": 1}}
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "expected"),
+    [
+        ("/v1/completions", {}, True),
+        ("/v1/completions", {"prompt": "a text prompt"}, True),
+        ("/v1/chat/completions", {"prompt": None, "messages": [{"role": "user", "content": "hi"}]}, True),
+        ("/v1/embeddings", {}, False),
+        ("/v1/completions", {"temperature": 0.7}, False),  # sampled: another answer each time
+        ("/v1/completions", {"temperature": None}, False),  # vLLM's default may not be greedy
+        ("/v1/completions", {"n": 2}, False),
+        ("/v1/completions", {"echo": True}, False),
+        ("/v1/completions", {"prompt": [[1, 2], [3, 4]]}, False),  # several prompts
+        ("/v1/completions", {"prompt": ["one", "two"]}, False),
+        ("/v1/completions", {"kv_transfer_params": {}}, False),  # nothing to blend
+        ("/v1/completions", {"kv_transfer_params": {"blend": {**BLEND["blend"], "mode": "reuse"}}}, False),
+    ],
+)
+def test_only_one_greedy_blended_answer_to_one_prompt_may_be_checked(path, change, expected):
+    assert checkable(path, {**GREEDY, **change}) is expected
+
+
+def test_an_answer_is_read_streamed_or_not_from_completions_and_chats():
+    completion = {"choices": [{"text": " Paris is"}], "kv_transfer_params": AUTO}
+    assert answer_of({}, json.dumps(completion).encode()) == (" Paris is", AUTO)
+    chat = {"choices": [{"message": {"role": "assistant", "content": "Paris"}}], "kv_transfer_params": AUTO}
+    assert answer_of({}, json.dumps(chat).encode()) == ("Paris", AUTO)
+    events = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"content": "Par"}}]},
+        {"choices": [{"delta": {"content": "is"}}]},
+        {"choices": [], "kv_transfer_params": AUTO},  # what the middleware adds before [DONE]
+    ]
+    stream = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    assert answer_of({"stream": True}, stream.encode()) == ("Paris", AUTO)
+    assert answer_of({}, b"not json") is None and answer_of({}, b"[1, 2]") is None
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (AUTO, True),
+        ({"blend": {**AUTO["blend"], "ratio_source": "checked", "recompute_ratio": 0.3}}, True),
+        ({"blend": {**AUTO["blend"], "ratio_source": "request"}}, False),  # the request's own ratio
+        ({"blend": {**AUTO["blend"], "recompute_ratio": 1.0}}, False),  # full prefill's answer
+        ({"blend": {**AUTO["blend"], "cached_tokens": 0}}, False),  # every chunk missed
+        ({**AUTO, "blend_fallback": "the blend pass failed"}, False),
+        ({"blend": {**AUTO["blend"], "cached_tokens": -1}}, False),  # not the connector's: refused
+        (None, False),
+    ],
+)
+def test_auto_blended_it_only_where_the_connector_says_so(params, expected):
+    assert blended_by_auto(params) is expected
+
+
+def test_full_prefills_first_tokens_begin_the_blends_answer():
+    assert agrees((1, 2, 3, 4), (1, 2, 3, 4)) and not agrees((1, 2, 3, 5), (1, 2, 3, 4))
+    assert agrees([1, 2, 9], (1, 2))  # the blend stopped after 2 tokens: those 2 are compared
+    assert agrees(" Paris is", " Paris is the capital") and not agrees(" Lyon", " Paris is the capital")
+    assert agrees(" caf\ufffd", " café au lait")  # a character cut at the last compared token
+    assert not agrees(" Paris is the capital of", " Paris is")  # the blend stopped sooner than full prefill
+    assert not agrees((1, 2), "text") and not agrees("text", (1, 2))
