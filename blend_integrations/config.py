@@ -44,9 +44,9 @@ class BlendConfig:
     The defaults of check_layers, deviation and sink_tokens, and
     ``FALLBACK_RATIO``, are set from the answer-quality benchmark
     (docs/results/quality.md, and ``recommended_defaults`` in
-    benchmarks/quality.py, which says how); selection from the reader's and
-    SmolLM2's tables together (docs/results/selection/): a default changes
-    only when both pick it.
+    benchmarks/quality_report.py, which says how); selection from the
+    reader's and SmolLM2's tables together (docs/results/selection/): a
+    default changes only when both pick it.
 
     recompute_ratio: share of the reused (loaded) chunk tokens whose KV is
         recomputed, picked by largest deviation at the check layer. 1.0

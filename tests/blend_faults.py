@@ -10,7 +10,8 @@ import logging
 import torch
 
 from blend_integrations.engines import vllm_connector
-from blend_integrations.engines.vllm_connector import BlendConnector, BlendWorkerExtension
+from blend_integrations.engines.vllm_connector import BlendConnector
+from blend_integrations.engines.vllm_worker import BlendWorkerExtension
 
 
 def _holds(ids: list[int], part: list[int]) -> bool:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from .data import Example, make_examples
-from .train import STAGES, attention_rows, encode, forward_capturing, look_targets
+from .looks import attention_rows, forward_capturing, look_targets
+from .train import STAGES, encode
 
 SHAPES = {
     name: {k: stage[k] for k in ("n_docs", "doc_tokens")}
@@ -31,7 +32,7 @@ HELD_OUT_SEED = 10_000  # training's held-out examples
 @torch.no_grad()
 def inspect_example(model, tokenizer, example: Example, top: int = 4) -> dict:
     """For one example (its first question): the attention mass each look puts
-    on its sources (``train.look_targets``), the positions the last layer
+    on its sources (``looks.look_targets``), the positions the last layer
     attends to most from the answering position (with the text before them),
     and the norms of what every attention and MLP block writes at the answering
     position and at the fact's value."""

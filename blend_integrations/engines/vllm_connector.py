@@ -99,7 +99,6 @@ from . import vllm_plugin
 from .blend_metrics import BlendCounters, store_reads
 from .vllm_answers import Answers, PassReport
 from .vllm_contract import BlendParams, blend_params_of
-from .vllm_host import process_allocator
 from .vllm_limits import check_vllm_config, kv_block_size
 from .vllm_memory import REASON as MEMORY_REASON
 from .vllm_memory import NotEnoughMemory, check_pass_memory, pass_memory, pooled_tokens
@@ -108,9 +107,9 @@ from .vllm_served import ServedModel, served_tokenizer
 from .vllm_stats import BlendConnectorStats, BlendPromMetrics
 
 logger = logging.getLogger(__name__)
-# This process's connectors, for ``blend_pending``: a worker's, and the scheduler's too where vLLM
-# runs its engine core and worker in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor).
-_CONNECTORS: weakref.WeakSet[BlendConnector] = weakref.WeakSet()
+# This process's connectors, for ``vllm_worker``'s ``blend_pending``: a worker's, and the scheduler's too where
+# vLLM runs its engine core and worker in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor).
+CONNECTORS: weakref.WeakSet[BlendConnector] = weakref.WeakSet()
 
 
 class BlendConnector(KVConnectorBase_V1):
@@ -145,7 +144,7 @@ class BlendConnector(KVConnectorBase_V1):
         self._failed: dict[str, tuple[str, str]] = {}  # req_id -> (cause, reason) of failed passes, until reported
         self._reports: dict[str, PassReport] = {}  # req_id -> what its blend pass did, until reported
         self._invalid_blocks: set[int] = set()  # their blocks, until reported
-        _CONNECTORS.add(self)
+        CONNECTORS.add(self)
 
     def pending(self) -> dict[str, int]:
         """How many entries each of this side's per-request maps holds: all 0
@@ -452,49 +451,3 @@ class BlendConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.blender is not None:
             self.save_unsaved()
-
-
-class BlendWorkerExtension:
-    """Mixed into vLLM's worker (``worker_extension_cls``); its methods run in
-    every worker through ``LLM.collective_rpc``."""
-
-    def blend_warm(self, chunks: list[list[int]]) -> int:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        connector = get_kv_transfer_group()
-        blender = connector._attach()
-        connector.save_unsaved()
-        return sum(blender.ensure(ids) for ids in chunks)
-
-    def blend_attention(self) -> dict:
-        """How this worker's blend pass attends: vLLM's attention backend,
-        whether the pass drives its kernel (else SDPA), and what "auto"
-        measured to choose (``probe``, ms)."""
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        decoder = get_kv_transfer_group()._attach().model
-        backend = decoder.attn_modules[0].attn_backend.get_name()
-        return {"backend": backend, "kernel": decoder.attends_with_kernel(), "probe": decoder.attention_probe}
-
-    def blend_pass_seconds(self, context: int) -> float:
-        """``Blender.pass_seconds`` on this worker's model: a walk pass's fixed cost."""
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        return get_kv_transfer_group()._attach().pass_seconds(context)
-
-    def blend_allocator(self) -> str:
-        """The malloc this worker runs on ("tcmalloc", "jemalloc" or "system")."""
-        return process_allocator()
-
-    def blend_pending(self) -> list[dict]:
-        """``BlendConnector.pending`` of each connector in this worker's
-        process, with its side: the scheduler's is there too when vLLM runs
-        its engine core and worker in one process (``_CONNECTORS``)."""
-        return [{"side": c._role.name.lower(), **c.pending()} for c in list(_CONNECTORS)]
-
-    def blend_flush(self) -> None:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        connector = get_kv_transfer_group()
-        if connector.blender is not None:
-            connector.save_unsaved()

@@ -27,7 +27,6 @@ from .blend_metrics import BlendCounters
 from .quality_check import CheckPreempted
 from .vllm_answers import blend_details
 from .vllm_contract import (
-    CONNECTOR_MODULE,
     blend_engine_args,
     blend_engine_env,
     blend_results,
@@ -133,7 +132,7 @@ class VLLMEngine(Engine):
             tokenizer=model_dir,
             kv_transfer_config=KVTransferConfig(**args["kv_transfer_config"]),
             max_num_seqs=max_num_seqs,
-            worker_extension_cls=f"{CONNECTOR_MODULE}.BlendWorkerExtension",
+            worker_extension_cls="blend_integrations.engines.vllm_worker.BlendWorkerExtension",
             seed=0,
         )
         kwargs.update(llm_kwargs)

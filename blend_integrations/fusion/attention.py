@@ -3,9 +3,11 @@
 Every engine's adapter can use it (``LayerModel.attention``): the
 transformers engine always does, the vLLM adapter outside a connector job and
 on backends whose kernel it does not drive. Active queries attend with an
-exact causal mask by absolute position (key position <= query position).
-Layers with attention-logit soft-capping (Gemma 2) attend in plain torch,
-since SDPA cannot cap its scores.
+exact causal mask by absolute position (key position <= query position),
+in groups of sorted queries (``query_groups``); on a GPU in blocks whose
+scores stay within ``SCORE_BUDGET``, so that a pass's memory does not grow
+with its queries times its keys. Layers with attention-logit soft-capping
+(Gemma 2) attend in plain torch, since SDPA cannot cap its scores.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class DenseAttention:
         if softcap:
             return _capped(q, K, V, self.positions, window, self.scaling, softcap)
         if window not in self.plans:
-            self.plans[window] = _plan(self.positions, self.start, self.end, self.end - self.start, window, self.dtype)
+            self.plans[window] = _plan(self.positions, self.start, self.end, window, self.dtype, heads=q.shape[0])
         return _attend(q, K, V, self.plans[window], self.scaling)
 
     def store(self, layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
@@ -55,9 +57,7 @@ class DenseAttention:
 # makes the kernel compute every query-key score, so scattered recomputed
 # queries would pay for keys after their own position; in groups of sorted
 # queries each group only reads keys up to its last position (about half the
-# work). A GPU attends all of them in one call: a call of 32 query rows is a
-# kernel launch that leaves most of the GPU idle (a 16k-token prompt on an
-# H200, llama3-8b's shape: 9.9 s in groups of 32, 0.59 s in one group).
+# work).
 QUERY_GROUP = 32
 # A CPU group also ends at a gap in the queries' positions where its queries so
 # far would read more than this many keys past their own position: reuse's
@@ -65,20 +65,39 @@ QUERY_GROUP = 32
 # question's; in one group the first would read every key (1.6x the pairs).
 # A blend's scattered queries (gaps of a few positions) are not split.
 GAP_PAIRS = 4096
+# On a GPU a call of 32 query rows is a kernel launch that leaves most of the
+# GPU idle (a 16k-token prompt on an H200, llama3-8b's shape: 9.9 s in groups
+# of 32, 0.97 s of 512, 0.59 s in one call), but one call materialises, on
+# torch's math path (an explicit mask with GQA), the scores of every query and
+# their softmax: about 41 GB for a 32k-token blend at 0.15 of that shape. So
+# the queries attend in blocks, each as large as SCORE_BUDGET allows.
+SCORE_BUDGET = 2**30
+SCORE_BYTES = 8  # per head, query and key: a float32 score and its softmax (an upper bound)
 
 
-def query_groups(q_pos: torch.Tensor, device: torch.device) -> list[tuple[int, int]]:
+def block_pairs(heads: int) -> int:
+    """The query-key pairs one call on a GPU may score with ``heads`` query
+    heads: as many as keep its scores within ``SCORE_BUDGET``."""
+    return max(1, SCORE_BUDGET // (heads * SCORE_BYTES))
+
+
+def query_groups(q_pos: torch.Tensor, device: torch.device, heads: int) -> list[tuple[int, int]]:
     """``[(lo, hi)]``: the runs of sorted query positions ``q_pos`` attended
-    in one call each (one run on a GPU)."""
+    in one call each by ``heads`` query heads. On a GPU a block reads the keys
+    up to its last query, so it takes queries while their count times those
+    keys stays within ``block_pairs`` (a single query may exceed it)."""
     A = q_pos.shape[0]
     if A == 0:
         return []
-    if device.type != "cpu":
-        return [(0, A)]
     pos = q_pos.tolist()
+    pairs = block_pairs(heads)
     groups, lo = [], 0
     for i in range(1, A):
-        if i - lo == QUERY_GROUP or (i - lo) * (pos[i] - pos[i - 1]) > GAP_PAIRS:
+        if device.type != "cpu":
+            split = (i + 1 - lo) * (pos[i] + 1) > pairs
+        else:
+            split = i - lo == QUERY_GROUP or (i - lo) * (pos[i] - pos[i - 1]) > GAP_PAIRS
+        if split:
             groups.append((lo, i))
             lo = i
     groups.append((lo, A))
@@ -102,18 +121,18 @@ def _first_key(pos: torch.Tensor, window: int | None) -> int:
     return 0 if window is None else max(0, int(pos[0]) - window + 1)
 
 
-def _plan(q_pos, start, end, T, window, dtype):
+def _plan(q_pos, start, end, window, dtype, heads):
     """How active queries at sorted positions ``q_pos`` attend to keys
-    0..end-1: None for ordinary causal attention (every new token in order,
-    or one query at the end), else ``[(lo, hi, k_start, k_end, additive_mask)]``
-    per query group, whose keys ``k_start..k_end`` are all it can see (up to
-    its last query, from its first query's window on). Depends only on the
-    active set, so layers share it."""
+    0..end-1 with ``heads`` query heads: None for ordinary causal attention
+    (every new token in order, or one query at the end), else
+    ``[(lo, hi, k_start, k_end, additive_mask)]`` per query group, whose keys
+    ``k_start..k_end`` are all it can see (up to its last query, from its
+    first query's window on). Depends only on the active set, so layers share it."""
     A = q_pos.shape[0]
-    if window is None and ((start == 0 and A == T) or (A == 1 and int(q_pos[0]) == end - 1)):
+    if window is None and ((start == 0 and end == A) or (A == 1 and int(q_pos[0]) == end - 1)):
         return None
     plan = []
-    for lo, hi in query_groups(q_pos, q_pos.device):
+    for lo, hi in query_groups(q_pos, q_pos.device, heads):
         pos = q_pos[lo:hi]
         k_start, k_end = _first_key(pos, window), int(pos[-1]) + 1
         visible = visible_keys(pos, k_end, window, k_start)
@@ -159,7 +178,7 @@ def attention_weights(q, K, q_pos, window, scale, softcap):
     H, A, D = q.shape
     Hkv = K.shape[0]
     q = q.reshape(Hkv, H // Hkv, A, D)  # query heads of one KV head side by side, as in GQA (no copy of K)
-    for lo, hi in query_groups(q_pos, torch.device("cpu")):
+    for lo, hi in query_groups(q_pos, torch.device("cpu"), H):
         pos = q_pos[lo:hi]
         keys = slice(_first_key(pos, window), int(pos[-1]) + 1)
         visible = visible_keys(pos, keys.stop, window, keys.start)

@@ -69,7 +69,8 @@ def test_look_targets_point_at_the_circuit(tmp_path):
     first layer, the question's subject, the bridge of 2-hop questions, and the
     answer's value in the sentence that states it."""
     from training.data import prompt
-    from training.train import POSITION_HEADS, encode, look_targets, subject_rows, train_reader_tokenizer
+    from training.looks import POSITION_HEADS, look_targets, subject_rows
+    from training.train import encode, train_reader_tokenizer
 
     tokenizer = train_reader_tokenizer(tmp_path, 512, 0)
     for e in make_examples(6, seed=9, follow_ups=3):
@@ -128,7 +129,7 @@ def test_metrics():
 
 def test_blend_config_defaults_follow_the_quality_table():
     """The committed benchmark run on the bundled reader sets BlendConfig's defaults."""
-    from benchmarks.quality import recommended_defaults
+    from benchmarks.quality_report import recommended_defaults
     from blend_integrations import BlendConfig
     from blend_integrations.config import FALLBACK_RATIO
 
@@ -149,7 +150,7 @@ def test_blend_config_defaults_follow_the_quality_table():
 
 
 def test_recommended_defaults_rules():
-    from benchmarks.quality import recommended_defaults
+    from benchmarks.quality_report import recommended_defaults
 
     def row(em1, em2, kl):
         return {"em_1hop": em1, "em_2hop": em2, "f1_1hop": em1, "f1_2hop": em2, "kl": kl}
@@ -190,7 +191,7 @@ def test_recommended_defaults_rules():
 def test_the_selection_default_follows_both_selection_tables():
     """A default selection other than deviation needs the reader's table and
     SmolLM2's to pick it alike."""
-    from benchmarks.quality import recommended_defaults
+    from benchmarks.quality_report import recommended_defaults
     from blend_integrations import BlendConfig
 
     picks = []

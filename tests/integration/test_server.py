@@ -233,7 +233,7 @@ def test_fuzzing_never_takes_the_server_down(blend_server, capsys):
     NaN and infinities, bad spans, huge span lists, deep nesting, non-ASCII
     separators, num_tokens at and past the end, one-token prompts, batches, chat),
     sent four at a time and interleaved with good requests."""
-    from benchmarks import fuzz
+    from benchmarks import fuzz, fuzz_cases
 
     report = fuzz.run(blend_server.url, cases=240, seed=1, api_key=blend_server.api_key)
     with capsys.disabled():
@@ -241,7 +241,7 @@ def test_fuzzing_never_takes_the_server_down(blend_server, capsys):
     assert report["malformed"] >= 200 and report["good"] >= 50
     assert not report["violations"], report["violations"]
     assert report["totals"]["rejected"] + report["totals"]["fallback"] == report["malformed"]
-    assert report["totals"]["fallback"] > 0 and len(report["outcomes"]) == len(fuzz.GENERATORS)
+    assert report["totals"]["fallback"] > 0 and len(report["outcomes"]) == len(fuzz_cases.GENERATORS)
     assert report["good_same_tokens"] == report["good"] and report["good_after_same_tokens"] == report["good_requests"]
     assert report["ratio_one_equals_full"] and report["healthy_after"] and blend_server.healthy()
     assert fuzz.passed(report)

@@ -1,5 +1,5 @@
-"""The offline GPU kit (benchmarks/gpu_kit.py) built from a small wheel laid out as vLLM's CUDA wheel:
-fake compiled files in vLLM's places, its dist-info, and this package's entry point.
+"""The offline GPU kit (benchmarks/gpu_kit.py, gpu_kit_build.py) built from a small wheel laid out as
+vLLM's CUDA wheel: fake compiled files in vLLM's places, its dist-info, and this package's entry point.
 The real kit is built by `make gpu-kit` (docs/offline-gpu.md)."""
 
 from __future__ import annotations
@@ -13,10 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_kit, vllm_ttft
-from benchmarks.gpu_kit import DROPPED, MIB, KitError, build_kit, check, unpack
+from benchmarks import gpu_kit, gpu_kit_build, vllm_ttft
+from benchmarks.gpu_kit import MIB, KitError, Machine, check, compare_versions, unpack
+from benchmarks.gpu_kit_build import DROPPED, build_kit
 
 CARRY = 64 * 1024  # bytes per carry folder: the fake compiled files make four pieces
+# the lent H200 machine's versions as pip lists them (.library/device/KINDS.md): not the torch vLLM pins
+H200 = Machine(python="3.12.3", torch="2.11.0", triton="3.6.0")
+BUILT_FOR = {
+    "python": "3.12",
+    "python_tags": ["cp312-cp312", "cp38-abi3", "py3-none"],
+    "torch": "2.13.0",
+    "triton": None,
+}
 
 # (path in the wheel, bytes; None: text), vLLM's layout in small
 FILES = {
@@ -56,10 +65,11 @@ def fake_wheel(path: Path, files: dict, dist_info: str, metadata: str, extra: di
 @pytest.fixture
 def wheels(tmp_path):
     vllm = fake_wheel(
-        tmp_path / gpu_kit.VLLM_WHEEL,
+        tmp_path / gpu_kit_build.VLLM_WHEEL,
         FILES,
         "vllm-0.32.0.dist-info",
-        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n",
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\nRequires-Dist: torch==2.13.0\n"
+        'Requires-Dist: triton==9.9.9; extra == "bench"\n',  # an extra's pin is not the kit's
     )
     entry = b"[vllm.general_plugins]\nblend_integrations = blend_integrations.engines.vllm_plugin:register\n"
     own = fake_wheel(
@@ -112,7 +122,7 @@ def test_unpacking_reproduces_the_trimmed_tree(kit, wheels, tmp_path):
     assert result["unpacked"] and result["versions"] == {"vllm": "0.32.0", "blend_integrations": "9.9.9"}
     with zipfile.ZipFile(wheels[0]) as z:
         for name in z.namelist():
-            if gpu_kit.dropped(name):
+            if gpu_kit_build.dropped(name):
                 assert not (site / name).exists(), name
             elif not name.endswith("RECORD"):
                 assert (site / name).read_bytes() == z.read(name), name
@@ -191,7 +201,7 @@ def test_no_kit_is_named(tmp_path):
 def test_a_dry_run_checks_and_unpacks_the_kit_and_runs_no_step(kit, tmp_path):
     kit_dir, manifest = kit
     argv = ["run", "--dry-run", "--kit", str(kit_dir), "--target", str(tmp_path / "t"), "--out", str(tmp_path / "out")]
-    gpu_kit.main(argv)
+    gpu_kit.main(argv, H200)
     summary = json.loads((tmp_path / "out" / "gpu_kit.json").read_text())
     assert summary["kit"]["kit_id"] == manifest["kit_id"] and summary["install"]["unpacked"]
     assert [s["name"] for s in summary["steps"]] == ["imports", "codec-test", "vllm-tests", "ttft"]
@@ -210,6 +220,7 @@ def test_a_run_with_a_damaged_kit_writes_why_and_stops(kit, tmp_path):
 
 def test_the_steps_name_tests_and_options_that_exist():
     root = gpu_kit.ROOT
+    assert Path(gpu_kit.plan(root)[0][1][1]).is_file()  # the import check, run as a script
     for path in [*gpu_kit.VLLM_TESTS, gpu_kit.CODEC_TEST]:
         file, _, name = path.partition("::")
         assert (root / file).exists(), file
@@ -219,8 +230,8 @@ def test_the_steps_name_tests_and_options_that_exist():
 
 
 def test_a_device_call_carries_the_checkout_and_one_folder():
-    budget = gpu_kit.carry_budget()
-    assert 8 * MIB <= budget <= gpu_kit.PIECE_MAX and budget % MIB == 0
+    budget = gpu_kit_build.carry_budget()
+    assert 8 * MIB <= budget <= gpu_kit_build.PIECE_MAX and budget % MIB == 0
 
 
 def test_a_run_records_each_step_and_stops_one_past_its_time(kit, tmp_path, monkeypatch):
@@ -235,7 +246,8 @@ def test_a_run_records_each_step_and_stops_one_past_its_time(kit, tmp_path, monk
     monkeypatch.setattr(gpu_kit, "plan", lambda out: steps)
     monkeypatch.setattr(gpu_kit, "MIN_STEP_S", 1)
     out = tmp_path / "out"  # the budget cuts the slow step short, and the last is not started
-    gpu_kit.main(["run", "--kit", str(kit_dir), "--target", str(tmp_path / "t"), "--out", str(out), "--budget-s", "4"])
+    argv = ["run", "--kit", str(kit_dir), "--target", str(tmp_path / "t"), "--out", str(out), "--budget-s", "4"]
+    gpu_kit.main(argv, H200)
     summary = json.loads((out / "gpu_kit.json").read_text())
     imports, slow, late = summary["steps"]
     assert imports["rc"] == 0 and not imports["timed_out"] and summary["imports"] == found
@@ -243,3 +255,49 @@ def test_a_run_records_each_step_and_stops_one_past_its_time(kit, tmp_path, monk
     assert late["skipped"].endswith("s of the budget left")
     assert (out / "slow.log").read_text() == "started\n"
     assert "| vllm._C_stable_libtorch | ImportError: undefined symbol: x |" in (out / "gpu_kit.md").read_text()
+
+
+def test_the_manifest_records_what_the_kit_was_built_for(kit):
+    _, manifest = kit
+    assert manifest["built_for"] == {"python": "3.12", "python_tags": ["cp38-abi3"], "torch": "2.13.0", "triton": None}
+
+
+def test_matching_versions_pass_quietly():
+    assert compare_versions(BUILT_FOR, Machine("3.12.8", "2.13.0+cu130", "3.9.0")) == ([], [])
+
+
+def test_another_torch_is_named_with_both_versions_and_the_steps_run_on_it():
+    notes, refusals = compare_versions(BUILT_FOR, H200)
+    assert not refusals and len(notes) == 1
+    assert notes[0].startswith("torch 2.11.0 here, vLLM 0.32.0 pins torch==2.13.0: the steps run on this")
+
+
+def test_a_missing_torch_or_another_python_refuses_the_kit_by_name():
+    notes, refusals = compare_versions(BUILT_FOR, Machine("3.11.9", None, "3.6.0"))
+    assert not notes and len(refusals) == 2
+    assert refusals[0].startswith("Python 3.11.9 here, the kit's wheels are for Python 3.12 (cp312-cp312, ")
+    assert refusals[1].startswith(
+        "torch is not installed here, and the kit carries none (vLLM 0.32.0 pins torch==2.13.0)"
+    )
+
+
+def test_a_run_checks_the_versions_before_it_installs_anything(kit, tmp_path, capsys):
+    kit_dir, _ = kit
+    argv = ["run", "--dry-run", "--kit", str(kit_dir), "--target", str(tmp_path / "t"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match="kit refused: torch is not installed here"):
+        gpu_kit.main(argv, Machine("3.12.3", None, "3.6.0"))
+    assert not (tmp_path / "t").exists()
+    assert "torch is not installed" in json.loads((tmp_path / "out" / "gpu_kit.json").read_text())["error"]
+    gpu_kit.main(argv, H200)  # another torch: named, and the kit unpacked over it
+    assert "torch 2.11.0 here, vLLM 0.32.0 pins torch==2.13.0" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "gpu_kit.json").read_text())
+    assert summary["versions"]["machine"]["torch"] == "2.11.0" and summary["install"]["unpacked"]
+    assert "- torch 2.11.0 here" in (tmp_path / "out" / "gpu_kit.md").read_text()
+
+
+def test_a_kit_of_another_format_is_refused(kit):
+    kit_dir, manifest = kit
+    for p in kit_dir.glob("*/manifest.json"):
+        p.write_text(json.dumps(manifest | {"format": 1}))
+    with pytest.raises(KitError, match="the kit is of format 1, not 2: build it again"):
+        check(kit_dir)

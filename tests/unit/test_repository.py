@@ -1,5 +1,6 @@
 """What the repository tracks: plain files inside the checkout, so that a fresh clone is the same on every machine;
-and CI walks the README's path, so that what a fresh machine needs is installed by `make test` itself."""
+CI walks the README's path, so that what a fresh machine needs is installed by `make test` itself; and no source
+module is over 500 lines, so that each can be read whole (issue 77)."""
 
 import re
 import shutil
@@ -9,6 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # anything that installs system software (pip's own installs are the Makefile's)
 SYSTEM_INSTALL = re.compile(r"\b(apt-get|apt|dpkg|dnf|yum|apk|brew|snap)\b")
+SOURCE_PACKAGES = ("blend_integrations", "benchmarks", "training")
+MAX_MODULE_LINES = 500
 
 
 def tracked() -> list[tuple[str, str]]:
@@ -75,3 +78,15 @@ def test_system_packages_stops_and_names_the_command_where_it_cannot_install(tmp
         done.stderr
     )
     assert "installing" not in done.stdout
+
+
+def test_no_source_module_is_over_500_lines():
+    # every module on disk, tracked or not: a new module counts before its first commit
+    lengths = {
+        path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+        for package in SOURCE_PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+    assert len(lengths) > 100, "found too few modules: is this a checkout?"
+    over = [f"{path} ({n} lines)" for path, n in lengths.items() if n > MAX_MODULE_LINES]
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: split them along their seams: {over}"

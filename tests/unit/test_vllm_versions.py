@@ -560,7 +560,7 @@ def test_vllm_factory_can_construct_the_connector(vllm):
 
 
 def test_worker_extension_adds_no_name_vllm_workers_have(vllm):
-    tree = our_tree("engines/vllm_connector.py")
+    tree = our_tree("engines/vllm_worker.py")
     node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "BlendWorkerExtension")
     ours = {name for name in Definition(None, "", node).members() if not name.startswith("__")}
     for worker in WORKERS:

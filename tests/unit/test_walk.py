@@ -337,10 +337,10 @@ def test_queries_far_apart_attend_in_separate_groups():
     exactly the keys up to its own position."""
     cpu = torch.device("cpu")
     reuse = torch.cat([torch.arange(15), torch.arange(3088, 3126)])
-    assert query_groups(reuse, cpu) == [(0, 15), (15, 15 + QUERY_GROUP), (15 + QUERY_GROUP, 53)]
+    assert query_groups(reuse, cpu, 4) == [(0, 15), (15, 15 + QUERY_GROUP), (15 + QUERY_GROUP, 53)]
     scattered = torch.arange(15, 3000, 6)
-    assert {hi - lo for lo, hi in query_groups(scattered, cpu)[:-1]} == {QUERY_GROUP}
-    assert query_groups(reuse, torch.device("meta")) == [(0, 53)]  # a GPU: one call
+    assert {hi - lo for lo, hi in query_groups(scattered, cpu, 4)[:-1]} == {QUERY_GROUP}
+    assert query_groups(reuse, torch.device("meta"), 4) == [(0, 53)]  # a GPU: one block, within its budget
 
     gen = torch.Generator().manual_seed(0)
     T, D = 3126, 16
