@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from blend_integrations import BlendConfig, ChunkStore, load_engine
+from tests.fixtures.gpu import vllm_gpu_args
 from tests.fixtures.local_models import build_model, sample_text
 
 LLAMA3_ROPE = {
@@ -163,6 +164,7 @@ def vllm_engine(model_dirs, store, redis_server):
         backend="vllm",
         store=ChunkStore(store.path, remote=remote),
         config=BlendConfig(quality_check=0.0),  # as the ``engines``: without the live check
+        **vllm_gpu_args(),
         max_model_len=2048,
         kv_cache_gib=1,
         num_gpu_blocks_override=KV_CACHE_TOKENS // engine_block_size(on_gpu),

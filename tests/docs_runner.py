@@ -11,7 +11,8 @@ A comment line right before a sample can change how it runs:
   background, the page goes on once ``http://127.0.0.1:PORT/health`` answers
   (PORT from ``--port``), and it is stopped when the page ends.
 - ``<!-- docs-test: skip, REASON -->``: not run (only for ``make test``, which
-  is the command that runs this).
+  is the command that runs this, and ``make demo``, which
+  tests/integration/test_examples.py runs and checks).
 """
 
 from __future__ import annotations

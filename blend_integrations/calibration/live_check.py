@@ -7,9 +7,10 @@ judged over windows of ``window`` checked answers, by the rule calibration choos
 window must be able to show the target at ``confidence`` with its Wilson lower bound
 (``choice.max_misses``). The moment a window's misses rule that out, ``"auto"`` steps up one
 rung. A raised rung that passes ``STEP_DOWN_WINDOWS`` windows in a row steps back down one
-(twice as many for each time the rung below failed), never below the calibrated policy. Each
-window a rung passes in a row halves the share of requests checked, down to ``MIN_SHARE_FACTOR``
-of it: where the answers hold, the checks cost less and less.
+(twice as many for each time the rung below failed), never below the calibrated policy. Where
+the answers hold, the checks cost less (``LiveCheck.share``): each window a rung passes in a
+row halves the share of requests checked, down to ``MIN_SHARE_FACTOR`` of it, and a policy a
+calibration measured starts there, until a window of its checks misses.
 
 The state is one JSON record per model, dtype, engine and codec, for one calibrated policy
 (another policy, e.g. after a new calibration, starts afresh). Every process and machine on
@@ -43,6 +44,9 @@ STEP_DOWN_WINDOWS = 2  # windows a raised rung passes in a row before the rung b
 KEEP_STEPS = 20  # the latest steps a state keeps, for operators
 # A rung whose windows showed the target in a row is checked less: the share halves per window, down to this.
 MIN_SHARE_FACTOR = 1 / 8
+# The sources of a policy a calibration measured to show the target (the user's, or the packaged one with its
+# held-out lower bound): checked at MIN_SHARE_FACTOR of the share from the start, until a window misses.
+VOUCHED = ("calibrated", "packaged")
 DEFAULT_TARGET, DEFAULT_CONFIDENCE = 0.95, 0.8  # what a fallback (no calibration) is held to
 
 
@@ -271,12 +275,17 @@ class LiveCheck:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def share(self, base: RatioChoice, configured: float) -> float:
-        """The share of requests to check now: ``configured``, halved for each window the rung in
-        use passed in a row (down to ``MIN_SHARE_FACTOR`` of it)."""
-        state = self.state
-        if state is None or state.policy != policy_key(base):
+        """The share of requests to check now. ``configured`` where the rung in use is in doubt: a
+        miss in its current window, a rung the checks raised that no window has passed yet, or the
+        fallback; halved for each window it passed in a row, down to ``MIN_SHARE_FACTOR`` of it. A
+        calibrated policy on its own rung starts at that floor: its calibration showed the target."""
+        state = self.state if self.state is not None and self.state.policy == policy_key(base) else None
+        here = state.counts() if state is not None else Rung()
+        if here.window_missed:
             return configured
-        return configured * max(MIN_SHARE_FACTOR, 0.5 ** state.counts().passed_in_a_row)
+        if base.source in VOUCHED and (state is None or state.rung <= state.base):
+            return configured * MIN_SHARE_FACTOR
+        return configured * max(MIN_SHARE_FACTOR, 0.5**here.passed_in_a_row)
 
     def summary(self) -> dict[str, Any] | None:
         """The state in use: the rung, why, and each rung's running agreement with its lower bound."""

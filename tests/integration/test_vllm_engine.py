@@ -24,6 +24,7 @@ from blend_integrations.fusion.plan import Planner
 from blend_integrations.prompt import TokenizedPrompt
 from blend_integrations.store import DEFAULT_READ_BANDWIDTH
 from tests.fixtures.exactness import chosen
+from tests.fixtures.gpu import vllm_gpu_args
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -518,6 +519,7 @@ def test_a_failing_plan_costs_one_request_not_the_engine(model_dirs, tmp_path, m
         max_model_len=2048,
         kv_cache_gib=1,
         distributed_executor_backend="uni",
+        **vllm_gpu_args(),  # beside the session's engine, both within one GPU
     )
     try:
         connector = engine.llm.llm_engine.engine_core.engine_core.scheduler.connector

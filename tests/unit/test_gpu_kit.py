@@ -204,7 +204,7 @@ def test_a_dry_run_checks_and_unpacks_the_kit_and_runs_no_step(kit, tmp_path):
     gpu_kit.main(argv, H200)
     summary = json.loads((tmp_path / "out" / "gpu_kit.json").read_text())
     assert summary["kit"]["kit_id"] == manifest["kit_id"] and summary["install"]["unpacked"]
-    assert [s["name"] for s in summary["steps"]] == ["imports", "codec-test", "vllm-tests", "ttft"]
+    assert [s["name"] for s in summary["steps"]] == ["imports", "codec-test", "vllm-tests-eager", "vllm-tests", "ttft"]
     assert all(s["skipped"] == "dry run" for s in summary["steps"])
     assert sorted(os.listdir(tmp_path / "out")) == ["gpu_kit.json", "gpu_kit.md"]
 

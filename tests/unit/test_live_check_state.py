@@ -160,7 +160,7 @@ def test_the_state_crosses_machines_through_redis(tmp_path, redis_url):
         assert there.choice() == RatioChoice(0.2, "checked")
 
 
-def test_where_the_answers_hold_the_share_checked_halves_per_window_down_to_an_eighth(tmp_path):
+def test_where_the_answers_hold_the_share_checked_falls_to_an_eighth(tmp_path):
     with ChunkStore(tmp_path / "store", remote="") as store:
         live = calibrations(store).live
         assert live.share(FALLBACK, 0.05) == 0.05  # no state yet
@@ -174,6 +174,15 @@ def test_where_the_answers_hold_the_share_checked_halves_per_window_down_to_an_e
         for _ in range(ALLOWED + 1):
             live.record(FALLBACK, 0.15, False, 0.95, 0.8)
         assert live.apply(FALLBACK).ratio == 0.2 and live.share(FALLBACK, 0.05) == 0.05
-        # another policy's state says nothing about this one
-        other = RatioChoice(0.3, "calibrated")
-        assert live.share(other, 0.05) == 0.05
+        # another policy's state says nothing about this one; a calibrated policy (its calibration showed
+        # the target) starts at the floor, and a miss in its window brings the whole share back
+        calibrated = RatioChoice(0.3, "calibrated")
+        assert live.share(calibrated, 0.05) == 0.00625
+        live.record(calibrated, 0.3, True, 0.95, 0.8)
+        assert live.share(calibrated, 0.05) == 0.00625
+        live.record(calibrated, 0.3, False, 0.95, 0.8)
+        assert live.share(calibrated, 0.05) == 0.05
+        for _ in range(ALLOWED):
+            live.record(calibrated, 0.3, False, 0.95, 0.8)
+        # the rung it was raised to, which no window has passed yet, is checked at the whole share
+        assert live.apply(calibrated).ratio == 0.5 and live.share(calibrated, 0.05) == 0.05
