@@ -11,7 +11,7 @@ with wide margins that one selection has and another has not is the
 selection's own.
 
 ``python -m benchmarks probes --model qwen2.5-coder-1.5b --backend vllm
---ratios 0.12 0.15 0.2 --settings prophet query-tail`` writes
+--ratios 0.12 0.15 0.2 --settings query-layer0 query-tail`` writes
 ``docs/results/probes-MODEL-BACKEND.md`` and its JSON.
 """
 
@@ -28,7 +28,7 @@ from blend_integrations.store import ChunkStore
 
 from . import machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED
-from .oracle import AGREE_TOKENS, selection_settings
+from .oracle import AGREE_TOKENS, RENAMED, selection_settings
 from .quality import BASE, model_and_task, results_name
 
 
@@ -108,12 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="vllm", choices=("transformers", "vllm"))
     parser.add_argument("--prompts", type=int, default=48, help="probe prompts, as calibration's default")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.12, 0.15, 0.2])
-    parser.add_argument("--settings", nargs="+", default=["prophet", "query-tail"])
+    parser.add_argument("--settings", nargs="+", default=["query-layer0", "query-tail"])
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
     args = parser.parse_args(argv)
     if any(not 0.0 < r < 1.0 for r in args.ratios):
         parser.error("--ratios must lie strictly between 0 and 1")
     known = selection_settings(28)
+    args.settings = [RENAMED.get(name, name) for name in args.settings]  # older commands still run
     if unknown := set(args.settings) - set(known):
         parser.error(f"unknown settings {', '.join(sorted(unknown))}; they are {', '.join(known)}")
     report = run(args)

@@ -50,29 +50,29 @@ def test_the_oracle_at_every_token_is_full_prefill(reader):
 
 def test_the_benchmark_writes_and_renders_its_tables(tmp_path, capsys):
     oracle.main(
-        ["--model", "reader", "--questions", "2", "--ratios", "0.15", "--settings", "deviation", "prophet"]
+        ["--model", "reader", "--questions", "2", "--ratios", "0.15", "--settings", "deviation", "query-layer0"]
         + ["--out", str(tmp_path)]
     )
     # a subset of the settings has a page named after them: the whole run's page stays
-    report = json.loads((tmp_path / "oracle-reader-transformers-deviation-prophet.json").read_text())
+    report = json.loads((tmp_path / "oracle-reader-transformers-deviation-query-layer0.json").read_text())
     assert report["full"]["exact_at_ratio_one"] == [True, True]
     modes = report["modes"]
     assert set(modes) == {
         "reuse",
         "deviation@0.15",
-        "prophet@0.15",
+        "query-layer0@0.15",
         "(b) recompute, oracle set@0.15",
         "(c) oracle patch, one set@0.15",
         "(c) oracle patch, set per layer@0.15",
     }
     assert all(0.0 <= m["agree"] <= 1.0 for m in modes.values())
-    assert 0.0 <= modes["deviation@0.15"]["recall"] <= 1.0 and modes["prophet@0.15"]["speedup"] > 0
-    assert report["config"]["settings"]["prophet"]["check_layers"] == [0]
+    assert 0.0 <= modes["deviation@0.15"]["recall"] <= 1.0 and modes["query-layer0@0.15"]["speedup"] > 0
+    assert report["config"]["settings"]["query-layer0"]["check_layers"] == [0]
     assert report["config"]["pass_ms"] > 0 and report["config"]["mean_prefix_tokens"] > 0
-    page = (tmp_path / "oracle-reader-transformers-deviation-prophet.md").read_text()
-    assert "| (a) blend, prophet |" in page and "Deviation by layer" in page
-    oracle.main(["--render", str(tmp_path / "oracle-reader-transformers-deviation-prophet.json")])
-    assert (tmp_path / "oracle-reader-transformers-deviation-prophet.md").read_text() == page
+    page = (tmp_path / "oracle-reader-transformers-deviation-query-layer0.md").read_text()
+    assert "| (a) blend, query-layer0 |" in page and "Deviation by layer" in page
+    oracle.main(["--render", str(tmp_path / "oracle-reader-transformers-deviation-query-layer0.json")])
+    assert (tmp_path / "oracle-reader-transformers-deviation-query-layer0.md").read_text() == page
 
 
 def test_the_probes_benchmark_lists_every_prompt_a_setting_missed(tmp_path):
