@@ -51,8 +51,17 @@ CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_WATCHED_BYTES = 4 << 20  # a longer response is passed on unwatched
 CHECK_TIMEOUT_S = 600.0
 # Fields of a user's request a check leaves out: its blend parameters (so vLLM computes it in full), how it
-# is delivered, and what only makes the response longer.
-DROPPED = ("kv_transfer_params", "stream", "stream_options", "logprobs", "top_logprobs", "return_token_ids", "echo")
+# is delivered, what only makes the response longer, and a floor its few tokens would break.
+DROPPED = (
+    "kv_transfer_params",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "return_token_ids",
+    "echo",
+    "min_tokens",
+)
 
 
 @dataclass(frozen=True)
