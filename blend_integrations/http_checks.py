@@ -110,8 +110,12 @@ def answer_of(data: dict, body: bytes) -> tuple[str, dict | None] | None:
         if not isinstance(event, dict):
             return None
         params = event.get("kv_transfer_params") or params
-        for choice in event.get("choices") or ():
-            part = choice.get("text") or (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+        choices = event.get("choices") or []
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            return None
+        for choice in choices:
+            said = choice.get("message") or choice.get("delta") or {}
+            part = choice.get("text") or (said.get("content") if isinstance(said, dict) else None) or ""
             text.append(part if isinstance(part, str) else "")
     return "".join(text), params
 
@@ -150,8 +154,8 @@ class ServedChecks:
         with self._lock:
             return self.in_flight == 0
 
-    def preempt(self) -> None:
-        """A user's request came: close the check in flight's connection (vLLM aborts its request)."""
+    def _arrived(self) -> None:
+        """A user's request came: count it, and close the check in flight's connection (vLLM aborts it)."""
         with self._lock:
             self.in_flight += 1
             if self._conn is not None and self._conn.sock is not None:
@@ -199,7 +203,7 @@ class ServedChecks:
         its count and offers it for a check where it may be checked."""
         from .http_edge import request_path
 
-        self.preempt()
+        self._arrived()
         path = request_path(scope)
         if not checkable(path, data) or self.checker.share <= 0:
             return send, self._done

@@ -51,6 +51,7 @@ def test_an_answer_is_read_streamed_or_not_from_completions_and_chats():
     stream = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
     assert answer_of({"stream": True}, stream.encode()) == ("Paris", AUTO)
     assert answer_of({}, b"not json") is None and answer_of({}, b"[1, 2]") is None
+    assert answer_of({}, b'{"choices": ["text"]}') is None and answer_of({}, b'{"choices": {"a": 1}}') is None
 
 
 @pytest.mark.parametrize(
