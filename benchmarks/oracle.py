@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 from blend_integrations.config import BlendConfig, check_schedule
+from blend_integrations.cost import Shape, passes, token_layers
 from blend_integrations.engines import load_engine
-from blend_integrations.fusion.controller import token_layers
 from blend_integrations.fusion.walk import KVCache, ReusedSpan, forward
 from blend_integrations.store import ChunkStore
 
@@ -331,8 +331,8 @@ def hop_counts(report: dict) -> str:
 
 def predicted_ms(config: dict, full_ms: float, reuse_ms: float, settings: dict, ratio: float) -> float:
     """A blend's predicted time to first token: reuse's time, plus the
-    token-layers the setting computes beyond reuse's (the walk's cost model,
-    ``controller.token_layers``) at full prefill's cost of one, plus a walk
+    token-layers the setting computes beyond reuse's (the package's cost model,
+    ``blend_integrations.cost``) at full prefill's cost of one, plus a walk
     pass's fixed cost (``config["pass_ms"]``) for the reuse pass of a
     selection by the query. ``config``: a report's (its prompts' mean sizes)."""
     layers, tokens, reused = config["layers"], config["mean_prompt_tokens"], config["mean_reused_tokens"]
@@ -340,9 +340,9 @@ def predicted_ms(config: dict, full_ms: float, reuse_ms: float, settings: dict, 
     sink, query_pass = settings["sink_tokens"], settings["selection"] != "deviation"
     schedule = check_schedule(tuple(settings["check_layers"]), ratio)
     stored = reused - sink * config["mean_chunks"]  # each chunk's sink tokens are computed fresh
-    walk = token_layers(tokens, stored, layers, schedule, query_pass, config["mean_prefix_tokens"] + sink)
-    extra = walk - layers * (tokens - reused)
-    return reuse_ms + extra * per_token_layer + (config["pass_ms"] if query_pass else 0.0)
+    walk = token_layers(Shape(tokens, stored, config["mean_prefix_tokens"] + sink), layers, schedule, query_pass)
+    extra = walk - token_layers(Shape(tokens, reused), layers, None)
+    return reuse_ms + extra * per_token_layer + (passes(schedule, query_pass) - passes(None)) * config["pass_ms"]
 
 
 # Names of settings in runs made before they were renamed (their JSON): "prophet" is query selection at

@@ -171,18 +171,6 @@ def check_schedule(check_layers: tuple[int, ...], ratio: float) -> list[tuple[in
     return [(layer, ratio + (1.0 - ratio) * (n - 1 - i) / n) for i, layer in enumerate(check_layers)]
 
 
-def computed_share(check_layers: tuple[int, ...], ratio: float, num_layers: int) -> float:
-    """The share of a blended prompt's reused token-layers that are computed
-    (what a blend policy costs): every layer before the first check layer,
-    then the share each check layer keeps, down to ``ratio``."""
-    kept, total = 1.0, 0.0
-    schedule = dict(check_schedule(check_layers, ratio))
-    for layer in range(num_layers):
-        kept = schedule.get(layer, kept)
-        total += kept
-    return total / num_layers
-
-
 def check_mode(mode: str, *, name: str = "mode") -> str:
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"{name} must be one of {', '.join(MODES)}; got {mode!r:.60}")

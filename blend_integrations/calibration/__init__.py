@@ -19,8 +19,8 @@ SmolLM2-135M's (docs/results/calibration.md). ``calibrate`` measures it:
    so which ratio the guard gives each probe is known from one reply,
    without running the guard.
 3. Each prompt's full prefill, then the policies on the engine being
-   calibrated, cheapest first (by the computed share of the reused
-   token-layers, ``config.computed_share``), each on the hardest probes
+   calibrated, cheapest first (by the cost model of ``blend_integrations.cost``
+   on the probes' own shapes: ``choice.Costs``), each on the hardest probes
    first. A blended reply *agrees* when its first ``tokens`` greedy tokens
    are full prefill's. A policy stops at the disagreement that rules the
    target out, and policies costlier than one that met it are not run

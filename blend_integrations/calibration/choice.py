@@ -3,18 +3,17 @@ choice among the measured ones (``choose``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from ..config import BlendConfig, computed_share
+from ..config import BlendConfig, check_schedule
+from ..cost import Shape, fit_speed, full_token_layers, passes, policy_cost, token_layers
+from ..prompt import TokenizedPrompt
 from .records import CalibrationRecord, Guard, max_misses, wilson_lower
-
-# What a query-aware selection's reuse pass adds to a policy's cost (it computes the prompt's new tokens once more).
-QUERY_PASS_COST = 0.05
 
 
 @dataclass(frozen=True)
@@ -58,11 +57,48 @@ def default_variants(config: BlendConfig, num_layers: int | None) -> list[dict]:
     return variants
 
 
-def policy_cost(settings: dict, ratio: float, num_layers: int) -> float:
-    """What a policy computes: the share of the reused token-layers
-    (``config.computed_share``), plus a query-aware selection's reuse pass."""
-    share = computed_share(tuple(settings["check_layers"]), ratio, num_layers)
-    return share + (QUERY_PASS_COST if settings["selection"] != "deviation" else 0.0)
+@dataclass(frozen=True)
+class Costs:
+    """What each policy costs on the probes, by the cost model of ``blend_integrations.cost``: the
+    token-layers it computes on each probe's own shape at that probe's ratio, plus a walk pass's
+    fixed cost in token-layers (``pass_token_layers``, fitted to the probes' measured times:
+    ``Costs.fitted``), over full prefill's."""
+
+    prompts: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # each probe's (tokens, chunk spans)
+    num_layers: int
+    pass_token_layers: float = 0.0
+
+    @classmethod
+    def of(cls, probes: Sequence[TokenizedPrompt], num_layers: int, pass_token_layers: float = 0.0) -> Costs:
+        prompts = tuple((len(p.token_ids), tuple(map(tuple, p.chunk_spans))) for p in probes)
+        return cls(prompts, num_layers, pass_token_layers)  # type: ignore[arg-type]
+
+    def shapes(self, settings: dict) -> list[Shape]:
+        return [Shape.of(n, spans, settings["sink_tokens"]) for n, spans in self.prompts]
+
+    def __call__(self, settings: dict, rungs: Sequence[float]) -> float:
+        query_pass = settings["selection"] != "deviation"
+        return policy_cost(
+            self.shapes(settings), self.num_layers, settings["check_layers"], rungs, query_pass, self.pass_token_layers
+        )
+
+    def fitted(self, runs: Sequence[tuple[int, dict | None, float, float]]) -> Costs:
+        """These costs with the pass's fixed cost fitted to ``runs`` of (probe, settings, ratio,
+        seconds): a measured time to first token, full prefill's with settings None."""
+        measured = []
+        for j, settings, ratio, seconds in runs:
+            n, spans = self.prompts[j]
+            if settings is None:
+                measured.append((full_token_layers(Shape(n), self.num_layers), 1, seconds))
+                continue
+            schedule = check_schedule(tuple(settings["check_layers"]), ratio)
+            query_pass = settings["selection"] != "deviation"
+            shape = Shape.of(n, spans, settings["sink_tokens"])
+            measured.append(
+                (token_layers(shape, self.num_layers, schedule, query_pass), passes(schedule, query_pass), seconds)
+            )
+        speed = fit_speed(measured)
+        return self if speed is None else dataclasses.replace(self, pass_token_layers=speed[1] / speed[0])
 
 
 def _prompts_needed(target: float, confidence: float) -> int | None:
@@ -77,15 +113,16 @@ def _prompts_needed(target: float, confidence: float) -> int | None:
 
 
 def candidates(
-    shares: dict[int, list[Callable[[float], float]]], ladder: list[float], tried: list[dict], num_layers: int, n: int
+    shares: dict[int, list[Callable[[float], float]]], ladder: list[float], tried: list[dict], costs: Costs
 ) -> list[Policy]:
     """Every policy, cheapest first: each setting at each ratio, and for each
     setting in ``shares`` (its probes' ``deviation_share``, where the engine
     reports them) the guard from each base ratio at each threshold the
     probes' shares at that base suggest. A setting's shares come from its
     probes' cheapest runs: a share does not depend on the ratio a walk ran at."""
+    n = len(costs.prompts)
     policies = [
-        Policy("ratio", i, r, None, (r,) * n, policy_cost(settings, r, num_layers))
+        Policy("ratio", i, r, None, (r,) * n, costs(settings, (r,) * n))
         for i, settings in enumerate(tried)
         for r in ladder
     ]
@@ -94,7 +131,7 @@ def candidates(
             for threshold in sorted({round(share(r0), 3) for share in of_probes})[1:]:
                 guard = Guard(r0, threshold, tuple(ladder))
                 rungs = tuple(guard.ratio(share) for share in of_probes)
-                cost = statistics.fmean(policy_cost(tried[i], r, num_layers) for r in rungs)
+                cost = costs(tried[i], rungs)
                 policies.append(Policy("guard", i, r0, threshold, rungs, cost))
     return sorted(policies, key=lambda p: (p.cost, p.kind != "ratio", p.settings, p.ratio, p.threshold or 0.0))
 
@@ -146,14 +183,14 @@ def choose(
     elif uniform is None and guarded is None:
         best = min(meeting, key=cost)
         why = (
-            f"the cheapest policy meeting the target (computed share {best['cost']}) was measured only "
+            f"the cheapest policy meeting the target (cost {best['cost']} of full prefill's) was measured only "
             f"{best['ttft_speedup']:.2f}x sooner than full prefill, under min_speedup {min_speedup}: full prefill"
         )
     else:
         chosen = guarded if guarded is not None else uniform
         assert chosen is not None  # one of the two, by the branch above
         why = (
-            f"the cheapest policy meeting the target: computed share {chosen['cost']}, mean ratio "
+            f"the cheapest policy meeting the target: cost {chosen['cost']} of full prefill's, mean ratio "
             f"{chosen['mean_ratio']}, {chosen['ttft_speedup']:.2f}x sooner than full prefill"
         )
     return CalibrationRecord(

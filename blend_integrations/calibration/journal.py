@@ -44,7 +44,7 @@ def cpu_name() -> str:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())  # the first CPU's
     flags = fields.get("flags", "").split()
-    ext = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags]
+    ext: list[str] = [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags]
     if "cpu family" in fields:
         ext.append(f"family {fields['cpu family']} model {fields.get('model', '?')}")
     name = fields.get("model name", os.uname().machine)

@@ -21,7 +21,7 @@ from ..config import BlendConfig, check_ratio
 from ..prompt import PromptInput, TokenizedPrompt
 from ..store import ChunkStore
 from ..version import __version__
-from .choice import candidates, choose, default_variants, meets
+from .choice import Costs, candidates, choose, default_variants, meets
 from .journal import Journal, cpu_name
 from .probes import MIN_PROBE_TOKENS, probe_prompts, question_probes
 from .records import LADDER, CalibrationError, CalibrationRecord, max_misses, record_name, settings_label, wilson_lower
@@ -417,8 +417,12 @@ def _measure(
         if len(of_probes) < n:
             break  # the engine reports no shares
         shares[i] = of_probes
+    # the cost model's pass cost, fitted to the times measured so far: full prefill's and the cheapest blends'
+    runs: list[tuple[int, dict | None, float, float]] = [(j, None, 1.0, f.ttft_s) for j, f in enumerate(replies.fulls)]
+    runs += [(j, tried[i], r, g.ttft_s) for (i, r, j), g in replies.runs.items()]
+    costs = Costs.of(replies.probes, num_layers).fitted(runs)
     bar = tqdm(
-        candidates(shares, ladder, tried, num_layers, n),
+        candidates(shares, ladder, tried, costs),
         desc="calibrating: policies, cheapest first",
         unit="policy",
         disable=not progress,

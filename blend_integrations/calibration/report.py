@@ -14,7 +14,7 @@ def curve_table(curve: list[dict], n: int) -> list[str]:
     tasks = list(next((c["tasks"] for c in curve if "tasks" in c), {}))
     per_task = "".join(f" {t} |" for t in tasks)
     lines = [
-        f"| settings | ratio | computed share | agreement |{per_task} lower bound | first-token KL | TTFT full / blend |",
+        f"| settings | ratio | cost | agreement |{per_task} lower bound | first-token KL | TTFT full / blend |",
         "|---|---:|---:|---:|" + "---:|" * len(tasks) + "---:|---:|---:|",
     ]
     for c in curve:

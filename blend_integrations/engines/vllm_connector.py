@@ -414,7 +414,7 @@ class BlendConnector(KVConnectorBase_V1):
             self._reports[job.req_id] = PassReport.of(stats, job.details)
 
     def _measured_rates(self) -> dict[str, float | None]:
-        return measured_rates(self.store, self.blender.compute_rate if self.blender is not None else None)
+        return measured_rates(self.store, self.blender.walk_speed if self.blender is not None else None)
 
     def build_connector_worker_meta(self) -> BlendWorkerMetadata | None:
         rates = self._measured_rates()

@@ -21,9 +21,9 @@ import torch
 
 from ..calibration import Calibrations, RankShares
 from ..config import BlendConfig
+from ..cost import WalkSpeed
 from ..store import ChunkKV, ChunkStore
 from ..store.layered import LayerReader
-from ..store.rate import Rate
 from .controller import LoadingStats
 from .layers import LayerModel, agreed
 from .pipeline import LayerLoader, LoadFailed
@@ -86,8 +86,8 @@ class Blender:
             config, ChunkKeys(fingerprint, model.dtype, bos_token_id), model.num_layers, self.calibrations
         )
         self.store = store
-        # Token-layers per second of this model's walk, measured on every prefill.
-        self.compute_rate = Rate()
+        # The speed of this model's walk (per token-layer and per pass), measured on every walk.
+        self.walk_speed = WalkSpeed()
         # The dense KV cache of the engine's requests (it runs one at a time).
         self.request_caches = ScratchCache(model)
 
@@ -114,7 +114,7 @@ class Blender:
         settings: dict | None = None,
     ) -> PrefillPlan:
         """The plan (``Planner.plan``) from this Blender's store, at its measured rates."""
-        rates = measured_rates(self.store, self.compute_rate)
+        rates = measured_rates(self.store, self.walk_speed)
         return self.planner.plan(
             token_ids,
             chunk_spans,
@@ -355,8 +355,8 @@ class Blender:
     def _forward(
         self, cache: KVCache, token_ids: Sequence[int], *, loader: LayerLoader | None = None, **options
     ) -> tuple[torch.Tensor | None, WalkStats]:
-        """The walk, timed: every prefill measures the compute throughput (the
-        time it waited for pipelined loads is not compute)."""
+        """The walk, timed: every walk measures the walk's speed (the time it
+        waited for pipelined loads is not compute)."""
         m = self.model
         started = time.perf_counter()
         with torch.inference_mode():
@@ -364,7 +364,7 @@ class Blender:
         if m.device.type == "cuda":
             torch.cuda.synchronize(m.device)  # the kernels are queued, not done
         waited = loader.waited_s if loader is not None else 0.0
-        self.compute_rate.add(walk.token_layers, time.perf_counter() - started - waited)
+        self.walk_speed.add(walk.token_layers, walk.passes, time.perf_counter() - started - waited)
         return out, walk
 
     def save_missed(self, stats: PrefillStats) -> None:

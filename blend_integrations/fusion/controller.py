@@ -6,7 +6,7 @@ Inputs are estimates the engine keeps up to date: each chunk's load time
 throughput in token-layers per second. The walk computes every token in the
 layers before the first check layer and, after each check layer, the fresh
 tokens plus that layer's share of the reused ones, so its cost is linear in
-the ratio (``token_layers``).
+the ratio, plus a fixed cost per pass (``blend_integrations.cost``).
 
 - A chunk is computed as fresh tokens instead of loaded when that lowers the
   estimated time to first token (or when all its tokens are sink tokens): loading it costs its load time and saves
@@ -25,6 +25,8 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from ..cost import Shape, passes, token_layers
 
 Schedule = Callable[[float], list[tuple[int, float]]]  # ratio -> [(check layer, share)], as BlendConfig.check_schedule
 
@@ -59,30 +61,6 @@ class Plan:
     compute_s: float | None  # estimated seconds of the walk at ``ratio``
 
 
-def token_layers(
-    num_tokens: int,
-    reused: int,
-    num_layers: int,
-    schedule: list[tuple[int, float]] | None,
-    query_pass: bool = False,
-    prefix: int = 0,
-) -> float:
-    """Token-layers the walk computes for ``num_tokens`` tokens of which
-    ``reused`` come with stored KV (the cost model of docs/tuning.md).
-    ``query_pass``: a query-aware blend first computes the fresh tokens at
-    every layer (its reuse pass), which leaves the final KV of the
-    ``prefix`` tokens before the first reused one: its blend walk skips them."""
-    fresh = num_tokens - reused
-    if schedule is None:  # reuse mode: fresh tokens only
-        return num_layers * fresh
-    skipped = prefix if query_pass else 0
-    bounds = [layer for layer, _ in schedule] + [num_layers]
-    total = float(bounds[0] * (num_tokens - skipped)) + (num_layers * fresh if query_pass else 0)
-    for (layer, share), end in zip(schedule, bounds[1:]):
-        total += (end - layer) * (fresh - skipped + share * reused)
-    return total
-
-
 def plan(
     tokens: Sequence[int],
     load_s: Sequence[float],
@@ -95,17 +73,22 @@ def plan(
     overlapped: bool,
     query_pass: bool = False,
     prefix: int = 0,
+    pass_s: float = 0.0,
 ) -> Plan:
     """Decide for chunks with ``tokens[i]`` reusable tokens and estimated
     ``load_s[i]`` seconds to read, in a prompt of ``num_tokens`` new tokens,
     at a walk speed of ``throughput`` token-layers/s (None: not measured yet,
-    so every chunk is loaded at the floor). ``query_pass``, ``prefix``: see ``token_layers``."""
+    so every chunk is loaded at the floor), plus ``pass_s`` seconds per walk pass (its fixed cost;
+    the cost model of ``blend_integrations.cost``). ``query_pass``: a selection by the query, whose
+    reuse pass skips the ``prefix`` tokens before the first reused one in its blend walk."""
     load = [t > 0 for t in tokens]  # a chunk of sink tokens only has nothing to reuse
     if throughput is None:
         return Plan(floor, load, sum(t for t, kept in zip(load_s, load) if kept), None)
 
     def compute(reused: int, ratio: float) -> float:
-        return token_layers(num_tokens, reused, num_layers, schedule(ratio), query_pass, prefix) / throughput
+        walk = schedule(ratio)
+        shape = Shape(num_tokens, reused, prefix)
+        return token_layers(shape, num_layers, walk, query_pass) / throughput + passes(walk, query_pass) * pass_s
 
     def ttft(load_time: float, compute_time: float) -> float:
         return max(load_time, compute_time) if overlapped else load_time + compute_time

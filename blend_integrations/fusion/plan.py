@@ -29,8 +29,8 @@ from typing import Any
 
 from ..calibration import Calibrations, Guard, RatioChoice, choose_ratio
 from ..config import CALIBRATION_SOURCES, BlendConfig, check_schedule
+from ..cost import WalkSpeed
 from ..store import ChunkStore, chunk_key
-from ..store.rate import Rate
 from .controller import LoadingStats, decide
 
 LOAD, COMPUTE, MISS = "load", "compute", "miss"
@@ -112,12 +112,14 @@ def in_full(choice: RatioChoice) -> bool:
     return choice.source in CALIBRATION_SOURCES and choice.ratio >= 1.0 and choice.guard is None
 
 
-def measured_rates(store: ChunkStore, compute: Rate | None) -> dict[str, float | None]:
+def measured_rates(store: ChunkStore, speed: WalkSpeed | None) -> dict[str, float | None]:
     """What the loading controller estimates with: each store tier's read
-    bandwidth in bytes/s, and "compute", the walk's token-layers per second
-    (None until measured)."""
-    return {tier: rate.value for tier, rate in store.read_rates.items()} | {
-        "compute": compute.value if compute is not None else None
+    bandwidth in bytes/s, "compute", the walk's token-layers per second (None
+    until measured), and "pass", a walk pass's fixed cost in seconds (``WalkSpeed``)."""
+    rates = {tier: rate.value for tier, rate in store.read_rates.items()}
+    return rates | {
+        "compute": speed.throughput if speed is not None else None,
+        "pass": speed.pass_s if speed is not None else 0.0,
     }
 
 
@@ -216,6 +218,7 @@ class Planner:
                 schedule=s.check_schedule,
                 floor=floor,
                 throughput=rates["compute"],
+                pass_s=rates.get("pass") or 0.0,
                 overlapped=s.pipelined_loading,
                 query_pass=s.selection != "deviation",
                 prefix=spans[0][0] + s.sink_tokens,  # before the first reused token, or fewer

@@ -127,6 +127,7 @@ class WalkStats:
     cached_tokens: int  # tokens whose KV came from the store (reused)
     recomputed_tokens: int  # of those, how many were recomputed after all
     token_layers: int = 0  # tokens computed, summed over layers (the walk's work)
+    passes: int = 1  # 2: a selection by the query ran its reuse pass first
     kept: tuple[int, ...] = ()  # the reused tokens recomputed after the last check layer (offsets in the new tokens)
     ratio: float | None = None  # the recompute ratio used (blend only): the schedule's, or the guard's
     guarded: bool = False  # the guard raised the ratio
@@ -361,7 +362,9 @@ def forward(
         loads.close()  # the copies still under way finish before the cache is used or freed
     cache.length = end
     kept = tuple(active[is_reused[active]].tolist()) if schedule else ()
-    stats = WalkStats(num_reused, recomputed, first_pass + token_layers, kept, ratio, guarded, captured, share)
+    stats = WalkStats(
+        num_reused, recomputed, first_pass + token_layers, 2 if first_pass else 1, kept, ratio, guarded, captured, share
+    )
     return (model.logits(h[-1:])[0] if logits else None), stats
 
 

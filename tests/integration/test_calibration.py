@@ -22,13 +22,14 @@ from blend_integrations.calibration import (
     Guard,
     default_variants,
     exclusive,
-    policy_cost,
     record_name,
     report,
     wilson_lower,
 )
+from blend_integrations.calibration.choice import Costs
 from blend_integrations.calibration.probes import question_probes
-from blend_integrations.config import FALLBACK_RATIO, computed_share
+from blend_integrations.config import FALLBACK_RATIO
+from blend_integrations.prompt import TokenizedPrompt
 from tests.fixtures.documents import DOCS
 from tests.fixtures.local_models import sample_text
 
@@ -219,12 +220,21 @@ def test_a_stopped_calibration_resumes_from_its_journal(private, monkeypatch, tm
 
 
 def test_what_a_policy_costs():
-    assert computed_share((1,), 0.15, 4) == pytest.approx((1 + 3 * 0.15) / 4)
-    # gradual: the second check layer still computes the first one's share
-    assert computed_share((1, 2), 0.15, 4) == pytest.approx((1 + 0.575 + 0.15 + 0.15) / 4)
-    assert computed_share((0,), 1.0, 30) == 1.0 and computed_share((3,), 0.0, 4) == 0.75
-    base = BlendConfig().settings()
-    assert policy_cost({**base, "selection": "query"}, 0.1, 4) == pytest.approx(policy_cost(base, 0.1, 4) + 0.05)
+    # two probes of 100 tokens, 80 of them in chunks after a 10-token system prompt, 4 layers
+    probes = [TokenizedPrompt(list(range(100)), [(10, 50), (50, 90)])] * 2
+    costs = Costs.of(probes, 4)
+    base = BlendConfig().settings()  # check layer 1, by deviation
+    # layer 0: 100 tokens; layers 1-3: 20 fresh + 0.15 of 80 reused
+    assert costs(base, (0.15, 0.15)) == pytest.approx((100 + 3 * (20 + 12)) / 400)
+    assert costs(base, (0.15, 1.0)) == pytest.approx((100 + 3 * 32 + 400) / 800)  # the guard's 1.0: full prefill
+    query = {**base, "selection": "query", "check_layers": [0]}
+    # the reuse pass (20 fresh at 4 layers), then the blend walk past the 10-token prefix
+    assert costs(query, (0.15, 0.15)) == pytest.approx((80 + 4 * (10 + 12)) / 400)
+    # a pass's fixed cost, fitted to measured times: 1 ms per token-layer and 50 ms a pass
+    runs = [(0, None, 1.0, 0.05 + 0.4), (1, base, 0.15, 0.05 + 0.196), (0, query, 0.15, 0.1 + 0.168)]
+    fitted = costs.fitted(runs)
+    assert fitted.pass_token_layers == pytest.approx(50)
+    assert fitted(query, (0.15, 0.15)) == pytest.approx((168 + 100) / 450)
     assert default_variants(BlendConfig(), 4) == [
         {"check_layers": [1, 2]},
         {"selection": "query", "check_layers": [0]},  # ProphetKV's: no layer computed for every token
@@ -289,7 +299,7 @@ def test_calibration_stops_early_yet_chooses_what_measuring_everything_chooses(p
     # nothing costlier than the chosen single ratio was run, except rows whose replies were already there
     ran = [c for c in lazy.curve if c["policy"] == "ratio"]
     assert [c["cost"] for c in ran] == sorted(c["cost"] for c in ran)
-    assert "computed share" in capsys.readouterr().out
+    assert "| cost |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -450,7 +460,7 @@ def test_a_policy_meets_the_target_only_where_it_meets_it_on_every_task(private)
             assert tasks[name]["n"] == size and tasks[name]["lower_bound"] == round(wilson_lower(agree, size, 0.5), 4)
         assert c["lower_bound"] == min(t["lower_bound"] for t in tasks.values())
     assert "Probes of a (7), b (2): a policy's lower bound is its worst task's." in report(record)
-    assert "| settings | ratio | computed share | agreement | a | b | lower bound |" in report(record)
+    assert "| settings | ratio | cost | agreement | a | b | lower bound |" in report(record)
     # 2 prompts cannot show 0.9 at 80% (it takes 7): no policy meets it, though the 9 pooled could
     small = private.calibrate(prompts={"a": a, "b": b}, target=0.9, confidence=0.8, **options)
     assert small.ratio == 1.0 and small.why.startswith("2 prompts of b cannot show agreement 0.9 at 80% confidence")

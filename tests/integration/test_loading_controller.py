@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
-from blend_integrations.fusion.controller import plan, token_layers
+from blend_integrations.cost import Shape, passes, token_layers
+from blend_integrations.fusion.controller import plan
 from blend_integrations.store import DEFAULT_READ_BANDWIDTH
 from blend_integrations.store.format import encode
 from blend_integrations.store.rate import Rate
@@ -105,21 +106,6 @@ def test_vllm_engine_args_carry_the_controller_and_the_assumed_bandwidths(tmp_pa
 
 def schedule_of(check_layers):
     return BlendConfig(check_layers=check_layers).check_schedule
-
-
-def test_cost_model():
-    # 4 layers, check layer 1, 100 tokens of which 80 reused, ratio 0.25:
-    # layer 0 computes 100, layers 1-3 compute 20 fresh + 20 recomputed.
-    assert token_layers(100, 80, 4, [(1, 0.25)]) == 100 + 3 * 40
-    assert token_layers(100, 80, 4, [(1, 1.0)]) == 400  # ratio 1 is full prefill
-    assert token_layers(100, 80, 4, None) == 4 * 20  # reuse: fresh tokens only
-    # a query-aware blend pays a reuse pass first: the walk measures it the same way
-    assert token_layers(100, 80, 4, [(1, 0.25)], query_pass=True) == 100 + 3 * 40 + 4 * 20
-    # its blend walk skips the 5 tokens before the first reused one
-    assert token_layers(100, 80, 4, [(1, 0.25)], query_pass=True, prefix=5) == 95 + 3 * 35 + 4 * 20
-    assert token_layers(100, 80, 4, [(1, 0.25)], prefix=5) == 100 + 3 * 40  # a blend by deviation does not
-    # gradual filtering: (1, 0.625), (2, 0.25)
-    assert token_layers(100, 80, 4, schedule_of((1, 2))(0.25)) == 100 + (20 + 50) + 2 * (20 + 20)
 
 
 def decide(load_s, *, tokens=(40, 40), overlapped=True, floor=0.25):
@@ -251,8 +237,10 @@ def test_ratio_rises_above_the_floor_to_hide_compute_under_slow_loads(controlled
     # loading (the loads minus any one chunk still take longer than the walk
     # with that chunk computed).
     N, L, floor, schedule = len(tp), controlled.layers.num_layers, 0.15, CONTROLLED.check_schedule
-    throughput = controlled.blender.compute_rate.value
-    compute = lambda reused: token_layers(N, reused, L, schedule(floor)) / throughput  # noqa: E731
+    speed = controlled.blender.walk_speed
+    throughput, pass_s = speed.throughput, speed.pass_s
+    walk = schedule(floor)
+    compute = lambda reused: token_layers(Shape(N, reused), L, walk) / throughput + passes(walk) * pass_s  # noqa: E731
     U = sum(tokens)
     least_saving = min(compute(U - t) - compute(U) for t in tokens)
     bandwidth = sum(sizes) / (compute(U) + least_saving / 2)
@@ -267,6 +255,7 @@ def test_ratio_rises_above_the_floor_to_hide_compute_under_slow_loads(controlled
         floor=floor,
         throughput=throughput,
         overlapped=True,
+        pass_s=pass_s,
     )
     assert expected.load == [True] * len(docs) and floor < expected.ratio < 1.0
     g = controlled.generate(prompt, max_tokens=4)

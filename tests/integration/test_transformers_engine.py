@@ -313,10 +313,10 @@ def test_a_walk_pass_is_timed_without_touching_the_measured_throughput(engine):
     """``Blender.pass_seconds``: one token through the walk after a context
     (the oracle benchmark's fixed cost of a pass); the loading controller's
     throughput is measured on real prefills only."""
-    rate = engine.blender.compute_rate
-    before = rate.samples
+    speed = engine.blender.walk_speed
+    before = speed.samples
     assert engine.blender.pass_seconds(64, repeats=2) > 0
-    assert rate.samples == before
+    assert speed.samples == before
     for bad in (-1, 1.5, "64"):
         with pytest.raises(ValueError, match="context must be an int"):
             engine.blender.pass_seconds(bad)

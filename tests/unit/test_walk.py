@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from blend_integrations.calibration import RankShares
 from blend_integrations.config import SELECTIONS
+from blend_integrations.cost import Shape, passes, token_layers
 from blend_integrations.fusion import KVCache, ReusedSpan, ScratchCache, forward
 from blend_integrations.fusion.attention import QUERY_GROUP, DenseAttention, query_groups, visible_keys
-from blend_integrations.fusion.controller import token_layers
 from blend_integrations.fusion.selection import QUERY_TAIL
 from blend_integrations.models import HFDecoder
 from blend_integrations.store import CodedKV
@@ -210,10 +210,12 @@ def test_query_selection_ranks_by_the_query_and_pays_for_a_reuse_pass(model, ids
     assert query.token_layers == deviation.token_layers + reuse.token_layers - CHUNK.start * model.num_layers
     assert mixed.token_layers == query.token_layers
     # the loading controller's cost model counts what the walk computes (0.15 of 20 reused is 3 tokens)
-    cost = lambda query_pass: token_layers(  # noqa: E731
-        len(ids), CHUNK.stop - CHUNK.start, model.num_layers, SCHEDULE, query_pass, prefix=CHUNK.start
-    )
+    shape = Shape.of(len(ids), [(CHUNK.start, CHUNK.stop)])
+    cost = lambda query_pass: token_layers(shape, model.num_layers, SCHEDULE, query_pass)  # noqa: E731
     assert (cost(False), cost(True)) == (deviation.token_layers, query.token_layers)
+    # and its passes: the query's reuse pass, then the blend walk
+    assert (passes(SCHEDULE), passes(SCHEDULE, True)) == (deviation.passes, query.passes) == (1, 2)
+    assert reuse.passes == passes(None) == 1
     # mixed: half by the query's attention, the rest by deviation
     assert set(mixed.kept) <= set(query.kept) | set(deviation.kept)
 
@@ -235,7 +237,7 @@ def test_without_query_tokens_query_selection_ranks_by_deviation(model, ids, que
     span = [ReusedSpan(CHUNK.start, recorded(model, ids[CHUNK]))]
     _, deviation = walk(model, ids, reused=span, schedule=SCHEDULE)
     _, query = walk(model, ids, reused=span, schedule=SCHEDULE, selection="query", query_start=query_start)
-    assert (query.kept, query.token_layers) == (deviation.kept, deviation.token_layers)
+    assert (query.kept, query.token_layers, query.passes) == (deviation.kept, deviation.token_layers, 1)
 
 
 def test_a_question_before_the_documents_still_has_a_query(model, ids):
