@@ -15,7 +15,7 @@ SmolLM2-135M's (docs/results/calibration.md). ``calibrate`` measures it:
    the query, the query's attention) the top ``base`` share of them holds;
    when that is below ``threshold``, the request gets the next ratio of the
    ladder whose top share holds it (up to 1.0, full prefill). A blended
-   reply reports that share for every ratio (``Generation.deviation_share``),
+   reply reports that share for every ratio (``Generation.ranking_share``),
    so which ratio the guard gives each probe is known from one reply,
    without running the guard.
 3. Each prompt's full prefill, then the policies on the engine being

@@ -116,7 +116,7 @@ def candidates(
     shares: dict[int, list[Callable[[float], float]]], ladder: list[float], tried: list[dict], costs: Costs
 ) -> list[Policy]:
     """Every policy, cheapest first: each setting at each ratio, and for each
-    setting in ``shares`` (its probes' ``deviation_share``, where the engine
+    setting in ``shares`` (its probes' ``ranking_share``, where the engine
     reports them) the guard from each base ratio at each threshold the
     probes' shares at that base suggest. A setting's shares come from its
     probes' cheapest runs: a share does not depend on the ratio a walk ran at."""

@@ -58,7 +58,7 @@ class KeptReply:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     ttft_s: float
-    deviation_share: Callable[[float], float] | None  # a RankShares
+    ranking_share: Callable[[float], float] | None  # a RankShares
 
 
 class Journal:
@@ -118,7 +118,7 @@ class Journal:
 
     def put(self, key: str, reply: Any) -> None:
         """Append ``reply`` (a generation); one whose guard shares cannot be written is not kept."""
-        shares = reply.deviation_share
+        shares = reply.ranking_share
         if shares is not None and not isinstance(shares, RankShares):
             return
         entry = {

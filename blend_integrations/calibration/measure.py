@@ -36,7 +36,7 @@ class Reply(Protocol):
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     ttft_s: float
-    deviation_share: Callable[[float], float] | None
+    ranking_share: Callable[[float], float] | None
 
 
 class Calibratable(Protocol):
@@ -413,7 +413,7 @@ def _measure(
     # setting's made above); none where the engine reports none, or where no policy can meet the target
     shares = {}
     for i in range(len(tried) if showable else 0):
-        of_probes = [s for j in range(n) if (s := replies.blended(i, ladder[0], j).deviation_share) is not None]
+        of_probes = [s for j in range(n) if (s := replies.blended(i, ladder[0], j).ranking_share) is not None]
         if len(of_probes) < n:
             break  # the engine reports no shares
         shares[i] = of_probes

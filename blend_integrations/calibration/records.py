@@ -66,6 +66,12 @@ class RankShares:
         total = float(summed[-1]) if summed.numel() else 0.0
         return cls(tuple((summed / total).tolist()) if total > 0 else ())  # (): every share is 1.0
 
+    @classmethod
+    def even(cls, n: int) -> RankShares:
+        """A ranking that tells nothing: every one of ``n`` tokens scores the same, so the top
+        ``r`` hold ``r`` of the score (the guard raises the ratio as far as it may)."""
+        return cls(tuple((i + 1) / n for i in range(n)))
+
     def __call__(self, r: float) -> float:
         n = len(self.cumulative)
         count = min(round(r * n), n)

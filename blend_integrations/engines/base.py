@@ -49,7 +49,7 @@ class Usage:
     # The share of the score the check layer ranks the reused tokens by (their deviation; for a
     # selection by the query, the query's attention) that the recomputed ones hold; None when
     # nothing was blended.
-    deviation_captured: float | None = None
+    ranking_captured: float | None = None
     # Whether this answer is checked against full prefill after it was given (``BlendConfig.quality_check``);
     # not compared: two answers blended alike are equal whether or not one was picked for a check.
     quality_checked: bool = field(default=False, compare=False)
@@ -59,6 +59,13 @@ class Usage:
         """Deprecated name of ``chunks_computed`` (0.x): those chunks were computed, never recomputed."""
         warnings.warn("Usage.chunks_recomputed is deprecated: use chunks_computed", DeprecationWarning, stacklevel=2)
         return self.chunks_computed
+
+    @property
+    def deviation_captured(self) -> float | None:
+        """Deprecated name of ``ranking_captured`` (0.x): under a selection by the query it holds
+        the query's attention, not deviation."""
+        warnings.warn("Usage.deviation_captured is deprecated: use ranking_captured", DeprecationWarning, stacklevel=2)
+        return self.ranking_captured
 
 
 @dataclass
@@ -76,16 +83,23 @@ class Generation:
     # Why the prompt was computed in full although blending was asked for (the
     # vLLM engine: its blend pass failed and vLLM recomputed it), else None.
     fallback: str | None = None
-    # ``deviation_share(r)``: the share of the check layer's ranking score (as for
-    # ``usage.deviation_captured``) that the top ``r`` of the reused tokens hold, for any ratio (``usage.deviation_captured`` is it at the ratio
-    # used); calibration simulates the guard with it. None where the engine does not report it.
-    deviation_share: Callable[[float], float] | None = field(default=None, repr=False, compare=False)
+    # ``ranking_share(r)``: the share of the check layer's ranking score (as for
+    # ``usage.ranking_captured``, which is it at the ratio used) that the top ``r`` of the reused
+    # tokens hold, for any ratio; calibration simulates the guard with it. None where the engine
+    # does not report it.
+    ranking_share: Callable[[float], float] | None = field(default=None, repr=False, compare=False)
     # The prompt's tokens whose KV came from the chunk store, as [start, end) spans of
     # ``prompt_token_ids``, and of those the ones blending recomputed ("reuse" recomputes none):
     # what blending did to each token. Empty when nothing was reused; None where the engine does
     # not report it (the server client).
     reused_spans: tuple[tuple[int, int], ...] | None = field(default=None, repr=False, compare=False)
     recomputed_positions: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def deviation_share(self) -> Callable[[float], float] | None:
+        """Deprecated name of ``ranking_share`` (0.x)."""
+        warnings.warn("Generation.deviation_share is deprecated: use ranking_share", DeprecationWarning, stacklevel=2)
+        return self.ranking_share
 
     def stats(self) -> dict:
         """What the call reused and recomputed, and how soon it answered (a flat

@@ -190,7 +190,7 @@ class TransformersEngine(Engine):
                     recompute_ratio=stats.recompute_ratio,
                     ratio_source=stats.ratio_source,
                     calibration_dtype=stats.calibration_dtype,
-                    deviation_captured=stats.deviation_captured,
+                    ranking_captured=stats.ranking_captured,
                 )
                 stream.generation = Generation(
                     text=text.text,
@@ -203,7 +203,7 @@ class TransformersEngine(Engine):
                     logprobs=out_logprobs,
                     total_s=time.perf_counter() - req.started,
                     loading=stats.loading,
-                    deviation_share=stats.deviation_share,
+                    ranking_share=stats.ranking_share,
                     reused_spans=stats.reused_spans,
                     recomputed_positions=stats.recomputed_positions,
                 )

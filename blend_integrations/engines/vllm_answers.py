@@ -35,7 +35,7 @@ from .blend_metrics import BlendCounters
 from .vllm_contract import not_blended
 
 # The usage fields a blend pass's report sets over its plan's (the walk's own numbers).
-WALK_USAGE = ("cached_tokens", "recomputed_tokens", "recompute_ratio", "ratio_source", "deviation_captured")
+WALK_USAGE = ("cached_tokens", "recomputed_tokens", "recompute_ratio", "ratio_source", "ranking_captured")
 
 
 @dataclass(frozen=True)
@@ -43,17 +43,17 @@ class PassReport:
     """What one request's blend pass did, as the worker tells the scheduler."""
 
     usage: dict[str, Any]  # WALK_USAGE
-    details: dict[str, Any] | None = None  # reused_spans, recomputed_positions, deviation_shares (when asked)
+    details: dict[str, Any] | None = None  # reused_spans, recomputed_positions, ranking_shares (when asked)
 
     @classmethod
     def of(cls, stats: PrefillStats, details: bool) -> PassReport:
-        shares = stats.deviation_share
+        shares = stats.ranking_share
         return cls(
             {name: getattr(stats, name) for name in WALK_USAGE},
             {
                 "reused_spans": [list(span) for span in stats.reused_spans],
                 "recomputed_positions": list(stats.recomputed_positions),
-                "deviation_shares": list(shares.cumulative) if shares is not None else None,
+                "ranking_shares": list(shares.cumulative) if shares is not None else None,
             }
             if details
             else None,
@@ -142,7 +142,7 @@ class Answers:
 def blend_details(
     params: Any, prompt_len: int
 ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], RankShares | None] | None:
-    """The reused spans, the recomputed positions and the deviation shares a
+    """The reused spans, the recomputed positions and the ranking shares a
     finished request's ``kv_transfer_params["blend_details"]`` carries, checked
     against the prompt's ``prompt_len`` tokens; None when it carries none."""
     details = params.get("blend_details") if isinstance(params, dict) else None
@@ -151,7 +151,8 @@ def blend_details(
     where = "kv_transfer_params['blend_details']"
     if not isinstance(details, dict):
         raise ValueError(f"{where} must be a dict, got {type(details).__name__}")
-    spans, positions, shares = (details.get(k) for k in ("reused_spans", "recomputed_positions", "deviation_shares"))
+    spans, positions = details.get("reused_spans"), details.get("recomputed_positions")
+    shares = details.get("ranking_shares", details.get("deviation_shares"))  # the older connector's name
     if not isinstance(spans, list) or not all(
         isinstance(s, (list, tuple))
         and len(s) == 2
@@ -168,5 +169,5 @@ def blend_details(
         not isinstance(shares, list)
         or not all(isinstance(x, float) and math.isfinite(x) and 0.0 <= x <= 1.0 + 1e-6 for x in shares)
     ):
-        raise ValueError(f"{where}['deviation_shares'] must be a list of shares between 0 and 1")
+        raise ValueError(f"{where}['ranking_shares'] must be a list of shares between 0 and 1")
     return reused, tuple(positions), None if shares is None else RankShares(tuple(shares))

@@ -453,12 +453,12 @@ def blend_results(params: dict | None) -> tuple[dict, LoadingStats | None, str |
     return counts, LoadingStats(**loading) if loading else None, None if fallback is None else str(fallback)
 
 
-# The usage the connector reports besides counts: the ratio, where it came from, the deviation it covers.
+# The usage the connector reports besides counts: the ratio, where it came from, the ranking's share it covers.
 _BLEND_RATIO = {
     "recompute_ratio": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0,
     "ratio_source": lambda v: v in RATIO_SOURCES,
     "calibration_dtype": lambda v: v in SERVES_DTYPES,
-    "deviation_captured": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0,
+    "ranking_captured": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0,
 }
 # The usage counts the connector reports (the token counts come from vLLM).
 _BLEND_COUNTS = [
@@ -468,7 +468,7 @@ _BLEND_COUNTS = [
 ]
 _LOADING_FIELDS = [f.name for f in dataclasses.fields(LoadingStats)]
 # Names an older connector or server still sends, and what they are now.
-_RENAMED = {"chunks_recomputed": "chunks_computed"}
+_RENAMED = {"chunks_recomputed": "chunks_computed", "deviation_captured": "ranking_captured"}
 
 
 def _known_fields(answer: Any, key: str, names: list[str]) -> dict:

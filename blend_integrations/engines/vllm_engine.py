@@ -346,7 +346,7 @@ class VLLMEngine(Engine):
                 total_s=time.perf_counter() - t0,
                 loading=loading,
                 fallback=fallback,
-                deviation_share=shares,
+                ranking_share=shares,
                 reused_spans=spans,
                 recomputed_positions=positions,
             )

@@ -62,8 +62,8 @@ class PrefillStats:
     recompute_ratio: float | None = None  # the ratio the walk blended at (None: not blended)
     ratio_source: str | None = None  # where it came from (``config.RATIO_SOURCES``)
     calibration_dtype: str | None = None  # the dtype of the calibration it came from (``Usage.calibration_dtype``)
-    deviation_captured: float | None = None  # the share of the check layer's ranking score that ratio covers
-    deviation_share: RankShares | None = field(default=None, repr=False)  # the same, for any ratio
+    ranking_captured: float | None = None  # the share of the check layer's ranking score that ratio covers
+    ranking_share: RankShares | None = field(default=None, repr=False)  # the same, for any ratio
     # the prompt's tokens whose KV came from the store, as [start, end) spans, and of those the recomputed ones
     reused_spans: tuple[tuple[int, int], ...] = ()
     recomputed_positions: tuple[int, ...] = ()
@@ -255,7 +255,7 @@ class Blender:
             stats.recompute_ratio = walk.ratio if walk.ratio is not None else plan.ratio
             stats.ratio_source = "guard" if walk.guarded else plan.ratio_source
             stats.calibration_dtype = plan.calibration_dtype
-            stats.deviation_captured, stats.deviation_share = walk.captured, walk.share
+            stats.ranking_captured, stats.ranking_share = walk.captured, walk.share
         return out, stats
 
     def _walk(self, cache: KVCache, token_ids, loaded: list, plan: PrefillPlan, *, logits: bool, kv_target):

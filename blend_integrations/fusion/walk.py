@@ -289,8 +289,13 @@ def forward(
                         # selection by the query ranks by its attention (at check layer 0 no token deviates).
                         ranked = scores["deviation"]
                         if query_mass is not None and selection in ("query", "query-tail"):
-                            ranked = query_mass[act[rows.to(device)]]
-                        share = RankShares.of(ranked)
+                            share = RankShares.of(query_mass[act[rows.to(device)]])
+                        elif layer == 0:
+                            # a reused token's layer-0 K and V are its own whatever the context: no
+                            # deviation there says nothing (a query selection without query tokens)
+                            share = RankShares.even(len(rows))
+                        else:
+                            share = RankShares.of(ranked)
                         if guard is not None and schedule_for is not None and ratio is not None:
                             raised = guard.ratio(share)
                             if raised > ratio:

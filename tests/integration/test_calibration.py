@@ -120,7 +120,7 @@ def test_an_explicit_ratio_wins_over_the_calibration(private):
     assert (auto.usage.ratio_source, auto.usage.recompute_ratio) == ("calibrated", 0.4)
     assert auto.usage.recomputed_tokens == round(0.4 * auto.usage.cached_tokens)
     assert (asked.usage.ratio_source, asked.usage.recompute_ratio) == ("request", 0.2)
-    assert 0 <= auto.usage.deviation_captured <= 1
+    assert 0 <= auto.usage.ranking_captured <= 1
     configured = load_engine(
         private.model_name, store=private.store, device="cpu", config=BlendConfig(recompute_ratio=0.3)
     )
@@ -130,7 +130,7 @@ def test_an_explicit_ratio_wins_over_the_calibration(private):
     assert (forced_auto.usage.ratio_source, forced_auto.usage.recompute_ratio) == ("calibrated", 0.4)
     full = private.generate(prompt, max_tokens=2, mode="full")
     assert full.usage.recompute_ratio is None and full.usage.ratio_source is None
-    assert {"recompute_ratio", "ratio_source", "deviation_captured"} <= set(auto.stats())
+    assert {"recompute_ratio", "ratio_source", "ranking_captured"} <= set(auto.stats())
 
 
 def test_the_guard_raises_the_ratio_exactly_as_calibration_predicts(private):
@@ -139,7 +139,7 @@ def test_the_guard_raises_the_ratio_exactly_as_calibration_predicts(private):
     prompt = BlendPrompt("Docs:", docs[::-1], QUESTION)
     ladder = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
     runs = {r: private.generate(prompt, max_tokens=4, recompute_ratio=r) for r in ladder}
-    captured = {r: g.usage.deviation_captured for r, g in runs.items()}
+    captured = {r: g.usage.ranking_captured for r, g in runs.items()}
     assert all(0 < captured[a] <= captured[b] <= 1 for a, b in itertools.pairwise(ladder))  # grows with r
     full = private.generate(prompt, max_tokens=4, mode="full")
 
@@ -152,7 +152,7 @@ def test_the_guard_raises_the_ratio_exactly_as_calibration_predicts(private):
     raised = auto_with(Guard(0.05, middle, ladder))
     assert (raised.usage.ratio_source, raised.usage.recompute_ratio) == ("guard", 0.3)
     assert raised.usage.recomputed_tokens == runs[0.3].usage.recomputed_tokens
-    assert raised.token_ids == runs[0.3].token_ids and raised.usage.deviation_captured == captured[0.3]
+    assert raised.token_ids == runs[0.3].token_ids and raised.usage.ranking_captured == captured[0.3]
     kept = auto_with(Guard(0.05, captured[0.05], ladder))  # the base already holds it
     assert (kept.usage.ratio_source, kept.usage.recompute_ratio) == ("calibrated", 0.05)
     everything = auto_with(Guard(0.05, 1.0, ladder))  # no share below 1.0 holds all of it: full prefill's equal
@@ -567,7 +567,7 @@ def test_the_vllm_engine_runs_the_guard_as_the_transformers_engine_does(vllm_eng
     engine.warm(docs)
     prompt = BlendPrompt("Docs:", docs[::-1], QUESTION)
     runs = {r: engine.generate(prompt, max_tokens=1, recompute_ratio=r) for r in (0.2, 0.3)}
-    low, high = (runs[r].usage.deviation_captured for r in (0.2, 0.3))
+    low, high = (runs[r].usage.ranking_captured for r in (0.2, 0.3))
     assert high - low > 0.01  # room for the two engines' rounding between the rungs
     guard = Guard(0.05, (low + high) / 2, (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9))
     vllm_engine.store.put_record(name, record_for(engine, ratio=0.9, guard=guard).to_bytes())
@@ -578,8 +578,8 @@ def test_the_vllm_engine_runs_the_guard_as_the_transformers_engine_does(vllm_eng
             gen = vllm_engine.generate(prompt, max_tokens=max_tokens)
             assert (gen.usage.ratio_source, gen.usage.recompute_ratio) == ("guard", 0.3), max_tokens
             assert gen.usage.recomputed_tokens == runs[0.3].usage.recomputed_tokens == len(gen.recomputed_positions)
-            assert gen.usage.deviation_captured == pytest.approx(high, abs=0.005)
-            assert gen.deviation_share is not None and gen.deviation_share(0.2) < guard.threshold
+            assert gen.usage.ranking_captured == pytest.approx(high, abs=0.005)
+            assert gen.ranking_share is not None and gen.ranking_share(0.2) < guard.threshold
         assert vllm_engine.stats()["guard_raised"] == raised + 2
     finally:
         vllm_engine.store.delete_record(name)

@@ -203,9 +203,9 @@ def test_two_ranks_choose_what_one_rank_chooses(vllm_tp2, vllm_engine, docs, sel
     one = vllm_engine.generate(prompt, max_tokens=12, selection=selection, logprobs=2)
     # the same tokens recomputed; the deviation they cover summed in another order (heads split over ranks)
     assert two.fallback is None and two.usage == dataclasses.replace(
-        one.usage, deviation_captured=two.usage.deviation_captured
+        one.usage, ranking_captured=two.usage.ranking_captured
     )
-    assert two.usage.deviation_captured == pytest.approx(one.usage.deviation_captured, rel=1e-5)
+    assert two.usage.ranking_captured == pytest.approx(one.usage.ranking_captured, rel=1e-5)
     assert two.recomputed_positions == one.recomputed_positions and two.reused_spans == one.reused_spans
     assert two.token_ids == one.token_ids
     assert chosen(two) == pytest.approx(chosen(one), abs=1e-3)

@@ -176,11 +176,16 @@ def test_results_of_an_older_or_newer_server():
     old_loading["chunks_recomputed"] = old_loading.pop("chunks_computed")
     usage, loading, why = blend_results(
         {
-            "blend": {"cached_tokens": 9, "chunks_recomputed": 2, "tokens_from_the_future": 1},
+            "blend": {
+                "cached_tokens": 9,
+                "chunks_recomputed": 2,
+                "deviation_captured": 0.4,
+                "tokens_from_the_future": 1,
+            },
             "blend_loading": old_loading,
         }
     )
-    assert usage == {"cached_tokens": 9, "chunks_computed": 2} and why is None
+    assert usage == {"cached_tokens": 9, "chunks_computed": 2, "ranking_captured": 0.4} and why is None
     assert loading is not None and loading.chunks_computed == 1
     with pytest.warns(DeprecationWarning, match="use chunks_computed"):
         assert loading.chunks_recomputed == 1
@@ -188,6 +193,8 @@ def test_results_of_an_older_or_newer_server():
 
     with pytest.warns(DeprecationWarning, match="use chunks_computed"):
         assert Usage(**usage).chunks_recomputed == 2
+    with pytest.warns(DeprecationWarning, match="use ranking_captured"):
+        assert Usage(**usage).deviation_captured == 0.4
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,8 @@ def guarded_pass(details: bool = True) -> PassReport:
         chunks_hit=2,
         recompute_ratio=0.3,
         ratio_source="guard",
-        deviation_captured=SHARES(0.3),
-        deviation_share=SHARES,
+        ranking_captured=SHARES(0.3),
+        ranking_share=SHARES,
         reused_spans=((2, 12), (12, 22)),
         recomputed_positions=(3, 5, 8, 13, 17, 21),
     )
@@ -97,8 +97,8 @@ def test_details_travel_as_plain_lists_and_are_checked():
         ({"reused_spans": "x"}, "reused_spans"),
         ({"recomputed_positions": [1]}, "recomputed_positions"),  # not reused
         ({"recomputed_positions": [3.0]}, "recomputed_positions"),
-        ({"deviation_shares": [0.5, float("nan")]}, "deviation_shares"),
-        ({"deviation_shares": [2.0]}, "deviation_shares"),
+        ({"ranking_shares": [0.5, float("nan")]}, "ranking_shares"),
+        ({"ranking_shares": [2.0]}, "ranking_shares"),
     ]
     for change, field in bad:
         with pytest.raises(ValueError, match=field):
@@ -107,7 +107,16 @@ def test_details_travel_as_plain_lists_and_are_checked():
         blend_details({"blend_details": [1]}, prompt_len=30)
 
 
-def test_deviation_shares_are_the_top_tokens_share_of_the_total():
+def test_an_older_connectors_deviation_shares_are_read_as_ranking_shares():
+    details = guarded_pass().details
+    assert details is not None
+    old = {**details, "deviation_shares": details["ranking_shares"]}
+    del old["ranking_shares"]
+    read = blend_details({"blend_details": old}, prompt_len=30)
+    assert read is not None and read[2] == SHARES
+
+
+def test_ranking_shares_are_the_top_tokens_share_of_the_total():
     shares = RankShares.of(torch.tensor([1.0, 3.0, 0.0, 4.0]))
     assert [shares(r) for r in (0.0, 0.25, 0.5, 1.0)] == [0.0, 0.5, pytest.approx(0.875), pytest.approx(1.0)]
     assert RankShares.of(torch.zeros(3))(0.2) == 1.0  # nothing deviates: any share holds all of it

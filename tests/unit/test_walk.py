@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from blend_integrations.calibration import RankShares
+from blend_integrations.calibration import Guard, RankShares
 from blend_integrations.config import SELECTIONS
 from blend_integrations.cost import Shape, passes, token_layers
 from blend_integrations.fusion import KVCache, ReusedSpan, ScratchCache, forward
@@ -316,6 +316,26 @@ def test_a_selection_by_the_query_reports_the_share_of_its_attention(model, ids)
     assert tail.captured == pytest.approx(expected(0.25)) and 0.25 < tail.captured < 1.0
     _, deviation = walk(model, ids, reused=span, schedule=[(1, 0.25)])
     assert deviation.captured != pytest.approx(tail.captured)
+
+
+def test_at_check_layer_0_without_query_tokens_the_guard_reads_no_ranking_and_raises_the_ratio(model, ids):
+    """A selection by the query with no query tokens ranks by deviation, which is zero at layer 0
+    (a token's layer-0 K and V do not depend on its context): that tells nothing, so the guard reads
+    the shares of an even ranking and raises the ratio, where a share of 1.0 never would."""
+    span = [ReusedSpan(CHUNK.start, recorded(model, ids[CHUNK]))]
+    guard = Guard(0.15, 0.5, (0.15, 0.3, 0.5, 0.7))
+    schedule_for = lambda r: [(0, r)]  # noqa: E731
+    _, blind = walk(
+        model, ids, reused=span, schedule=[(0, 0.15)], selection="query", guard=guard, schedule_for=schedule_for
+    )
+    assert blind.share.cumulative == pytest.approx(RankShares.even(CHUNK.stop - CHUNK.start).cumulative)
+    assert blind.guarded and blind.ratio == 0.5 and blind.captured == pytest.approx(0.5)
+    # with the query's tokens, its attention ranks them, and the guard reads that
+    _, seeing = walk(
+        model, ids, reused=span, schedule=[(0, 0.15)], selection="query", query_start=QUERY, guard=guard,
+        schedule_for=schedule_for,
+    )  # fmt: skip
+    assert seeing.share.cumulative != pytest.approx(blind.share.cumulative)
 
 
 def test_a_scratch_cache_is_reused_unless_held(model):
