@@ -25,13 +25,17 @@ Each record measured is kept in ``--out``'s ``records/``; ``--record FILE`` judg
 on the held-out questions without calibrating again (the two parts in two sessions).
 A run stopped midway resumes where it stopped when run again with the same
 arguments: its store, calibration journal and held-out answers are kept in
-``--out``'s ``.calibration-TAG.partial/`` until it ends.
+``--out``'s ``.calibration-TAG.partial/`` until it ends. That folder is not
+committed; ``--checkpoint`` keeps the journal in ``records/`` (compressed),
+where a commit carries it to another checkout, and a run there starts from it
+(its replies are used only on a machine with the same CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import hashlib
 import json
 import shutil
@@ -141,11 +145,33 @@ def resumed(path: Path, key: str, modes) -> dict[str, dict[str, list[dict]]]:
     return {}
 
 
+def checkpoint_path(args) -> Path:
+    """Where ``--checkpoint`` keeps a run's journal for another checkout (committed, unlike the work folder)."""
+    return args.out / RECORDS / f"calibration-{args.tag}.journal.jsonl.gz"
+
+
+def write_checkpoint(args) -> Path:
+    """The journal of a run stopped midway, compressed where a commit carries it to another checkout."""
+    journal = args.work / "journal.jsonl"
+    if not journal.is_file():
+        raise SystemExit(f"no journal to keep: {journal} does not exist (run the calibration first)")
+    path = checkpoint_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with journal.open("rb") as f, gzip.open(path.with_suffix(".tmp"), "wb", compresslevel=9) as out:
+        shutil.copyfileobj(f, out)
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
 def run(args) -> dict:
     model_dir, task, label = model_and_task(args.model)
     # what a run stopped midway resumes from (kept until it ends): its store of warmed chunks, the
     # calibration's journal of replies, and the held-out answers so far
     args.work.mkdir(parents=True, exist_ok=True)
+    journal, kept = args.work / "journal.jsonl", checkpoint_path(args)
+    if not journal.exists() and kept.is_file():  # another checkout's: the journal checks it is this machine's
+        with gzip.open(kept, "rb") as f, journal.open("wb") as out:
+            shutil.copyfileobj(f, out)
     store = ChunkStore(str(args.work / "store"), remote="")
     started = time.perf_counter()
     engine = load_engine(str(model_dir), store=store, backend=args.backend, config=UNCHECKED)
@@ -172,7 +198,7 @@ def run(args) -> dict:
             num_prompts=args.prompts,
             target=args.target,
             plot=args.out / f"calibration-{args.tag}.png",
-            journal=args.work / "journal.jsonl",
+            journal=journal,
         )
         calibrate_s = time.perf_counter() - t0
         (args.out / RECORDS).mkdir(parents=True, exist_ok=True)
@@ -219,6 +245,7 @@ def run(args) -> dict:
     if args.package:
         write_packaged(record, pooled, by_task, args)
     shutil.rmtree(args.work, ignore_errors=True)
+    kept.unlink(missing_ok=True)  # the record holds what it was kept for
     return {
         "config": {
             "model": label,
@@ -374,6 +401,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also write the record as the calibration the package ships for this model and engine "
         "(blend_integrations/data/calibrations/; a shipped model, the default target and probes only)",
     )
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="only keep the journal of a run stopped midway in --out's records/ (compressed), so that a commit "
+        "carries it to another checkout, where the same command resumes from it on a machine with the same CPU",
+    )
     args = parser.parse_args(argv)
     name = results_name(args.model)
     if args.package and (name not in SHIPPED or args.target != 0.95 or args.probes != "questions"):
@@ -384,6 +417,9 @@ def main(argv: list[str] | None = None) -> None:
         + ("" if args.target == 0.95 else f"-target-{args.target}")
     )
     args.work = args.out / f".calibration-{args.tag}.partial"
+    if args.checkpoint:
+        print(f"kept: {write_checkpoint(args)}")
+        return
     report = run(args)
     write_results(
         args.out,

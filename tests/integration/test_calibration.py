@@ -4,12 +4,14 @@ store, reported on every response, and the per-request guard; on the real engine
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import itertools
 import json
 import logging
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -586,12 +588,32 @@ def test_the_vllm_engine_runs_the_guard_as_the_transformers_engine_does(vllm_eng
         time.sleep(RELOAD_S + 0.2)  # the next tests see the fallback again
 
 
+def test_a_stopped_calibration_benchmark_keeps_its_journal_for_a_commit(tmp_path):
+    """``--checkpoint``: the journal of a run stopped midway, compressed under records/, whole."""
+    from benchmarks.calibration import main
+
+    work = tmp_path / ".calibration-reader-vllm.partial"
+    work.mkdir()
+    (work / "journal.jsonl").write_text('{"journal": "blend-calibration"}\n{"key": "a"}\n')
+    main(["--model", "reader", "--backend", "vllm", "--out", str(tmp_path), "--checkpoint"])
+    kept = tmp_path / "records" / "calibration-reader-vllm.journal.jsonl.gz"
+    assert gzip.decompress(kept.read_bytes()) == (work / "journal.jsonl").read_bytes()
+    (work / "journal.jsonl").unlink()
+    with pytest.raises(SystemExit, match="no journal to keep"):
+        main(["--model", "reader", "--backend", "vllm", "--out", str(tmp_path), "--checkpoint"])
+
+
 def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_path):
     """A small run of `python -m benchmarks calibration`: its pages are written from what it measured."""
     from tests.fixtures.commands import ROOT
 
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "benchmarks", "calibration", "--model", model_dirs("llama"), "--out", str(out)]
+    # another checkout's checkpoint (--checkpoint), of another machine: taken up, started afresh, removed at the end
+    foreign = out / "records" / f"calibration-{Path(model_dirs('llama')).name}-transformers.journal.jsonl.gz"
+    foreign.parent.mkdir(parents=True)
+    header = {"journal": "blend-calibration", "version": 1, "identity": {"cpu": "another CPU"}}
+    foreign.write_bytes(gzip.compress((json.dumps(header) + "\n").encode()))
     done = subprocess.run(
         cmd + ["--prompts", "4", "--questions", "3", "--doc-tokens", "20", "40", "--squad-docs", "2", "3"],
         capture_output=True,
@@ -601,6 +623,7 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert not list(out.glob(".calibration-*")) and list(out.glob("records/*"))  # what it resumes from: removed
+    assert not foreign.exists() and "calibrating (" in done.stderr
     (report_path,) = out.glob("calibration-*.json")
     report = json.loads(report_path.read_text())
     held = report["held_out"]
