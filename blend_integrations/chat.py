@@ -45,7 +45,9 @@ def render_chat(
     nonce = secrets.token_hex(4)
     chunks: list[str] = []
     conversation = []
-    for turn in turns:
+    # where the question ends: after the text that closes the conversation's last turn, a user's
+    end_marker = f"<<blend-{nonce}-question-end>>"
+    for n, turn in enumerate(turns):
         texts = []
         for part in turn["content"]:
             if part.chunk:
@@ -53,13 +55,24 @@ def render_chat(
                 chunks.append(part.content)
             elif part.content:
                 texts.append(part.content)
+        asks = n == len(turns) - 1 and turn.get("role") == "user" and turn["content"] and not turn["content"][-1].chunk
+        if asks and texts:
+            texts[-1] += end_marker
         conversation.append({**turn, "content": separator.join(texts)})
     rendered = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
     pieces = re.split(rf"<<blend-{nonce}-(\d+)>>", rendered + reply_prefix)
-    parts = [Part(pieces[0])]
+    parts = [_text_part(pieces[0], end_marker)]
     for i in range(1, len(pieces), 2):
-        parts += [Part(chunks[int(pieces[i])], chunk=True), Part(pieces[i + 1])]
+        parts += [Part(chunks[int(pieces[i])], chunk=True), _text_part(pieces[i + 1], end_marker)]
     return tokenize_parts([p for p in parts if p.chunk or p.content], tokenizer)
+
+
+def _text_part(text: str, end_marker: str) -> Part:
+    """A rendered piece between chunks, with where the question ends in it when it does."""
+    at = text.find(end_marker)
+    if at < 0:
+        return Part(text)
+    return Part(text.replace(end_marker, ""), question_end=at)
 
 
 def text_prompt(text: str, tokenizer) -> TokenizedPrompt | str:

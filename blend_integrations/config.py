@@ -65,9 +65,10 @@ class BlendConfig:
         loaded KV (CacheBlend's HKVD); "query": the reused tokens the query
         pays the most attention to (the query is every token after the last
         chunk but the prompt's last one: the question and the template tail);
-        "query-tail": the reused tokens that add the most to the last few
-        query tokens (``selection.QUERY_TAIL``, before the prompt's last one):
-        their attention, each key weighted by its value's norm;
+        "query-tail": the reused tokens that add the most to the question's
+        own last few tokens (``selection.QUERY_TAIL``, before a chat template's
+        tail: ``TokenizedPrompt.question_end``): their attention, each key
+        weighted by its value's norm;
         "mixed": half of the count by query attention, the rest by deviation.
     separator: text placed between prefix, chunks and suffix; tokenized once,
         on its own. May be empty.

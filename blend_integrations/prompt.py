@@ -109,6 +109,18 @@ def check_chunk_spans(
     return checked
 
 
+def check_question_end(end: Any, spans: Sequence[tuple[int, int]], num_tokens: int, name: str) -> None:
+    """``end`` is None or a token index between the last chunk's end and ``num_tokens``; else a
+    ``PromptError`` naming ``name`` and the rule."""
+    if end is None:
+        return
+    after = spans[-1][1] if spans else 0
+    if not _is_int(end) or not after <= end <= num_tokens:
+        raise PromptError(
+            f"{name} must be a token index from the last chunk's end ({after}) to {num_tokens}, got {end!r:.40}"
+        )
+
+
 @dataclass(frozen=True)
 class TokenizedPrompt:
     """The final token sequence and where each chunk lies in it; the spans are
@@ -116,6 +128,10 @@ class TokenizedPrompt:
 
     token_ids: list[int]
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) per chunk
+    # Where the question's own tokens end, after the last chunk: what follows is a chat template's
+    # (its end of turn, the assistant's header), which the "query-tail" selection does not score.
+    # None: the question runs to the prompt's end (a prompt without a template).
+    question_end: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_ids(self.token_ids):
@@ -128,6 +144,7 @@ class TokenizedPrompt:
             "chunk_spans",
             check_chunk_spans(self.chunk_spans, len(self.token_ids), name="TokenizedPrompt.chunk_spans"),
         )
+        check_question_end(self.question_end, self.chunk_spans, len(self.token_ids), "TokenizedPrompt.question_end")
 
     def chunk_ids(self, i: int) -> list[int]:
         start, end = self.chunk_spans[i]
@@ -174,6 +191,19 @@ class Part:
 
     content: TextOrIds
     chunk: bool = False
+    question_end: int | None = None  # text: the character the question ends at (``TokenizedPrompt.question_end``)
+
+
+def _tokens_before(text: str, chars: int, tokenizer) -> int | None:
+    """How many of ``text``'s tokens start before its character ``chars`` (a token that straddles
+    it counts); None where the tokenizer cannot say (no offsets, and the text before does not
+    tokenize as a prefix of the whole)."""
+    try:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return sum(1 for start, _ in offsets if start < chars)
+    except (NotImplementedError, TypeError, KeyError, ValueError):  # a slow tokenizer has no offsets
+        whole, before = (tokenizer.encode(t, add_special_tokens=False) for t in (text, text[:chars]))
+        return len(before) if whole[: len(before)] == before else None
 
 
 def tokenize_parts(parts: Sequence[Part], tokenizer) -> TokenizedPrompt:
@@ -183,19 +213,26 @@ def tokenize_parts(parts: Sequence[Part], tokenizer) -> TokenizedPrompt:
     bos = bos_id_added(tokenizer)
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
+    question_end = None
     for i, part in enumerate(parts):
         content = part.content
         piece = list(content) if not isinstance(content, str) else tokenizer.encode(content, add_special_tokens=False)
+        added = 0
         if i == 0 and isinstance(content, str) and bos is not None and (not piece or piece[0] != bos):
-            piece = [bos] + piece
+            piece, added = [bos] + piece, 1
         if part.chunk:
             if not piece:
                 raise PromptError(f"chunk {len(spans)} is empty (it has no tokens); drop it or give it text")
             spans.append((len(ids), len(ids) + len(piece)))
+        elif part.question_end is not None and isinstance(content, str):
+            before = _tokens_before(content, part.question_end, tokenizer)
+            question_end = None if before is None else len(ids) + added + before
         ids += piece
     if not ids:
         raise PromptError("the prompt is empty")
-    return TokenizedPrompt(ids, spans)
+    if question_end is not None and spans and question_end < spans[-1][1]:
+        question_end = None  # the question comes before a chunk: no tail of its own after them
+    return TokenizedPrompt(ids, spans, question_end)
 
 
 def prompt_parts(prompt: BlendPrompt, separator: str) -> list[Part]:

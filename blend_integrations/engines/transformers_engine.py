@@ -147,6 +147,7 @@ class TransformersEngine(Engine):
                 mode=req.mode,
                 recompute_ratio=req.recompute_ratio,
                 settings=req.settings,
+                question_end=tp.question_end,
             )
             logits, stats = self.blender.prefill(cache, tp.token_ids, plan)
             text = TextAssembler(self._tokenizer, req.stop)

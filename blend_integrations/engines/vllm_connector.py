@@ -253,6 +253,7 @@ class BlendConnector(KVConnectorBase_V1):
                 rates=self._rates,
                 settings=params.settings,
                 promise=True,
+                question_end=params.question_end,
             )
         except Exception as exc:
             why = f"planning the blend pass failed: {exc!r}"

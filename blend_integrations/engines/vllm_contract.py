@@ -21,6 +21,9 @@ blend_integrations.serve``) carries ``kv_transfer_params = {"blend": {...}}``:
   query-aware selection sees it;
 - or, for callers that have only text, ``separator``: the chunks are the
   pieces between separators in the prompt's tokens;
+- ``question_end`` (optional, with ``chunk_spans``): where the question's own tokens end,
+  before a chat template's end of turn (``TokenizedPrompt.question_end``); "query-tail"
+  scores the question's last tokens there;
 - ``ratio``: the recompute ratio, or null for the engine's, or ``"auto"``
   for the store's calibration of the model (the fallback ratio without one);
 - ``details``: true to be answered which tokens came from the store and
@@ -55,7 +58,7 @@ from ..config import MODES, RATIO_SOURCES, SETTINGS, BlendConfig, check_mode, ch
 from ..fusion.controller import LoadingStats
 from ..fusion.plan import PrefillPlan
 from ..models.loading import dtype_name, resolve_dtype
-from ..prompt import PromptError, check_chunk_spans
+from ..prompt import PromptError, check_chunk_spans, check_question_end
 from ..store import REMOTE_ENV, ChunkStore
 from ..store.redis_tier import redact
 from .base import Request, Usage
@@ -247,7 +250,7 @@ def connector_store_args(extra: dict) -> dict:
 
 # -- per request -----------------------------------------------------
 
-FIELDS = ("mode", "ratio", "chunk_spans", "num_tokens", "separator", "details", *SETTINGS)
+FIELDS = ("mode", "ratio", "chunk_spans", "num_tokens", "question_end", "separator", "details", *SETTINGS)
 MAX_CHUNKS = 1024  # chunk spans per request: each is a store lookup on the scheduler
 MAX_SEPARATOR_CHARS = 256  # the scheduler tokenizes the separator
 
@@ -272,6 +275,7 @@ class BlendParams:
     num_tokens: int | None = None
     separator: str | None = None
     details: bool = False  # answer with "blend_details" (``vllm_answers``)
+    question_end: int | None = None  # where the question's own tokens end (``TokenizedPrompt.question_end``)
 
     def with_spans(self, spans: list[tuple[int, int]], prompt_len: int) -> BlendParams:
         """The separator's chunks, found in the prompt's tokens, checked as if sent."""
@@ -327,11 +331,12 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
         except (TypeError, ValueError) as exc:  # the message starts with the setting's name
             raise BlendParamsError(f"kv_transfer_params.blend.{exc}", _field(name)) from None
     spans, separator, num_tokens = raw.get("chunk_spans"), raw.get("separator"), raw.get("num_tokens")
+    question_end = raw.get("question_end")
     if separator is not None:
-        if spans is not None or num_tokens is not None:
+        if spans is not None or num_tokens is not None or question_end is not None:
             raise BlendParamsError(
-                f"give {_field('chunk_spans')} (with num_tokens) or {_field('separator')}, not both: "
-                "with a separator the server finds the chunks itself",
+                f"give {_field('chunk_spans')} (with num_tokens and question_end) or {_field('separator')}, not "
+                "both: with a separator the server finds the chunks itself",
                 _field("separator"),
             )
         if not isinstance(separator, str) or not separator or len(separator) > MAX_SEPARATOR_CHARS:
@@ -382,7 +387,11 @@ def parse_blend_params(raw: Any, prompt_len: int | None = None) -> BlendParams:
         raise BlendParamsError(str(exc), _field("chunk_spans")) from None
     if num_tokens is None:
         num_tokens = prompt_len - 1 if prompt_len is not None else checked[-1][1]
-    return BlendParams(mode, ratio, settings, tuple(checked), num_tokens, details=details)
+    try:  # within the tokens the blend pass computes
+        check_question_end(question_end, checked, num_tokens, _field("question_end"))
+    except PromptError as exc:
+        raise BlendParamsError(str(exc), _field("question_end")) from None
+    return BlendParams(mode, ratio, settings, tuple(checked), num_tokens, details=details, question_end=question_end)
 
 
 def blend_params_of(kv_transfer_params: Any, prompt_len: int | None = None) -> BlendParams | None:
@@ -414,6 +423,8 @@ def kv_transfer_params(req: Request, *, details: bool = False) -> dict | None:
         **req.settings,
         "chunk_spans": [list(s) for s in tp.chunk_spans],
         "num_tokens": len(tp) - 1,
+        # the blend pass computes every token but the last: a question ending there ends within it
+        **({"question_end": min(tp.question_end, len(tp) - 1)} if tp.question_end is not None else {}),
         **({"details": True} if details else {}),
     }
     parse_blend_params(blend, len(tp))

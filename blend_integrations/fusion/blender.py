@@ -112,6 +112,7 @@ class Blender:
         mode: str,
         recompute_ratio: float | str | None = None,
         settings: dict | None = None,
+        question_end: int | None = None,
     ) -> PrefillPlan:
         """The plan (``Planner.plan``) from this Blender's store, at its measured rates."""
         rates = measured_rates(self.store, self.walk_speed)
@@ -123,6 +124,7 @@ class Blender:
             store=self.store,
             rates=rates,
             settings=settings,
+            question_end=question_end,
         )
 
     def _expect(self, n: int):
@@ -293,6 +295,7 @@ class Blender:
                     selection=plan.selection,
                     # the query: what follows the last chunk (the question, the template's tail)
                     query_start=plan.chunks[-1].end if plan.chunks else None,
+                    question_end=plan.question_end,
                     logits=logits,
                     loader=loader,
                     guard=plan.guard,

@@ -73,6 +73,7 @@ class PrefillPlan:
     check_layers: tuple[int, ...] = (1,)  # where the walk measures deviation (``BlendConfig.check_layers``)
     deviation: str = "v"  # what it compares there (``BlendConfig.deviation``)
     calibration_dtype: str | None = None  # the dtype of the calibration ``ratio`` came from (``RatioChoice.dtype``)
+    question_end: int | None = None  # where the question's own tokens end (``TokenizedPrompt.question_end``)
 
     def schedule(self, ratio: float) -> list[tuple[int, float]]:
         """(layer, ratio) per check layer, for ``ratio`` (``config.check_schedule``)."""
@@ -156,6 +157,7 @@ class Planner:
         rates: dict[str, float | None],
         settings: dict[str, Any] | None = None,
         promise: bool = False,
+        question_end: int | None = None,
     ) -> PrefillPlan:
         """The plan for prefilling ``token_ids`` with chunks at ``chunk_spans``
         from ``store``.
@@ -188,6 +190,7 @@ class Planner:
                 s.check_layers,
                 s.deviation,
                 choice.dtype,
+                question_end,
             )
 
         if in_full(choice):

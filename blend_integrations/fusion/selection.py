@@ -34,10 +34,12 @@ def _deviation(fresh, stored, start, act, rows):
     return (fresh[:, rows].float() - old.float()).pow(2).sum(dim=(0, 2))
 
 
-# How many query tokens "query-tail" scores by: the last ones before the
-# prompt's last token (the question's end and the chat template's tail). On
-# Qwen2.5-Coder-1.5B, value-weighted over these it kept more answers at 0.10
-# and 0.15 than the whole query's attention (docs/tuning.md, "selection").
+# How many query tokens "query-tail" scores by: the question's own last ones
+# (``TokenizedPrompt.question_end``: before a chat template's end of turn and
+# assistant header; without one, before the prompt's last token). On
+# Qwen2.5-Coder-1.5B, value-weighted over the last 4 before the prompt's last
+# token (the template's, then) it kept more answers at 0.10 and 0.15 than the
+# whole query's attention (docs/tuning.md, "selection").
 QUERY_TAIL = 4
 
 

@@ -149,6 +149,7 @@ def forward(
     selection: str = "deviation",
     query_start: int | None = None,
     query_end: int | None = None,
+    question_end: int | None = None,
     record: torch.Tensor | None = None,
     logits: bool = True,
     relevance: torch.Tensor | None = None,
@@ -168,6 +169,9 @@ def forward(
     less the one whose logits are returned: vLLM computes a prompt's last
     token itself, so its blend pass never has it, and leaving it out
     everywhere keeps the choice the same on every engine). Without query tokens, the choice falls back to deviation.
+    ``question_end``: the offset where the question's own tokens end (before a chat
+    template's end of turn and assistant header, ``TokenizedPrompt.question_end``); "query-tail"
+    scores the last ``QUERY_TAIL`` of them (None: of the query's).
     ``relevance`` (``[T]``, zeros), if given, receives the query's attention to
     every new token summed over layers (the first pass of a query-aware walk;
     with ``selection`` "query-tail", each key weighted by its value's norm).
@@ -219,10 +223,12 @@ def forward(
     first_pass = 0  # token-layers of its reuse pass
     if schedule and selection != "deviation" and bool(is_query.any()):
         query_mass = torch.zeros(T, device=device)
-        scored_from = query_start
+        scored_from, scored_to = query_start, query_end
         if selection == "query-tail":
             assert query_start is not None  # the query has tokens
-            scored_from = max(query_start, query_end - QUERY_TAIL)
+            if question_end is not None and query_start < question_end <= query_end:
+                scored_to = question_end  # the question's own tail, not the template's
+            scored_from = max(query_start, scored_to - QUERY_TAIL)
         _, first = forward(
             model,
             cache,
@@ -230,7 +236,7 @@ def forward(
             reused=reused,
             selection=selection,
             query_start=scored_from,
-            query_end=query_end,
+            query_end=scored_to,
             logits=False,  # its last layer only scores: the blend walk gives the logits
             relevance=query_mass,
             kv_target=kv_target,

@@ -11,7 +11,7 @@ from langchain_core.documents import Document
 from langchain_core.runnables import RunnableLambda
 
 from blend_integrations import ChunkStore, integration, rag_prompt
-from blend_integrations.chat import RAG_SYSTEM_PROMPT
+from blend_integrations.chat import RAG_SYSTEM_PROMPT, render_chat
 from blend_integrations.integration import BlendModelBase
 from blend_integrations.langchain import (
     BlendCacheWarmer,
@@ -24,6 +24,7 @@ from blend_integrations.llama_index import BlendCacheWarmer as LlamaIndexWarmer
 from blend_integrations.llama_index import BlendKVWarmup
 from blend_integrations.llama_index import BlendLLM as LlamaIndexBlendLLM
 from blend_integrations.llama_index.rag import DEFAULT_QUERY_TEMPLATE
+from blend_integrations.prompt import Part
 
 MODELS = (ChatBlend, BlendLLM, LlamaIndexBlendLLM)
 
@@ -94,6 +95,36 @@ def test_one_rag_layout_for_both_frameworks(engine, docs):
     llm = LlamaIndexBlendLLM(engine=engine)
     query = DEFAULT_QUERY_TEMPLATE.format(query_str="which city?")
     assert llm.chunks_prompt(docs, query, RAG_SYSTEM_PROMPT) == expected
+
+
+def test_the_question_ends_before_the_chat_templates_tail(engine, docs, monkeypatch):
+    """``question_end``: after the question's own tokens, before the template's end of turn and the
+    assistant's header ("query-tail" scores the question's last tokens, not the template's)."""
+    tokenizer, separator = engine.tokenizer, engine.config.separator
+    tp = rag_prompt(docs, "which city?", tokenizer, separator)
+    assert tp.question_end is not None and tp.chunk_spans[-1][1] < tp.question_end < len(tp) - 1
+    assert tokenizer.decode(tp.token_ids[: tp.question_end]).endswith("Question: which city?")
+    assert tokenizer.decode(tp.token_ids[tp.question_end :]) == "</s>\n<|assistant|>\n"
+    # the tokens are the ones rendered without knowing where the question ends
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": RAG_SYSTEM_PROMPT}, {"role": "user", "content": "x"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert tokenizer.encode(text.split("x")[-1], add_special_tokens=False) == tp.token_ids[tp.question_end :]
+    # a conversation that ends with the assistant's turn has no question at its end
+    ended = render_chat(
+        [
+            {"role": "user", "content": [Part(docs[0], chunk=True), Part("Hi")]},
+            {"role": "assistant", "content": [Part("Yes")]},
+        ],
+        tokenizer,
+        separator,
+    )
+    assert ended.question_end is None
+    # without a template the question is the prompt's end
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    assert rag_prompt(docs, "which city?", tokenizer, separator).question_end is None
 
 
 def test_the_rag_layout_without_a_chat_template(engine, docs, monkeypatch):

@@ -15,6 +15,7 @@ from blend_integrations.chat import rag_prompt
 from blend_integrations.config import SELECTIONS
 from blend_integrations.fusion import KVCache, ReusedSpan, forward
 from blend_integrations.langchain import BlendLLM
+from blend_integrations.prompt import TokenizedPrompt
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -42,6 +43,21 @@ def test_every_selection_reports_the_same_usage_on_both_engines(vllm_engine, eng
         a = engine.generate(prompt, max_tokens=1, selection=selection)
         b = vllm_engine.generate(prompt, max_tokens=1, selection=selection)
         assert (a.usage.cached_tokens, a.usage.recomputed_tokens) == (b.usage.cached_tokens, b.usage.recomputed_tokens)
+
+
+def test_query_tail_scores_the_questions_own_tail_on_both_engines(vllm_engine, engine, docs):
+    """Through a chat template, "query-tail" scores the question's last tokens, not the template's
+    end of turn and assistant header after them: where the question ends travels with the prompt to
+    the walk on both engines (to vLLM's in ``kv_transfer_params``), and they keep the same tokens."""
+    tp = rag_prompt(docs, "Which city is named in the documents?", engine.tokenizer, engine.config.separator)
+    assert tp.question_end is not None and tp.question_end < len(tp) - 1
+    engine.warm(docs)
+    asked = {"max_tokens": 1, "selection": "query-tail", "recompute_ratio": 0.3, "check_layers": [0]}
+    here, there = engine.generate(tp, **asked), vllm_engine.generate(tp, **asked)
+    assert here.recomputed_positions and here.recomputed_positions == there.recomputed_positions
+    # scored at the prompt's end instead (the template's tokens), the walk keeps others
+    untold = TokenizedPrompt(tp.token_ids, tp.chunk_spans)
+    assert engine.generate(untold, **asked).recomputed_positions != here.recomputed_positions
 
 
 DOCS = [

@@ -73,6 +73,10 @@ BROKEN = [
     ({"num_tokens": 15}, "chunk_spans", "chunk_spans[1] ends at 20, past num_tokens (15)"),
     ({"separator": "\n\n"}, "separator", "not both"),
     ({"ratios": 0.2}, "blend", "unknown field(s) 'ratios'"),
+    ({"question_end": 19}, "question_end", "from the last chunk's end (20) to 20, got 19"),
+    ({"question_end": 21}, "question_end", "to 20, got 21"),  # past what the blend pass computes
+    ({"question_end": "20"}, "question_end", "must be a token index"),
+    ({"question_end": True}, "question_end", "must be a token index"),
 ]
 
 
@@ -102,6 +106,8 @@ def test_separator_rules():
             parse_blend_params({"mode": "blend", "separator": bad})
     with pytest.raises(BlendParamsError, match="not both"):
         parse_blend_params({"mode": "blend", "separator": "\n\n", "num_tokens": 3})
+    with pytest.raises(BlendParamsError, match="not both"):
+        parse_blend_params({"mode": "blend", "separator": "\n\n", "question_end": 3})
     # the spans a separator gives are checked as if they were sent
     found = BlendParams("blend", separator="\n\n").with_spans([(2, 5), (7, 9)], 12)
     assert (found.chunk_spans, found.num_tokens) == (((2, 5), (7, 9)), 11)  # every token but the last
@@ -213,6 +219,15 @@ def test_results_not_written_by_this_package_are_refused(params, words):
     with pytest.raises(ValueError) as err:
         blend_results(params)
     assert words in str(err.value)
+
+
+def test_where_the_question_ends_travels_and_is_checked():
+    assert parse_blend_params(GOOD | {"question_end": 20}).question_end == 20
+    assert parse_blend_params(GOOD).question_end is None
+    assert TokenizedPrompt(list(range(30)), [(2, 10)], question_end=25).question_end == 25
+    for bad in (9, 31, 2.5):
+        with pytest.raises(PromptError, match="TokenizedPrompt.question_end must be a token index"):
+            TokenizedPrompt(list(range(30)), [(2, 10)], question_end=bad)
 
 
 def test_tokenized_prompts_are_checked_by_the_same_span_rules():

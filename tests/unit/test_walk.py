@@ -271,9 +271,11 @@ def test_query_attention_is_what_the_models_own_attention_pays(model_dirs, arch)
     torch.testing.assert_close(relevance, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_query_tail_keeps_what_the_last_query_tokens_read(model_dirs):
+@pytest.mark.parametrize("question_end", [None, 36])
+def test_query_tail_keeps_what_the_last_query_tokens_read(model_dirs, question_end):
     """The "query-tail" selection ranks the reused tokens by the attention of the query's
-    last QUERY_TAIL tokens (before the one whose logits are returned), each
+    last QUERY_TAIL tokens (before the one whose logits are returned; with
+    ``question_end``, the question's own last ones before a template's tail), each
     head's weight on a key times the norm of that key's value, summed over
     layers; "query" by the whole query's attention. The reused KV here is the
     prompt's own, so the reuse pass is full prefill and the model's eager
@@ -286,7 +288,8 @@ def test_query_tail_keeps_what_the_last_query_tokens_read(model_dirs):
     with torch.inference_mode():
         weights = own(ids[None], output_attentions=True).attentions  # per layer [1, heads, T, T]
     group = weights[0].shape[1] // decoder.num_kv_heads  # query heads per KV head
-    tail = slice(len(ids) - 1 - QUERY_TAIL, len(ids) - 1)
+    end = question_end if question_end is not None else len(ids) - 1
+    tail = slice(end - QUERY_TAIL, end)
     by_tail = sum(
         (w[0, :, tail].sum(dim=1) * record[layer, 1].norm(dim=-1).repeat_interleave(group, dim=0)).sum(dim=0)
         for layer, w in enumerate(weights)
@@ -295,7 +298,15 @@ def test_query_tail_keeps_what_the_last_query_tokens_read(model_dirs):
     count = round(0.25 * (CHUNK.stop - CHUNK.start))
     kept = {}
     for selection in ("query", "query-tail"):
-        _, stats = walk(decoder, ids, reused=span, schedule=[(0, 0.25)], selection=selection, query_start=QUERY)
+        _, stats = walk(
+            decoder,
+            ids,
+            reused=span,
+            schedule=[(0, 0.25)],
+            selection=selection,
+            query_start=QUERY,
+            question_end=question_end,
+        )
         kept[selection] = sorted(stats.kept)
     assert kept["query-tail"] == sorted((CHUNK.start + by_tail[CHUNK].topk(count).indices).tolist())
     assert kept["query"] == sorted((CHUNK.start + by_query[CHUNK].topk(count).indices).tolist())
