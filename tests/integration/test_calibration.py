@@ -28,7 +28,7 @@ from blend_integrations.calibration import (
     report,
     wilson_lower,
 )
-from blend_integrations.calibration.choice import Costs
+from blend_integrations.calibration.choice import GUARD_THRESHOLDS, Costs, guard_thresholds
 from blend_integrations.calibration.probes import question_probes
 from blend_integrations.config import FALLBACK_RATIO
 from blend_integrations.prompt import TokenizedPrompt
@@ -219,6 +219,13 @@ def test_a_stopped_calibration_resumes_from_its_journal(private, monkeypatch, tm
     journal.write_text("\n".join([json.dumps(other), *replies]) + "\n")
     private.calibrate(documents(140), **options)
     assert len(runs) == measured and len(journal.read_text().splitlines()) == 1 + measured
+
+
+def test_a_guard_is_tried_at_every_share_or_at_most_twelve_spread_over_them():
+    assert guard_thresholds([0.2, 0.5, 0.5, 0.9]) == [0.5, 0.9]  # at the lowest no probe is raised
+    many = guard_thresholds([i / 100 for i in range(97)])
+    assert len(many) == GUARD_THRESHOLDS == 12 and many[0] == 0.01 and many[-1] == 0.96
+    assert many == sorted(many) and all(b - a > 0.07 for a, b in itertools.pairwise(many))
 
 
 def test_what_a_policy_costs():
