@@ -59,6 +59,7 @@ class KeptReply:
     logprobs: list[dict[int, float]] | None
     ttft_s: float
     ranking_share: Callable[[float], float] | None  # a RankShares
+    wall_s: float = 0.0  # how long measuring it took (the calibration's time, summed over its pieces)
 
 
 class Journal:
@@ -118,8 +119,9 @@ class Journal:
     def get(self, key: str) -> KeptReply | None:
         return self.replies.get(key)
 
-    def put(self, key: str, reply: Any) -> None:
-        """Append ``reply`` (a generation); one whose guard shares cannot be written is not kept."""
+    def put(self, key: str, reply: Any, wall_s: float = 0.0) -> None:
+        """Append ``reply`` (a generation), measured in ``wall_s`` seconds; one whose guard shares
+        cannot be written is not kept."""
         shares = reply.ranking_share
         if shares is not None and not isinstance(shares, RankShares):
             return
@@ -129,6 +131,7 @@ class Journal:
             "logprobs": None if reply.logprobs is None else [sorted(step.items()) for step in reply.logprobs],
             "ttft_s": reply.ttft_s,
             "shares": None if shares is None else list(shares.cumulative),
+            "wall_s": round(float(wall_s), 4),
         }
         try:
             kept = _reply(json.loads(json.dumps(entry)))  # what a resumed run would read
@@ -161,4 +164,7 @@ def _reply(entry: dict) -> KeptReply:
         cumulative = tuple(float(s) for s in shares)
         if any(not 0.0 <= s <= 1.0 + 1e-6 for s in cumulative) or list(cumulative) != sorted(cumulative):
             raise ValueError("shares")
-    return KeptReply(token_ids, steps, ttft, None if shares is None else RankShares(cumulative))
+    wall = entry.get("wall_s", 0.0)  # absent from the lines of the journals before it
+    if not isinstance(wall, (int, float)) or not (math.isfinite(wall) and wall >= 0):
+        raise ValueError("wall_s")
+    return KeptReply(token_ids, steps, ttft, None if shares is None else RankShares(cumulative), float(wall))

@@ -270,11 +270,16 @@ def calibrate(
         identity |= {"engine": engine.backend, "kv_codec": engine.kv_codec, "tokens": tokens, "kl_top": KL_TOP}
         journaled = Journal(journal, identity | {"cpu": cpu_name(), "version": __version__})
 
+    earlier_s = 0.0  # what measuring the replies read back from the journal took, in earlier pieces
+
     def measured(tp: TokenizedPrompt, ratio: float | None = None, settings: dict | None = None) -> Reply:
         """Full prefill (no ``ratio``) or a blend of ``tp``: from the journal where it holds it."""
+        nonlocal earlier_s
         key = Journal.key(tp, "full" if ratio is None else "blend", ratio, settings)
         if journaled is not None and (hit := journaled.get(key)) is not None:
+            earlier_s += hit.wall_s
             return hit
+        asked = time.perf_counter()
         if ratio is None:
             reply = engine.generate(tp, mode="full", max_tokens=tokens, logprobs=KL_TOP)
         else:
@@ -282,7 +287,7 @@ def calibrate(
                 tp, mode="blend", recompute_ratio=ratio, **(settings or {}), max_tokens=tokens, logprobs=KL_TOP
             )
         if journaled is not None:
-            journaled.put(key, reply)
+            journaled.put(key, reply, time.perf_counter() - asked)
         return reply
 
     with engine.calibration_lock(name):
@@ -327,7 +332,7 @@ def calibrate(
                 "kv_codec": engine.kv_codec,
             },
             version=__version__,
-            seconds=time.perf_counter() - started,
+            seconds=time.perf_counter() - started + earlier_s,  # a resumed calibration's earlier pieces too
         )
         if save:
             engine.keep_calibration(record)

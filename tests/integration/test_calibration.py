@@ -211,8 +211,12 @@ def test_a_stopped_calibration_resumes_from_its_journal(private, monkeypatch, tm
     chosen = lambda r: (r.ratio, r.settings, r.guard, r.meets_target, [c["agreement"] for c in r.curve])  # noqa: E731
     assert chosen(again) == chosen(first)
     runs.clear()
-    private.calibrate(documents(140), **options)
+    resumed = private.calibrate(documents(140), **options)
     assert runs == []  # the two measured again were appended whole, each on a line of its own
+    # its time is what measuring took, in every piece: each reply's measuring is journaled
+    kept = journal.read_text().splitlines()[2:]  # the damaged line and the cut one were measured again
+    walls = [json.loads(line)["wall_s"] for line in kept if line.endswith("}")]
+    assert len(walls) == measured and all(w > 0 for w in walls) and resumed.seconds >= sum(walls) - 0.1
     header, *replies = journal.read_text().splitlines()
     other = json.loads(header)
     other["identity"]["cpu"] = "another CPU x2"
