@@ -128,7 +128,9 @@ class Journal:
         entry = {
             "key": key,
             "token_ids": list(reply.token_ids),
-            "logprobs": None if reply.logprobs is None else [sorted(step.items()) for step in reply.logprobs],
+            # the first step's alone: calibration reads only the first token's (its KL), and the journal
+            # of a 1.5B model's calibration is committed between sessions (``benchmarks calibration --checkpoint``)
+            "logprobs": None if reply.logprobs is None else [sorted(step.items()) for step in reply.logprobs[:1]],
             "ttft_s": reply.ttft_s,
             "shares": None if shares is None else list(shares.cumulative),
             "wall_s": round(float(wall_s), 4),
