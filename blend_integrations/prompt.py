@@ -194,16 +194,16 @@ class Part:
     question_end: int | None = None  # text: the character the question ends at (``TokenizedPrompt.question_end``)
 
 
-def _tokens_before(text: str, chars: int, tokenizer) -> int | None:
-    """How many of ``text``'s tokens start before its character ``chars`` (a token that straddles
-    it counts); None where the tokenizer cannot say (no offsets, and the text before does not
-    tokenize as a prefix of the whole)."""
+def _tokenize_to(text: str, chars: int, tokenizer) -> tuple[list[int], int | None]:
+    """``text``'s tokens, and how many of them start before its character ``chars`` (a token that
+    straddles it counts); None where the tokenizer cannot say (no offsets, and the text before
+    does not tokenize as a prefix of the whole)."""
     try:
-        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        return sum(1 for start, _ in offsets if start < chars)
+        found = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(found["input_ids"]), sum(1 for start, _ in found["offset_mapping"] if start < chars)
     except (NotImplementedError, TypeError, KeyError, ValueError):  # a slow tokenizer has no offsets
         whole, before = (tokenizer.encode(t, add_special_tokens=False) for t in (text, text[:chars]))
-        return len(before) if whole[: len(before)] == before else None
+        return whole, len(before) if whole[: len(before)] == before else None
 
 
 def tokenize_parts(parts: Sequence[Part], tokenizer) -> TokenizedPrompt:
@@ -216,7 +216,13 @@ def tokenize_parts(parts: Sequence[Part], tokenizer) -> TokenizedPrompt:
     question_end = None
     for i, part in enumerate(parts):
         content = part.content
-        piece = list(content) if not isinstance(content, str) else tokenizer.encode(content, add_special_tokens=False)
+        before = None  # the question's end in this piece, where it ends here
+        if not isinstance(content, str):
+            piece = list(content)
+        elif part.question_end is not None and not part.chunk:
+            piece, before = _tokenize_to(content, part.question_end, tokenizer)
+        else:
+            piece = tokenizer.encode(content, add_special_tokens=False)
         added = 0
         if i == 0 and isinstance(content, str) and bos is not None and (not piece or piece[0] != bos):
             piece, added = [bos] + piece, 1
@@ -225,7 +231,6 @@ def tokenize_parts(parts: Sequence[Part], tokenizer) -> TokenizedPrompt:
                 raise PromptError(f"chunk {len(spans)} is empty (it has no tokens); drop it or give it text")
             spans.append((len(ids), len(ids) + len(piece)))
         elif part.question_end is not None and isinstance(content, str):
-            before = _tokens_before(content, part.question_end, tokenizer)
             question_end = None if before is None else len(ids) + added + before
         ids += piece
     if not ids:

@@ -111,9 +111,8 @@ class Journal:
 
     @staticmethod
     def key(prompt: TokenizedPrompt, mode: str, ratio: float | None = None, settings: dict | None = None) -> str:
-        what = [list(prompt.token_ids), [list(s) for s in prompt.chunk_spans], mode, ratio, settings]
-        if settings is not None and settings.get("selection") == "query-tail" and prompt.question_end is not None:
-            what.append(prompt.question_end)  # the tail it scores (the journals before it scored the template's)
+        what = [list(prompt.token_ids), [list(s) for s in prompt.chunk_spans], prompt.question_end, mode, ratio]
+        what.append(settings)
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
     def get(self, key: str) -> KeptReply | None:
