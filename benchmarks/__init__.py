@@ -11,6 +11,7 @@ from pathlib import Path
 
 from blend_integrations.calibration.journal import cpu_name
 from blend_integrations.config import BlendConfig
+from blend_integrations.cost import Shape, full_token_layers, token_layers
 from blend_integrations.engines.vllm_host import process_allocator
 from blend_integrations.prompt import BlendPrompt
 
@@ -135,39 +136,20 @@ def bench_model(
     return model, model, "-" + Path(model).name
 
 
-def compute_ceiling(
-    mode: str,
-    prompt_tokens: int,
-    cached: int,
-    recomputed: int,
-    layers: int,
-    check_layer: int,
-    selection: str = "deviation",
-    *,
-    full_layers: int,
-) -> float:
-    """The most a mode can gain over full prefill by computing less (DESIGN
-    section 5), in token-layers: a token's attention and MLP at one layer.
-
-    The walk runs its last layer's attention and MLP for the logits' token
-    alone, so blend and reuse compute ``layers - 1`` layers of their tokens.
-    Full prefill computes ``full_layers`` of every token: ``layers - 1`` on
-    the transformers engine (its full prefill is the walk too), ``layers`` in
-    vLLM's own forward. Blend: ``full_layers * N / (c * N + (layers - 1 - c) * |R|)``,
-    with |R| the tokens computed past the check layer; reuse:
-    ``full_layers * N / ((layers - 1) * F)``, F the fresh tokens; 1 for full.
-    A query-aware blend (``selection`` "query" or "mixed") first runs a reuse
-    pass: ``(layers - 1) * F`` more. The last layer's q/k/v, which every mode
-    computes for the KV (under a tenth of a layer), are not counted."""
+def compute_ceiling(mode: str, usage, layers: int, check_layer: int, selection: str = "deviation") -> float:
+    """The most a mode can gain over full prefill by computing less (DESIGN section 5): full
+    prefill's token-layers over the mode's, by the package's one cost model
+    (``blend_integrations.cost``, the walk's own count), for the prompt ``usage`` describes
+    (its prompt, cached and recomputed tokens). A blend recomputes ``recomputed_tokens`` of the
+    cached ones past ``check_layer``; a selection by the query ("query", "mixed") first runs a
+    reuse pass. Full prefill computes every layer of every token on both engines (the transformers
+    engine's is the walk at ratio 1). A pass's fixed cost is not counted: this is the ceiling."""
     if mode == "full":
         return 1.0
-    walked = layers - 1
-    full = full_layers * prompt_tokens
-    fresh = prompt_tokens - cached
-    if mode == "reuse":
-        return full / (walked * fresh)
-    first_pass = 0 if selection == "deviation" else walked * fresh
-    return full / (check_layer * prompt_tokens + (walked - check_layer) * (fresh + recomputed) + first_pass)
+    shape = Shape(usage.prompt_tokens, usage.cached_tokens)
+    share = usage.recomputed_tokens / shape.reused if shape.reused else 0.0
+    schedule = None if mode == "reuse" else [(check_layer, share)]
+    return full_token_layers(shape, layers) / token_layers(shape, layers, schedule, selection != "deviation")
 
 
 def shuffled_prompts(chunks: list[str], seed: int = 0) -> Callable[[], BlendPrompt]:

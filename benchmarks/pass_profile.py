@@ -210,9 +210,7 @@ def run(args) -> dict:
     layers = model.config.num_hidden_layers
     u = usage[f"blend@{args.ratio}"]
     check = engine.config.check_layers[0]
-    ceiling = compute_ceiling(  # vLLM's own forward runs every layer of every token
-        "blend", prompt_tokens, u.cached_tokens, u.recomputed_tokens, layers, check, full_layers=layers
-    )
+    ceiling = compute_ceiling("blend", u, layers, check)
     predicted = reuse + (full - reuse) / ceiling
     import vllm
 

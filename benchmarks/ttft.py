@@ -178,10 +178,7 @@ def summarize(gens, L: int, c: int, mode: str, selection: str) -> dict:
         "cached_tokens": g.usage.cached_tokens,
         "recomputed_tokens": g.usage.recomputed_tokens,
         "computed_share": computed / N,
-        # this engine's full prefill is the walk: the last layer's attention and MLP for the logits' token alone
-        "ceiling": compute_ceiling(
-            mode, N, g.usage.cached_tokens, g.usage.recomputed_tokens, L, c, selection, full_layers=L - 1
-        ),
+        "ceiling": compute_ceiling(mode, g.usage, L, c, selection),
     }
 
 

@@ -136,16 +136,7 @@ def run(args) -> dict:
             return {}
         u = usage[name]
         mode, selection = next((mode, selection) for n, mode, _, selection in cases if n == name)
-        best = compute_ceiling(  # vLLM's own forward runs every layer of every token
-            mode,
-            u.prompt_tokens,
-            u.cached_tokens,
-            u.recomputed_tokens,
-            layers,
-            check_layer,
-            selection or "deviation",
-            full_layers=layers,
-        )
+        best = compute_ceiling(mode, u, layers, check_layer, selection or "deviation")
         # What the engine's own full and reuse times predict: reuse, plus the
         # computed share (1 / ceiling) of what full prefill adds to it.
         predicted = reuse + (full - reuse) / best

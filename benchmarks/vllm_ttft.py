@@ -88,9 +88,7 @@ def run(args) -> Iterator[dict]:
             rows = {}
             for name, mode, _ in cases:
                 u, t = usage[name], statistics.median(times[name])
-                ceiling = compute_ceiling(
-                    mode, u.prompt_tokens, u.cached_tokens, u.recomputed_tokens, layers, check_layer, full_layers=layers
-                )
+                ceiling = compute_ceiling(mode, u, layers, check_layer)
                 rows[name] = {
                     "median_ms": 1000 * t,
                     "min_ms": 1000 * min(times[name]),

@@ -90,6 +90,17 @@ def examples_store(tmp_path_factory):
     return Path(shared) if shared else tmp_path_factory.mktemp("examples") / "store"
 
 
+@pytest.fixture
+def large_model_memory(tmp_path_factory):
+    """Held by a test that loads Qwen2.5-Coder-1.5B in float32 (some 6 GiB of weights, twice that
+    while it converts), across pytest's workers: two such tests side by side can leave vLLM too
+    little memory for its KV cache on a 24 GiB machine, and its engine then refuses to start."""
+    from filelock import FileLock
+
+    with FileLock(tmp_path_factory.getbasetemp().parent / "large-model.lock"):
+        yield
+
+
 @pytest.fixture(scope="session")
 def store(tmp_path_factory):
     s = ChunkStore(tmp_path_factory.mktemp("store"))

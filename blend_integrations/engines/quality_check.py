@@ -135,10 +135,13 @@ class QualityChecker:
                     return
                 continue
             engine = self._engine()
-            if check is None or engine is None:
-                return
-            self._check(engine, check)
-            del engine
+            try:
+                if check is None or engine is None:
+                    return
+                self._check(engine, check)
+            finally:
+                del engine  # before the check counts as done: a dropped engine is then free (wait)
+                self._queue.task_done()
 
     def _check(self, engine: Checkable, check: Check) -> None:
         while not self._closed and not engine.idle():
@@ -178,11 +181,11 @@ class QualityChecker:
             logger.warning("a live quality check could not be stored (%s: %s)", type(e).__name__, str(e)[:200])
 
     def wait(self, timeout: float = 60.0) -> bool:
-        """Wait until every picked check has run (tests, benchmarks); False on timeout."""
+        """Wait until every picked check has run and its thread holds the engine no more (tests,
+        benchmarks); False on timeout."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            c = self.counts
-            if c["checked"] + c["failed"] + c["given_up"] >= c["picked"]:
+            if self._queue.unfinished_tasks == 0:  # a check that is run again is queued before it is done
                 return True
             time.sleep(IDLE_POLL_S)
         return False

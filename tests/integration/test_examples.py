@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from blend_integrations.calibration import PACKAGED_DIR, PackagedCalibration
-from tests.fixtures.commands import ROOT, run_python
+from tests.fixtures.commands import ROOT, ended, run_python
 
 BACKEND = "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
@@ -58,7 +58,7 @@ def make_demo(store: Path) -> str:
     venv = Path(sys.executable).parent.parent
     done = subprocess.run(["make", "--no-print-directory", "demo", f"VENV={venv}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert done.returncode == 0, ended(done)
     assert "leaked semaphore" not in done.stderr  # the engine's processes end with the demo, not after
     return done.stdout
 
@@ -67,7 +67,7 @@ def verdict(out: str) -> str:
     return out.rstrip().splitlines()[-1]
 
 
-def test_langchain_rag_example_is_the_demo(run, examples_store):
+def test_langchain_rag_example_is_the_demo(run, examples_store, large_model_memory):
     """``make demo``: LangChain on the embedded vLLM engine with Qwen2.5-Coder-1.5B-Instruct and the
     calibration the package ships for it, measured in bfloat16: in the dtype ``dtype="auto"`` gives
     on a CPU with bfloat16 instructions, and serving float32 on one without (named in the output)."""

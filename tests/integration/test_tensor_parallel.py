@@ -1,5 +1,9 @@
 """Tensor parallelism: the vLLM engine split over two ranks (vLLM's CPU backend,
-one CPU each) blends as one rank does, and shares its chunk store with it."""
+one CPU each) blends as one rank does, and shares its chunk store with it; and
+every model family on it (``test_family_on_vllm``).
+
+The small random models come from transformers' own configs
+(``tests/fixtures/local_models.py``)."""
 
 from __future__ import annotations
 
@@ -224,26 +228,40 @@ def test_two_ranks_attending_with_vllms_kernel_keep_what_sdpa_keeps(vllm_tp2, do
 
 
 @pytest.mark.parametrize("name", [t for t in SUPPORTED_MODEL_TYPES if t != "llama"])
-def test_family_on_two_ranks(name, model_dirs, tmp_path, docs):
-    """Every family but llama (the tests above) on two ranks, each with what
-    TP=2 splits in its own way: OLMo 2's q/k norms span every head, so both
-    ranks' statistics (through vLLM's Transformers backend); Gemma's windows,
-    rope per layer type and soft-caps; Phi-3's fused qkv and gate_up split
-    per rank; Granite's multipliers; Qwen's biases and q/k norms per head. On
-    two ranks, blend at r=1 is vLLM's full prefill, and the chunks two ranks
-    stored are hits on the transformers engine with its own exact answer."""
+def test_family_on_vllm(name, model_dirs, tmp_path, docs):
+    """Every family but llama (which every other vLLM test runs, on one rank and on two) on the
+    embedded vLLM engine split over two ranks, beside the transformers engine. One engine per
+    family, on two ranks because that is where families differ most (about 80 s each): OLMo 2's
+    q/k norms span every head, so both ranks' statistics (through vLLM's Transformers backend);
+    Gemma's windows shorter than the chunks, rope per layer type and soft-caps; Phi-3's fused
+    qkv and gate_up split per rank, and its partial rotary; Granite's four multipliers; Qwen's
+    biases and q/k norms per head. Chunks the transformers engine computed are hits on vLLM;
+    blend at r=1 is vLLM's full prefill, which is the transformers engine's; reordered chunks
+    hit and a blend recomputes its share; chunks the two ranks stored are hits on the
+    transformers engine, with its own exact answer."""
     store = ChunkStore(tmp_path / "store")
+    transformers = load_engine(model_dirs(name), store=store, device="cpu")
+    transformers.warm(docs)
     engine = tp2_engine(model_dirs(name), store.path)
     try:
-        assert engine.warm(docs) == len(docs)
         prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
-        exact_at_ratio_one(engine, prompt, len(docs))
+        full = exact_at_ratio_one(engine, prompt, len(docs))
+        reference = transformers.generate(prompt, max_tokens=10, mode="full", logprobs=1)
+        assert reference.token_ids == full.token_ids
+        assert chosen(reference) == pytest.approx(chosen(full), abs=1e-3)
+        shuffled = BlendPrompt("Read.", [docs[2], docs[0], docs[3], docs[1]], QUESTION)
+        blend = engine.generate(shuffled, max_tokens=4, recompute_ratio=0.15)
+        chunk_tokens = sum(len(engine.tokenizer.encode(d, add_special_tokens=False)) for d in docs)
+        assert (blend.usage.chunks_hit, blend.usage.chunks_missed, blend.fallback) == (len(docs), 0, None)
+        assert blend.usage.recomputed_tokens == round(0.15 * chunk_tokens)
+        more = [d + " The end." for d in docs]
+        assert engine.warm(more) == len(more)
     finally:
         engine.close()
-    transformers = load_engine(model_dirs(name), store=store, device="cpu")
-    again = transformers.generate(prompt, max_tokens=10, recompute_ratio=1.0)
-    assert again.usage.chunks_hit == len(docs)
-    assert again.token_ids == transformers.generate(prompt, max_tokens=10, mode="full").token_ids
+    back = BlendPrompt("Read.", more, QUESTION)
+    again = transformers.generate(back, max_tokens=10, recompute_ratio=1.0)
+    assert again.usage.chunks_hit == len(more)
+    assert again.token_ids == transformers.generate(back, max_tokens=10, mode="full").token_ids
 
 
 def test_cpu_binding_and_head_checks(monkeypatch):

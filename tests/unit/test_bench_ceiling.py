@@ -1,6 +1,9 @@
-"""The benchmarks' compute ceiling: token-layers of full prefill over a mode's."""
+"""The benchmarks' compute ceiling: full prefill's token-layers over a mode's, by the package's
+one cost model (whose count is the walk's own: tests/unit/test_walk.py)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -9,24 +12,22 @@ from benchmarks import compute_ceiling
 N, L, C = 1000, 16, 1
 
 
+def usage(cached: int, recomputed: int) -> SimpleNamespace:
+    return SimpleNamespace(prompt_tokens=N, cached_tokens=cached, recomputed_tokens=recomputed)
+
+
 def test_full_prefill_is_its_own_ceiling():
-    assert compute_ceiling("full", N, 900, 0, L, C, full_layers=L) == 1.0
+    assert compute_ceiling("full", usage(900, 0), L, C) == 1.0
+    # every reused token recomputed: the walk computes what full prefill does
+    assert compute_ceiling("blend", usage(900, 900), L, C) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("full_layers", [L - 1, L])
-def test_blend_counts_the_layers_each_engine_computes(full_layers):
-    """The walk computes the last layer for the logits' token alone; the
-    transformers engine's full prefill (the walk) does too, vLLM's does not."""
-    # 900 reused tokens, 135 recomputed: |R| = 100 fresh + 135
-    blend = compute_ceiling("blend", N, 900, 135, L, C, full_layers=full_layers)
-    assert blend == pytest.approx(full_layers * N / (C * N + (L - 1 - C) * 235))
-    # every reused token recomputed: the walk's work, full prefill's on the transformers engine
-    every = compute_ceiling("blend", N, 900, 900, L, C, full_layers=full_layers)
-    assert every == pytest.approx(full_layers / (L - 1))
-
-
-def test_reuse_and_the_query_pass():
-    assert compute_ceiling("reuse", N, 900, 0, L, C, full_layers=L - 1) == pytest.approx(N / 100)
-    deviation = compute_ceiling("blend", N, 900, 135, L, C, full_layers=L - 1)
-    query = compute_ceiling("blend", N, 900, 135, L, C, "query", full_layers=L - 1)
-    assert 1 / query == pytest.approx(1 / deviation + (L - 1) * 100 / ((L - 1) * N))
+def test_blend_reuse_and_the_query_pass():
+    # 900 reused tokens, 135 recomputed past layer C: the 100 fresh ones and 135 through L - C layers
+    deviation = compute_ceiling("blend", usage(900, 135), L, C)
+    assert deviation == pytest.approx(L * N / (C * N + (L - C) * 235))
+    assert compute_ceiling("reuse", usage(900, 0), L, C) == pytest.approx(N / 100)
+    # a selection by the query runs a reuse pass first: the fresh tokens through every layer
+    query = compute_ceiling("blend", usage(900, 135), L, C, "query")
+    assert 1 / query == pytest.approx(1 / deviation + L * 100 / (L * N))
+    assert compute_ceiling("blend", usage(900, 135), L, C, "mixed") == query
