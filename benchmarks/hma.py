@@ -106,6 +106,8 @@ def run(args) -> dict:
         dtype=engine.dtype_name,
     )
     plain_args = {k: v for k, v in blend_args.items() if k not in ("kv_transfer_config", "load_format")}
+    if not torch.cuda.is_available():  # the blend engine's KV cache memory (its kv_cache_gib)
+        plain_args["kv_cache_memory_bytes"] = args.kv_cache_gib * 2**30
     own_budget = {k: v for k, v in plain_args.items() if k != "max_num_batched_tokens"}
     if args.prefill_budget:
         own_budget["max_num_batched_tokens"] = args.prefill_budget

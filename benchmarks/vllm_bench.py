@@ -73,6 +73,7 @@ def run(args) -> dict:
         enforce_eager=True,
         block_size=32,
         max_num_batched_tokens=max_len,
+        kv_cache_memory_bytes=args.kv_cache_gib * 2**30,  # the blend engine's (CPU)
         seed=0,
     )
     one_token = vllm.SamplingParams(max_tokens=1, temperature=0)

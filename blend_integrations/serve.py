@@ -48,6 +48,7 @@ from .calibration import CalibrationError, CalibrationRecord
 from .config import KV_CODECS, SELECTIONS, BlendConfig, parse_ratio
 from .engines import stream_usage
 from .engines.vllm_contract import (
+    KV_CACHE_ENV,
     WALK_ATTENTION,
     blend_engine_args,
     blend_engine_env,
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:  # more CPU ranks than CPUs, or a $BLEND_CPU_ALLOCATOR that is neither choice
             parser.error(str(exc))
         env = {
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib)),
+            KV_CACHE_ENV: os.environ.get(KV_CACHE_ENV) or str(args.kv_cache_gib),
             **engine_env,
         }
     if args.api_key is not None:

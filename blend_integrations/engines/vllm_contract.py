@@ -170,6 +170,11 @@ def engine_block_size(on_gpu: bool) -> int:
 # (``blend_engine_env``), and the connector refuses V2 by name (``vllm_limits``).
 V1_MODEL_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
+# vLLM's CPU backend reads its KV cache's size, in GiB of host RAM, from this variable while an
+# engine starts; the engines set it from ``kv_cache_gib`` for their own start only, and a value
+# the user set wins.
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
 
 # vLLM logs its whole config at start-up, kv_connector_extra_config included,
 # so a Redis password must stay out of it: the config carries the URL with the

@@ -27,6 +27,7 @@ from .blend_metrics import BlendCounters
 from .quality_check import CheckPreempted
 from .vllm_answers import blend_details
 from .vllm_contract import (
+    KV_CACHE_ENV,
     blend_engine_args,
     blend_engine_env,
     blend_results,
@@ -102,9 +103,6 @@ class VLLMEngine(Engine):
         self.store = engine_store(store, self.config)
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.fingerprint = model_fingerprint(model_dir)
-        if not on_gpu:
-            # The CPU backend reserves its KV cache from host RAM, in GiB.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
         args = blend_engine_args(
             store=self.store,
             config=self.config,
@@ -138,7 +136,12 @@ class VLLMEngine(Engine):
         kwargs.update(llm_kwargs)
         # vLLM starts its processes (and their connectors) in LLM(); they keep
         # the variables, this process gets its own back.
-        with _environ(blend_engine_env(self.store, tensor_parallel_size=tensor_parallel_size, on_gpu=on_gpu)):
+        env = blend_engine_env(self.store, tensor_parallel_size=tensor_parallel_size, on_gpu=on_gpu)
+        if not on_gpu and not os.environ.get(KV_CACHE_ENV):
+            # The CPU backend reserves its KV cache from host RAM, in GiB, read from its environment
+            # while LLM() starts: this engine's own size, not one an earlier engine left behind.
+            env[KV_CACHE_ENV] = str(int(kv_cache_gib))
+        with _environ(env):
             try:
                 self.llm = vllm.LLM(**kwargs)
             except Exception as exc:

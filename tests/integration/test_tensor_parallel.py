@@ -24,13 +24,13 @@ from tests.fixtures.local_models import build_model
 QUESTION = "Question: which city is named in the documents? Answer:"
 
 
-def tp2_engine(model_dir, store_path):
+def tp2_engine(model_dir, store_path, kv_cache_gib: int = 1):
     engine = load_engine(
         model_dir,
         backend="vllm",
         store=ChunkStore(store_path),
         max_model_len=2048,
-        kv_cache_gib=1,
+        kv_cache_gib=kv_cache_gib,
         tensor_parallel_size=2,
         # vLLM's kernel: the session's one-rank engine attends with SDPA, so the
         # comparisons with it cover both ways.
@@ -242,8 +242,10 @@ def test_family_on_vllm(name, model_dirs, tmp_path, docs):
     store = ChunkStore(tmp_path / "store")
     transformers = load_engine(model_dirs(name), store=store, device="cpu")
     transformers.warm(docs)
-    engine = tp2_engine(model_dirs(name), store.path)
+    # its own KV cache size, though this worker's session engine started with another
+    engine = tp2_engine(model_dirs(name), store.path, kv_cache_gib=2)
     try:
+        assert engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 2 * 2**30
         prompt = BlendPrompt("You answer questions.", docs[::-1], QUESTION)
         full = exact_at_ratio_one(engine, prompt, len(docs))
         reference = transformers.generate(prompt, max_tokens=10, mode="full", logprobs=1)

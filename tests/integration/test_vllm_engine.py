@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import shlex
 
@@ -13,6 +14,7 @@ import torch
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, PromptError, UnsupportedModelError, load_engine
 from blend_integrations.engines.vllm_contract import (
+    KV_CACHE_ENV,
     blend_engine_args,
     blend_engine_env,
     check_vllm_version,
@@ -188,6 +190,8 @@ def test_the_session_engines_kv_cache_is_sized_in_tokens(vllm_engine):
     on_gpu = torch.cuda.is_available()
     assert cache.block_size == engine_block_size(on_gpu) == (16 if on_gpu else 32)
     assert cache.num_gpu_blocks * cache.block_size == 3072 > vllm_engine.context_length
+    if not on_gpu:  # kv_cache_gib=1, set for its own start, and not left for the next engine
+        assert cache.kv_cache_memory_bytes == 2**30 and KV_CACHE_ENV not in os.environ
 
 
 def test_engine_args_set_the_block_size_on_either_device(tmp_path):
