@@ -118,17 +118,28 @@ def test_langchain_rag_example_answers_right_blended_at_a_high_ratio(run):
     assert verdict(out).startswith("expected answer: 'Brimford'; full right: True, blend right: True")
 
 
-def test_examples_refuse_bad_arguments_before_loading_a_model(tmp_path):
+def test_examples_refuse_bad_arguments_before_loading_a_model(tmp_path, monkeypatch, capsys):
+    """Each example run as a script (in this process: one import of the frameworks, not six)."""
+    import runpy
+
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("  \n")
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+
+    def refused(example: str, *args: str) -> str:
+        monkeypatch.setattr(sys, "argv", [example, *args])
+        with pytest.raises(SystemExit) as exit:
+            runpy.run_path(str(ROOT / example), run_name="__main__")
+        assert exit.value.code == 2
+        return capsys.readouterr().err
+
     for example in ("examples/langchain_rag.py", "examples/llamaindex_rag.py"):
-        out = run_python(example, "--recompute-ratio", "1.5", timeout=120, returncode=2)
-        assert 'argument --recompute-ratio: recompute_ratio must be a number in [0, 1] or "auto", got 1.5' in out.stderr
-        out = run_python(example, "--documents", str(empty), timeout=120, returncode=2)
-        assert f"argument --documents: {str(empty)!r} holds no non-empty .txt document to answer from" in out.stderr
-        out = run_python(example, "--documents", str(tmp_path / "missing"), timeout=120, returncode=2)
-        assert "is not a folder" in out.stderr
+        err = refused(example, "--recompute-ratio", "1.5")
+        assert 'argument --recompute-ratio: recompute_ratio must be a number in [0, 1] or "auto", got 1.5' in err
+        err = refused(example, "--documents", str(empty))
+        assert f"argument --documents: {str(empty)!r} holds no non-empty .txt document to answer from" in err
+        assert "is not a folder" in refused(example, "--documents", str(tmp_path / "missing"))
 
 
 def test_llamaindex_rag_example(run):
