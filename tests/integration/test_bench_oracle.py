@@ -5,6 +5,7 @@ prefill where they must be, and the benchmark writes its tables."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -71,6 +72,9 @@ def test_the_benchmark_writes_and_renders_its_tables(tmp_path, capsys):
     assert report["config"]["pass_ms"] > 0 and report["config"]["mean_prefix_tokens"] > 0
     page = (tmp_path / "oracle-reader-transformers-deviation-query-layer0.md").read_text()
     assert "| (a) blend, query-layer0 |" in page and "Deviation by layer" in page
+    # made with the prediction in use: its fit is a test of it, and it says how many settings fit
+    assert report["config"]["prediction"] == oracle.PREDICTION
+    assert "so this fit is a test of it" in page and re.search(r"(\d) of 2 within 1.15x either way", page)
     oracle.main(["--render", str(tmp_path / "oracle-reader-transformers-deviation-query-layer0.json")])
     assert (tmp_path / "oracle-reader-transformers-deviation-query-layer0.md").read_text() == page
 
