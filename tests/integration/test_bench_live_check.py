@@ -27,4 +27,8 @@ def test_a_small_run_writes_its_page(tmp_path):
     assert report["arrivals"]["ttft"]["checks on"]["n"] == 10
     page = (out / "live-check-transformers.md").read_text()
     assert "| loses | SmolLM2-135M-Instruct, uncalibrated copy | 1 | 3 | 0.15 → " in page
+    assert "- Where the policy loses answers: after request " in page and "- Where it holds: the checks cost" in page
+    # what users got after the last step: every answer, blended or run in full
+    later = loses["agreement_after_last_step"]
+    assert later["n"] == 3 - loses["settled_at_request"] >= 1 and loses["blended_after_last_step"] <= later["n"]
     assert (out / "live-check-transformers.png").is_file()
