@@ -42,13 +42,13 @@ from pathlib import Path
 
 import torch
 
-from blend_integrations.config import BlendConfig, check_schedule
-from blend_integrations.cost import Shape, passes, token_layers
+from blend_integrations.config import BlendConfig
 from blend_integrations.engines import load_engine
 from blend_integrations.fusion.walk import KVCache, ReusedSpan, forward
 from blend_integrations.store import ChunkStore
 
 from . import machine, scratch_dir, write_results
+from .oracle_report import PREDICTION, RENAMED, markdown
 from .quality import BASE, DEVELOPMENT_SEED, model_and_task, results_name
 
 AGREE_TOKENS = 4  # agreement: the first tokens equal full prefill's, as calibration counts it
@@ -322,141 +322,6 @@ def run(args) -> dict:
         },
         "deviation_by_layer": {"v": mean_by_layer(v_profile), "k": mean_by_layer(k_profile)},
     }
-
-
-def hop_counts(report: dict) -> str:
-    """ " (N 1-hop, M 2-hop)" where the report has its questions' hops."""
-    hops = report.get("per_question", {}).get("hops")
-    return f" ({hops.count(1)} 1-hop, {hops.count(2)} 2-hop)" if hops else ""
-
-
-# The prediction's revision (``predicted_ms``): 4 is the package's one cost model. A run made with an
-# earlier one is not a test of this one, since each revision came after seeing pages' fits.
-PREDICTION = 4
-FIT_GOAL = 1.15  # measured time within this factor of the predicted, either way
-
-
-def predicted_ms(config: dict, full_ms: float, reuse_ms: float, settings: dict, ratio: float) -> float:
-    """A blend's predicted time to first token: reuse's time, plus the
-    token-layers the setting computes beyond reuse's (the package's cost model,
-    ``blend_integrations.cost``) at full prefill's cost of one, plus a walk
-    pass's fixed cost (``config["pass_ms"]``) for the reuse pass of a
-    selection by the query. ``config``: a report's (its prompts' mean sizes)."""
-    layers, tokens, reused = config["layers"], config["mean_prompt_tokens"], config["mean_reused_tokens"]
-    per_token_layer = (full_ms - reuse_ms) / (layers * reused)  # what full prefill computes beyond reuse
-    sink, query_pass = settings["sink_tokens"], settings["selection"] != "deviation"
-    schedule = check_schedule(tuple(settings["check_layers"]), ratio)
-    stored = reused - sink * config["mean_chunks"]  # each chunk's sink tokens are computed fresh
-    walk = token_layers(Shape(tokens, stored, config["mean_prefix_tokens"] + sink), layers, schedule, query_pass)
-    extra = walk - token_layers(Shape(tokens, reused), layers, None)
-    return reuse_ms + extra * per_token_layer + (passes(schedule, query_pass) - passes(None)) * config["pass_ms"]
-
-
-# Names of settings in runs made before they were renamed (their JSON): "prophet" is query selection at
-# check layer 0, what calibration and the README call it.
-RENAMED = {"prophet": "query-layer0"}
-
-
-def renamed(report: dict) -> dict:
-    """``report`` with its settings under their current names."""
-
-    def new(name: str) -> str:
-        setting, at, ratio = name.partition("@")
-        return RENAMED.get(setting, setting) + at + ratio
-
-    config = {**report["config"], "settings": {new(k): v for k, v in report["config"]["settings"].items()}}
-    return {**report, "config": config, "modes": {new(k): v for k, v in report["modes"].items()}}
-
-
-def markdown(report: dict) -> str:
-    report = renamed(report)
-    c, full = report["config"], report["full"]
-    exact = full["exact_at_ratio_one"]
-    lines = [
-        f"Model {c['model']} ({c['layers']} layers, {c['dtype']}) on the {c['backend']} engine; {c['machine']}; "
-        f"{c['questions']} held-out questions{hop_counts(report)}, {'-'.join(map(str, sorted(set(c['documents_per_question']))))} documents each, "
-        f"{c['mean_prompt_tokens']} prompt tokens on average; {c['date']}.",
-        "",
-        f"Full prefill: time to first token {full['ttft_ms']:.0f} ms (median), answers right {full['right']:.3f}; "
-        f"blend at ratio 1 gave full prefill's tokens on {sum(exact)} of {len(exact)} prompts checked.",
-        "",
-        f"Agrees: the first {c['agree_tokens']} tokens equal full prefill's. Speedup: full prefill's median time "
-        "to first token over the mode's on each prompt, measured side by side, median over prompts. Recall: the share of the "
-        "oracle set (at the same ratio) the selection recomputed.",
-        "",
-    ]
-    m, ratios = report["modes"], c["ratios"]
-    head = [f"| mode | {' | '.join(f'{r:.2f}' for r in ratios)} |", "|---|" + "---:|" * len(ratios)]
-    names = [n.rsplit("@", 1)[0] for n in m if n.endswith(f"@{ratios[0]:.2f}")]
-    label = lambda name: name if name.startswith("(") else f"(a) blend, {name}"  # noqa: E731
-    lines += ["Agreement with full prefill (in brackets: recall of the oracle set):", "", *head]
-    lines.append(f"| (d) reuse | {m['reuse']['agree']:.3f} |" + " |" * (len(ratios) - 1))
-    for name in names:
-        rows = [m[f"{name}@{r:.2f}"] for r in ratios]
-        cells = [f"{x['agree']:.3f}" + (f" ({x['recall']:.2f})" if "recall" in x else "") for x in rows]
-        lines.append(f"| {label(name)} | {' | '.join(cells)} |")
-    full_ms, reuse_ms = full["ttft_ms"], m["reuse"]["ttft_ms"]
-    # a run from before a walk pass's fixed cost was measured cannot be predicted by the cost model
-    predicts = "pass_ms" in c and "mean_prefix_tokens" in c
-    if predicts:
-        tokens, reused, prefix = c["mean_prompt_tokens"], c["mean_reused_tokens"], c["mean_prefix_tokens"]
-        lines += [
-            "",
-            f"Speedup over full prefill (in brackets: measured time over predicted; reuse "
-            f"{m['reuse']['speedup']:.2f}x, {reuse_ms:.0f} ms). Predicted: reuse's time, plus each token-layer the "
-            "setting computes beyond reuse's at full prefill's cost of one ((full - reuse) / reused token-layers; "
-            "the package's cost model, counting sink tokens and, for a selection by the query's attention, its "
-            f"reuse pass over the prompt's {tokens - reused} other tokens and the {prefix} before the first chunk "
-            f"that its blend walk skips), plus for that reuse pass a pass's fixed cost, {c['pass_ms']:.0f} ms (one "
-            "token through the walk on this engine, without logits). The query's scoring is not predicted:",
-        ]
-    else:
-        lines += [
-            "",
-            f"Speedup over full prefill (reuse {m['reuse']['speedup']:.2f}x, {reuse_ms:.0f} ms). This run predates "
-            "the measured pass cost the package's cost model needs, so no prediction is given:",
-        ]
-    lines += ["", *head]
-    fit = []  # measured time over predicted, every setting and ratio
-    for name in names:
-        if "speedup" not in m[f"{name}@{ratios[0]:.2f}"]:
-            continue
-        cells = []
-        for r in ratios:
-            row = m[f"{name}@{r:.2f}"]
-            if predicts:
-                fit.append(row["ttft_ms"] / predicted_ms(c, full_ms, reuse_ms, c["settings"][name], r))
-            cells.append(f"{row['speedup']:.2f}x" + (f" ({fit[-1]:.2f})" if predicts else ""))
-        lines.append(f"| {label(name)} | {' | '.join(cells)} |")
-    if fit:
-        within = sum(1 / FIT_GOAL <= x <= FIT_GOAL for x in fit)
-        lines += [
-            "",
-            f"Measured over predicted: {min(fit):.2f} to {max(fit):.2f}; {within} of {len(fit)} within "
-            f"{FIT_GOAL}x either way (the goal: all).",
-            "",
-            (
-                "This run was made after the prediction's last revision (the package's one cost model), so this "
-                "fit is a test of it."
-                if c.get("prediction") == PREDICTION
-                else "The prediction was revised three times after its measured-over-predicted ratios on these "
-                "pages were seen: a query selection's reuse pass counted by its token-layers instead of as a second "
-                "reuse (commit f7fb418), then the prefix the blend walk skips with the sink tokens, and a pass's "
-                "fixed cost measured on the engine (f5e6053). This run was made before the last revision, so its "
-                "fit is not a test of it."
-            ),
-        ]
-    lines += ["", "Settings of (a): " + "; ".join(f"{n}: {s}" for n, s in c["settings"].items()), ""]
-    dev = report["deviation_by_layer"]
-    lines += [
-        "Deviation by layer (reused chunk tokens against full prefill, relative, mean over prompts):",
-        "",
-        "| layer | " + " | ".join(str(i) for i in range(c["layers"])) + " |",
-        "|---|" + "---:|" * c["layers"],
-        "| V | " + " | ".join(f"{x:.3f}" for x in dev["v"]) + " |",
-        "| K | " + " | ".join(f"{x:.3f}" for x in dev["k"]) + " |",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

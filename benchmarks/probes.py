@@ -28,7 +28,8 @@ from blend_integrations.store import ChunkStore
 
 from . import machine, scratch_dir, write_results
 from .calibration import CALIBRATION_SEED
-from .oracle import AGREE_TOKENS, RENAMED, selection_settings
+from .oracle import AGREE_TOKENS, selection_settings
+from .oracle_report import RENAMED
 from .quality import BASE, model_and_task, results_name
 
 

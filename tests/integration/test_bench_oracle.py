@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from benchmarks import oracle, probes
+from benchmarks import oracle, oracle_report, probes
 from benchmarks.quality import BASE, DEVELOPMENT_SEED, TASKS
 from blend_integrations import BlendConfig, ChunkStore, load_engine
 from blend_integrations.quality import reader_model_dir
@@ -73,7 +73,7 @@ def test_the_benchmark_writes_and_renders_its_tables(tmp_path, capsys):
     page = (tmp_path / "oracle-reader-transformers-deviation-query-layer0.md").read_text()
     assert "| (a) blend, query-layer0 |" in page and "Deviation by layer" in page
     # made with the prediction in use: its fit is a test of it, and it says how many settings fit
-    assert report["config"]["prediction"] == oracle.PREDICTION
+    assert report["config"]["prediction"] == oracle_report.PREDICTION
     assert "so this fit is a test of it" in page and re.search(r"(\d) of 2 within 1.15x either way", page)
     oracle.main(["--render", str(tmp_path / "oracle-reader-transformers-deviation-query-layer0.json")])
     assert (tmp_path / "oracle-reader-transformers-deviation-query-layer0.md").read_text() == page
@@ -102,13 +102,13 @@ def test_the_probes_benchmark_lists_every_prompt_a_setting_missed(tmp_path):
 
 
 def test_the_predicted_time_counts_every_token_layer_and_the_reuse_pass():
-    """``oracle.predicted_ms`` on round numbers: 4 layers, 100 tokens of
+    """``oracle_report.predicted_ms`` on round numbers: 4 layers, 100 tokens of
     which 80 reused in 4 chunks, 5 before the first; full 500 ms, reuse 100 ms,
     so a token-layer costs 400 / 320 = 1.25 ms; a pass's fixed cost 30 ms."""
     config = {"layers": 4, "mean_prompt_tokens": 100, "mean_reused_tokens": 80}
     config |= {"mean_chunks": 4, "mean_prefix_tokens": 5, "pass_ms": 30.0}
     base = {"check_layers": [1], "sink_tokens": 0, "selection": "deviation"}
-    at = lambda ratio, **changes: oracle.predicted_ms(config, 500.0, 100.0, base | changes, ratio)  # noqa: E731
+    at = lambda ratio, **changes: oracle_report.predicted_ms(config, 500.0, 100.0, base | changes, ratio)  # noqa: E731
     assert at(1.0, check_layers=[0]) == pytest.approx(500.0)  # every token-layer: full prefill
     assert at(0.25) == pytest.approx(100.0 + 1.25 * (80 + 3 * 20))  # layer 0 whole, then a quarter
     # sink tokens: 4 per chunk computed at every layer, the quarter taken of the other 64
