@@ -306,16 +306,22 @@ def held_out_table(rows: dict[str, list[dict]], confidence: float) -> dict[str, 
     return table
 
 
+def held_out_shortfalls(by_task: dict[str, dict], target: float) -> dict[str, dict]:
+    """The held-out kinds of question on which the chosen policy's agreement falls short of ``target``
+    at its lower bound (each one's row): where there is any, the policy does not ship."""
+    return {
+        name: rows["default (calibrated)"]
+        for name, rows in by_task.items()
+        if rows["default (calibrated)"].get("agreement_lower", 1.0) < target
+    }
+
+
 def write_packaged(record, table: dict, by_task: dict[str, dict], args, folder: Path = PACKAGED_DIR) -> Path:
     """The calibration this package ships for a model it ships (``calibration.PACKAGED_DIR``): the record,
     named for the model, with the held-out measurements that say what it means, pooled and by task. A
     policy ships only where its held-out agreement's lower bound meets the target on every task:
     otherwise the file ships full prefill, and says why."""
-    short = {
-        name: rows["default (calibrated)"]
-        for name, rows in by_task.items()
-        if rows["default (calibrated)"]["agreement_lower"] < record.target
-    }
+    short = held_out_shortfalls(by_task, record.target)
     blends = record.ratio < 1.0 or record.guard is not None
     if blends and short:
         why = "; ".join(

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from blend_integrations.calibration import wilson_lower
 
+from .calibration import held_out_shortfalls
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results"
@@ -100,8 +102,15 @@ def calibration_row(results: Path, label: str, engine: str) -> tuple[list[str], 
     sizes = cfg.get("held_out_tasks") or {"generated": cfg["held_out_questions"]}
     (fallback_key,) = [key for key in held if key.startswith("fallback")]
     full, default, fallback = held["full"], held["default (calibrated)"], held[fallback_key]
+    short = held_out_shortfalls(report.get("held_out_tasks") or {}, cfg.get("target", 0.95))
     if report["calibration"]["ratio"] >= 1.0 and report["calibration"]["guard"] is None:
         matched = f"{default['ttft_speedup']:.2f}x: needs full prefill"
+    elif short and report["calibration"]["ratio"] < 1.0:  # the package ships full prefill (write_packaged)
+        fell = ", ".join(
+            f"{percent(r['agreement'])} agree (at least {percent(r['agreement_lower'])}) on {TASK_NAMES[name]}"
+            for name, r in short.items()
+        )
+        matched = f"1.00x: needs full prefill (the policy chosen on the probes, {default['ttft_speedup']:.2f}x, fell short held out: {fell})"
     else:
         agree = []
         for name, table in tasks.items():
