@@ -697,7 +697,9 @@ def test_a_policy_ships_only_where_its_held_out_lower_bound_meets_the_target(tmp
     from benchmarks.calibration import write_packaged
     from blend_integrations.calibration import PACKAGED_DIR, PackagedCalibration
 
-    shipped = PackagedCalibration.from_bytes((PACKAGED_DIR / "reader-transformers.json").read_bytes(), PACKAGED_DIR)
+    # a packaged file that ships a policy below full prefill
+    path = PACKAGED_DIR / "qwen2.5-coder-1.5b-transformers.json"
+    shipped = PackagedCalibration.from_bytes(path.read_bytes(), path)
     record = shipped.record
     assert record.ratio < 1.0 and record.meets_target
 
@@ -707,7 +709,7 @@ def test_a_policy_ships_only_where_its_held_out_lower_bound_meets_the_target(tmp
         row |= {"ttft_s": 1.0, "ttft_speedup": 2.0}
         return {"full": row, "default (calibrated)": row, f"fallback ({FALLBACK_RATIO})": row}
 
-    args = argparse.Namespace(model="reader", backend="transformers")
+    args = argparse.Namespace(model="qwen2.5-coder-1.5b", backend="transformers")
     held = {"generated": rows(60), "squad-dev": rows(60)}
     path = write_packaged(record, rows(120, 120), held, args, folder=tmp_path)
     kept = PackagedCalibration.from_bytes(path.read_bytes(), path)
