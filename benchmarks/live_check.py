@@ -214,7 +214,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"{c['backend']} engine on {c['cpu']}; {c['date']}; {c['minutes']} min. Agreement: the first "
         f"{c['tokens_compared']} tokens equal to full prefill's (asked by the benchmark after each answer), "
-        f"over the requests that blended, with the {CONFIDENCE:.0%} Wilson lower bound.",
+        f"over the answers its column names, with the {CONFIDENCE:.0%} Wilson lower bound.",
         "",
         "| stream | model | checks | requests | ratio: start → end | settled at request | agreement, blended "
         "answers | agreement, every answer after the last step (blended) | checks run (agreed) | "
@@ -254,7 +254,7 @@ def markdown(report: dict) -> str:
         lines += [
             "",
             f"Arrivals: {c['arrivals']} of the reader's requests at random (mean gap {a['mean_gap_s']} s), in "
-            f"alternating blocks of 10 with checks on (share {c.get('arrivals_share', c['holds_share'])}; its "
+            f"alternating blocks of 10 with checks on (share {c['arrivals_share']}; its "
             "calibrated policy is checked at an eighth of it) and off:",
             "",
             "| | requests | TTFT p50 (s) | TTFT p95 (s) | failed |",
@@ -305,7 +305,16 @@ def main(argv: list[str] | None = None) -> None:
         help="the check share while the arrivals' checks are on (a calibrated policy is checked at an eighth of it)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--render", type=Path, metavar="JSON", help="rewrite this result's page from its JSON")
     args = parser.parse_args(argv)
+    if args.render:
+        page = args.render.with_suffix(".md")
+        title, command = page.read_text().split("\n\n", 2)[:2]
+        page.write_text(
+            f"{title}\n\n{command}\n\n{markdown(json.loads(args.render.read_text()))}"
+            f"\n\n![ratio and agreement over requests]({page.stem}.png)\n"
+        )
+        return
     if args.requests < 2:
         parser.error("--requests must be at least 2")
     report = run(args)

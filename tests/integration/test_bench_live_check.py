@@ -32,3 +32,8 @@ def test_a_small_run_writes_its_page(tmp_path):
     later = loses["agreement_after_last_step"]
     assert later["n"] == 3 - loses["settled_at_request"] >= 1 and loses["blended_after_last_step"] <= later["n"]
     assert (out / "live-check-transformers.png").is_file()
+    # the page is rendered again from its JSON, unchanged
+    from benchmarks import live_check
+
+    live_check.main(["--render", str(out / "live-check-transformers.json")])
+    assert (out / "live-check-transformers.md").read_text() == page
