@@ -3,21 +3,25 @@ loses answers it must climb until they hold, and where it holds it must cost lit
 
     python -m benchmarks live-check [--backend vllm|transformers] [--requests 200] [--share 1.0]
                                     [--holds-share 0.05] [--arrivals 120] [--arrivals-share 1.0]
+                                    [--risk 0.05]
 
-Streams, each request asked with ``"auto"`` and answered before the next:
+Streams, each request asked with ``"auto"`` and answered before the next, its check run at once
+(``quality_check_risk=1``: how fast the checks climb, counted in requests, is the point):
 
 - **loses**: SmolLM2-135M-Instruct's real weights under a ``config.json`` with one key more, a
   checkpoint no calibration knows, so ``"auto"`` starts at the fallback (0.15), which changes
   about a third of its answers; its generated task on a seed no run had used. Checks at
   ``--share`` (1.0: every request).
-- **holds**: the bundled reader at its packaged calibration on its own task, checks at
-  ``--holds-share``.
+- **holds**: the bundled reader at the policy its calibration on this engine chose
+  (docs/results/records/), kept in the store as a user's own calibration, on its own task (the
+  generated kind, where it held out), checks at ``--holds-share``.
 
 After each answer (and its check) the benchmark asks full prefill itself, so each request's
 agreement with full prefill's first tokens is known apart from the check's own verdict. Then
 **arrivals**: the reader's requests arriving at random (exponential gaps, about half the engine
-busy) with checks at ``--arrivals-share`` and with checks off, in alternating blocks: the users'
-time to first token side by side, and any request that failed. The page ends each stream with its
+busy) with checks at ``--arrivals-share`` and with checks off, in alternating blocks, at the
+default ``quality_check_risk`` (``--risk``): the users' time to first token side by side, any
+request that failed, and where the checks ran (while users came, or in the pause after a block). The page ends each stream with its
 goal: later answers that agree on at least 95% within 200 requests where the policy loses them;
 checks that cost at most 5% of compute and never raise the ratio where it holds.
 """
@@ -36,7 +40,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from blend_integrations import BlendConfig, ChunkStore, load_engine
-from blend_integrations.calibration import wilson_lower
+from blend_integrations.calibration import CalibrationRecord, wilson_lower
 from blend_integrations.models.smollm2 import smollm2_dir
 
 from . import machine, scratch_dir, served_as, write_results
@@ -58,6 +62,15 @@ def uncalibrated_copy(model_dir: Path) -> Path:
     config = json.loads((model_dir / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "blend_benchmark_copy": "live-check"}, indent=2))
     return copy
+
+
+def holding_record(engine) -> CalibrationRecord:
+    """The policy the reader's calibration on this engine chose (docs/results/records/): where it held
+    out on the generated task (the package ships it only where SQuAD's held-out bound holds too)."""
+    path = RESULTS / "records" / f"calibration-reader-{engine.backend}.json"
+    return CalibrationRecord.from_bytes(
+        path.read_bytes(), fingerprint=engine.fingerprint, dtype=engine.dtype_name, num_layers=engine.num_layers
+    )
 
 
 def ask_stream(engine, task, n: int, seed: int, name: str) -> list[dict]:
@@ -123,9 +136,10 @@ def stream_summary(rows: list[dict], engine) -> dict:
     }
 
 
-def arrivals(engine, task, n: int, share: float) -> dict:
+def arrivals(engine, task, n: int, share: float, risk: float) -> dict:
     """The reader's requests arriving at random with checks at ``share`` and off, in alternating
-    blocks of 10; each user's time to first token, and failures."""
+    blocks of 10; each user's time to first token, failures, and the checks that ran while users
+    came and in the pauses after a block."""
     examples = task.examples(n, ARRIVALS_SEED, None)
     engine.warm(sorted({d for e in examples for d in e.documents}), progress=True)
     prompts = [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
@@ -135,6 +149,8 @@ def arrivals(engine, task, n: int, share: float) -> dict:
     failures: dict[str, int] = {"checks on": 0, "checks off": 0}
     lock = threading.Lock()
     checker = engine.quality_checker
+    checker.risk = risk
+    ran_while_users_came = 0
 
     def user(prompt, arm: str) -> None:
         try:
@@ -154,8 +170,12 @@ def arrivals(engine, task, n: int, share: float) -> dict:
             t.start()
             threads.append(t)
             time.sleep(rng.expovariate(1.0 / (2 * busy)))  # about half the engine busy
+        ended = checker.counts["checked"] + checker.counts["preempted"] + checker.counts["failed"]
         for t in threads:
             t.join()
+        ran_while_users_came += (
+            checker.counts["checked"] + checker.counts["preempted"] + checker.counts["failed"] - ended
+        )
         checker.wait(600)
     checker.share = share
 
@@ -168,6 +188,7 @@ def arrivals(engine, task, n: int, share: float) -> dict:
         "ttft": {arm: quantiles(xs) for arm, xs in results.items() if xs},
         "failed": failures,
         "checks": {k: v for k, v in checker.stats().items() if k != "state"},
+        "checks_while_users_came": ran_while_users_came,  # ended (run, preempted or failed) during a block
     }
 
 
@@ -182,6 +203,7 @@ def run(args) -> dict:
             "holds_share": args.holds_share,
             "arrivals": args.arrivals,
             "arrivals_share": args.arrivals_share,
+            "risk": args.risk,
             "tokens_compared": TOKENS,
             "date": time.strftime("%Y-%m-%d"),
         }
@@ -192,19 +214,23 @@ def run(args) -> dict:
         str(uncalibrated_copy(smollm2_dir())),
         store=store,
         backend=args.backend,
-        config=BlendConfig(quality_check=args.share),
+        config=BlendConfig(quality_check=args.share, quality_check_risk=1.0),
     ) as engine:
         rows = ask_stream(engine, smollm2_task, args.requests, LOSES_SEED, "loses")
         report["loses"] = {"model": "SmolLM2-135M-Instruct, uncalibrated copy", **stream_summary(rows, engine)}
     reader_dir, reader_task, label = model_and_task("reader")
     store = ChunkStore(scratch_dir("blend-live-check-store-"), remote="")
-    with load_engine(
-        str(reader_dir), store=store, backend=args.backend, config=BlendConfig(quality_check=args.holds_share)
-    ) as engine:
-        rows = ask_stream(engine, reader_task, args.requests, HOLDS_SEED, "holds")
-        report["holds"] = {"model": label, **stream_summary(rows, engine)}
+    config = BlendConfig(quality_check=args.holds_share, quality_check_risk=1.0)
+    with load_engine(str(reader_dir), store=store, backend=args.backend, config=config) as engine:
+        record = holding_record(engine)
+        engine.keep_calibration(record)
+        policy = f"{record.ratio:g} {record.settings}" + (f", guard {record.guard}" if record.guard else "")
+        report["holds"] = {
+            "model": f"{label}, at the policy its calibration chose ({policy})",
+            **stream_summary(ask_stream(engine, reader_task, args.requests, HOLDS_SEED, "holds"), engine),
+        }
         if args.arrivals:
-            report["arrivals"] = arrivals(engine, reader_task, args.arrivals, args.arrivals_share)
+            report["arrivals"] = arrivals(engine, reader_task, args.arrivals, args.arrivals_share, args.risk)
     report["config"]["minutes"] = round((time.perf_counter() - started) / 60, 1)
     return report
 
@@ -214,7 +240,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"{c['backend']} engine on {c['cpu']}; {c['date']}; {c['minutes']} min. Agreement: the first "
         f"{c['tokens_compared']} tokens equal to full prefill's (asked by the benchmark after each answer), "
-        f"over the answers its column names, with the {CONFIDENCE:.0%} Wilson lower bound.",
+        f"over the answers its column names, with the {CONFIDENCE:.0%} Wilson lower bound. In the two streams "
+        "each check runs at once, before the next request (quality_check_risk 1).",
         "",
         "| stream | model | checks | requests | ratio: start → end | settled at request | agreement, blended "
         "answers | agreement, every answer after the last step (blended) | checks run (agreed) | "
@@ -263,7 +290,24 @@ def markdown(report: dict) -> str:
         for arm, t in a["ttft"].items():
             lines.append(f"| {arm} | {t['n']} | {t['p50']} | {t['p95']} | {a['failed'][arm]} |")
         ch = a["checks"]
-        lines.append(f"\nChecks during arrivals: {ch['checked']} run, {ch['preempted']} preempted by a user's request.")
+        during = a.get("checks_while_users_came")
+        lines.append(
+            f"\nChecks during arrivals (quality_check_risk {c.get('risk', 1.0)}): {ch['checked']} run, "
+            f"{ch['preempted']} preempted by a user's request, {ch['dropped']} dropped (the queue was full)"
+            + (
+                ""
+                if during is None
+                else f"; {during} of them ended while users were arriving, the rest in the pause after a block"
+            )
+            + "."
+        )
+        on, off = a["ttft"].get("checks on"), a["ttft"].get("checks off")
+        if on and off:
+            lines.append(
+                f"\n- No user slower (the goal): time to first token with checks on over off, "
+                f"{on['p50'] / off['p50']:.2f}x at the median, {on['p95'] / off['p95']:.2f}x at p95; "
+                f"{a['failed']['checks on']} failed with checks on."
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -303,6 +347,12 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=1.0,
         help="the check share while the arrivals' checks are on (a calibrated policy is checked at an eighth of it)",
+    )
+    parser.add_argument(
+        "--risk",
+        type=float,
+        default=BlendConfig().quality_check_risk,
+        help="the arrivals' quality_check_risk: how likely a user may arrive during a check that starts",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--render", type=Path, metavar="JSON", help="rewrite this result's page from its JSON")

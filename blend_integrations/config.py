@@ -21,6 +21,9 @@ RATIO_SOURCES: tuple[str, ...] = ("calibrated", "packaged", "fallback", "request
 CALIBRATION_SOURCES: tuple[str, ...] = ("calibrated", "packaged", "checked")
 # The share of "auto" requests checked against full prefill by default (``BlendConfig.quality_check``).
 QUALITY_CHECK = 0.05
+# The chance a user's request arrives during a live check that a check may start at
+# (``BlendConfig.quality_check_risk``): checks run in the traffic's lulls.
+QUALITY_CHECK_RISK = 0.05
 # The ratio ``"auto"`` uses for a model the store holds no calibration for:
 # what the answer-quality benchmark picks on the bundled reader
 # (docs/results/quality.md). It is too low for small chat models (SmolLM2
@@ -94,6 +97,10 @@ class BlendConfig:
         check adds to the model's running agreement in the store; when its
         lower bound falls below the calibration's target, ``"auto"`` steps up
         the ladder for every engine on the store. 0 turns it off.
+    quality_check_risk: a check starts only when the engine is idle and, at
+        the rate users' requests have been arriving, one is no likelier than
+        this (above 0, up to 1) to arrive before the check ends: a check in flight
+        delays a user who comes during it. 1: whenever the engine is idle.
     """
 
     recompute_ratio: float | Literal["auto"] = "auto"
@@ -106,10 +113,18 @@ class BlendConfig:
     pipelined_loading: bool = False
     kv_codec: str | None = None
     quality_check: float = QUALITY_CHECK
+    quality_check_risk: float = QUALITY_CHECK_RISK
 
     def __post_init__(self) -> None:
         check_kv_codec(self.kv_codec)
         object.__setattr__(self, "quality_check", check_ratio(self.quality_check, name="quality_check"))
+        risk = self.quality_check_risk
+        if isinstance(risk, bool) or not isinstance(risk, (int, float)) or not 0 < risk <= 1:
+            raise ValueError(
+                f"quality_check_risk must be a number in (0, 1] (at 0 no check would start; quality_check=0 "
+                f"turns them off), got {risk!r:.60}"
+            )
+        object.__setattr__(self, "quality_check_risk", float(risk))
         if self.recompute_ratio != "auto":
             object.__setattr__(self, "recompute_ratio", check_ratio(self.recompute_ratio, auto=True))
         layers = tuple(self.check_layers) if not isinstance(self.check_layers, int) else (self.check_layers,)

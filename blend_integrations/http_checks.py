@@ -148,7 +148,7 @@ class ServedChecks:
         self._lock = threading.Lock()
         self._conn: http.client.HTTPConnection | None = None
         self._preempted = False
-        self.checker = QualityChecker(self, served.config.quality_check)
+        self.checker = QualityChecker(self, served.config.quality_check, served.config.quality_check_risk)
 
     def idle(self) -> bool:
         with self._lock:
@@ -156,6 +156,7 @@ class ServedChecks:
 
     def _arrived(self) -> None:
         """A user's request came: count it, and close the check in flight's connection (vLLM aborts it)."""
+        self.checker.arrived()
         with self._lock:
             self.in_flight += 1
             if self._conn is not None and self._conn.sock is not None:
@@ -254,6 +255,7 @@ class LiveCheckMetrics:
     - ``vllm:blend_live_check_seconds_total``: the time the checks' full prefills took (the users'
       is vLLM's ``vllm:e2e_request_latency_seconds``);
     - ``vllm:blend_live_check_share``: the share of eligible answers checked now;
+    - ``vllm:blend_live_checks_waiting``: checks picked and not yet run (they wait for a lull);
     - ``vllm:blend_auto_ratio{source}``: the ratio ``"auto"`` gives a request now, and why
       (``checked``: the live check raised it above the calibrated policy)."""
 
@@ -279,6 +281,9 @@ class LiveCheckMetrics:
         )
         yield GaugeMetricFamily(
             "vllm:blend_live_check_share", "Share of eligible auto answers checked now.", value=stats["share_now"]
+        )
+        yield GaugeMetricFamily(
+            "vllm:blend_live_checks_waiting", "Live checks picked and waiting for a lull.", value=stats["waiting"]
         )
         choice = self.checks.calibrations.choice()
         ratio = GaugeMetricFamily(

@@ -341,6 +341,14 @@ def main(argv: list[str] | None = None) -> None:
         help='the share (0 to 1) of "auto"\'s greedy blended answers checked against full prefill while the '
         "server is idle, which raises the ratio where they disagree (0: off)",
     )
+    parser.add_argument(
+        "--quality-check-risk",
+        type=float,
+        default=BlendConfig().quality_check_risk,
+        metavar="P",
+        help="a check starts only where a user's request is no likelier than P to arrive before it ends, "
+        "at the rate they have been arriving (1: whenever the server is idle)",
+    )
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="CPU backend: GiB of RAM for the KV cache")
     parser.add_argument(
         "--tensor-parallel-size",
@@ -387,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
             selection=args.selection,
             kv_codec=kv_codec,
             quality_check=args.quality_check,
+            quality_check_risk=args.quality_check_risk,
         )
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))

@@ -345,7 +345,9 @@ class Engine(ABC):
         """This engine's live checks (``BlendConfig.quality_check``), made on first use."""
         checker = self.__dict__.get("_quality_checker")
         if checker is None:
-            checker = self.__dict__.setdefault("_quality_checker", QualityChecker(self, self.config.quality_check))
+            checker = self.__dict__.setdefault(
+                "_quality_checker", QualityChecker(self, self.config.quality_check, self.config.quality_check_risk)
+            )
         return checker
 
     def _answered(self, request: Request, generation: Generation) -> Generation:

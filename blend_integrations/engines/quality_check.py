@@ -8,8 +8,14 @@ held: ``LiveCheck.share``). A picked answer's prompt waits in a short queue (an 
 one is dropped and counted) for a thread that runs full prefill for its first tokens once the
 engine is idle, compares them with the blend's, and adds the result to the model's live-check
 state in the store (``calibration.live_check``), which may move ``"auto"`` for every engine on
-the store. A check that fails is counted, never raised: the answer was already given. On vLLM a user's
-request that arrives during a check preempts it (``VLLMEngine``); the check runs again later.
+the store. A check that fails is counted, never raised: the answer was already given.
+
+A lull: the engine is idle, and at the rate users have been arriving (``arrived``), one is
+unlikely (``BlendConfig.quality_check_risk``, 5%) to come before a check of the usual length ends. A check in flight slows the
+user who comes anyway: a check's full prefill is one engine step, which no abort cuts short
+(docs/results/live-check-vllm.md). So under steady traffic checks take at most about ``risk`` of
+the time, and they run in its pauses. On vLLM a user's request that arrives during a check
+preempts it (``VLLMEngine``); the check runs again later.
 The blend server hands it the answers it serves as text (``http_checks``): there the first tokens'
 text of full prefill must begin the blend's.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -38,6 +45,7 @@ TOKENS_MAX = 1 << 16
 RETRIES = 3  # times a preempted check runs again before it is dropped
 IDLE_POLL_S = 0.02
 WAKE_S = 5.0  # how often an idle check thread looks whether its engine is gone
+SMOOTHING = 0.3  # the weight of the newest gap between arrivals, and of the newest check's seconds
 
 
 class Checkable(Protocol):
@@ -64,6 +72,10 @@ def agrees(full: Sequence[int] | str, blended: tuple[int, ...] | str) -> bool:
     return not isinstance(full, str) and tuple(full[: len(blended)]) == blended
 
 
+def smoothed(mean: float, new: float) -> float:
+    return (1 - SMOOTHING) * mean + SMOOTHING * new
+
+
 @dataclass(frozen=True)
 class Check:
     prompt: Any  # what the engine's ``full_prefill_tokens`` runs: a TokenizedPrompt (the server: a request)
@@ -77,9 +89,12 @@ class Check:
 class QualityChecker:
     """One engine's live checks: ``offer`` after each answer, a thread that runs them."""
 
-    def __init__(self, engine: Checkable, share: float) -> None:
+    def __init__(self, engine: Checkable, share: float, risk: float) -> None:
         # weakly: an engine dropped without close() is freed, and then this thread ends
-        self._engine, self.share = weakref.ref(engine), share
+        self._engine, self.share, self.risk = weakref.ref(engine), share, risk
+        self._last_arrival: float | None = None
+        self.mean_gap_s = math.inf  # between users' arrivals (smoothed); none yet: no traffic seen
+        self.check_s: float | None = None  # a check's run (smoothed); none yet: the first runs when idle
         self._due = 0.0
         self._queue: queue.Queue[Check | None] = queue.Queue(maxsize=QUEUE)
         self._thread: threading.Thread | None = None
@@ -119,6 +134,25 @@ class QualityChecker:
                 self._thread.start()
         return True
 
+    def arrived(self) -> None:
+        """A user's request came (the engines call it): the arrival rate a check's start weighs."""
+        now = time.monotonic()
+        with self._lock:
+            if self._last_arrival is not None:
+                gap = now - self._last_arrival
+                self.mean_gap_s = gap if math.isinf(self.mean_gap_s) else smoothed(self.mean_gap_s, gap)
+            self._last_arrival = now
+
+    def lull(self) -> bool:
+        """Whether a check of the usual length is unlikely (``risk``) to meet a user's arrival now: with
+        arrivals at random at the rate seen, one comes within ``t`` seconds with chance 1 - exp(-t / gap).
+        A quiet spell longer than the usual gap counts as the gap: traffic that stopped is no traffic."""
+        with self._lock:
+            if self.check_s is None or self._last_arrival is None or self.risk >= 1.0:
+                return True
+            quiet = max(self.mean_gap_s, time.monotonic() - self._last_arrival)
+        return -math.expm1(-self.check_s / quiet) <= self.risk
+
     @property
     def engine(self) -> Checkable:
         engine = self._engine()
@@ -144,7 +178,7 @@ class QualityChecker:
                 self._queue.task_done()
 
     def _check(self, engine: Checkable, check: Check) -> None:
-        while not self._closed and not engine.idle():
+        while not self._closed and not (engine.idle() and self.lull()):
             time.sleep(IDLE_POLL_S)
         if self._closed:
             return
@@ -170,8 +204,11 @@ class QualityChecker:
                 str(e)[:200],
             )
             agreed = None
-        self.seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.seconds += took
         if agreed is not None:
+            with self._lock:
+                self.check_s = took if self.check_s is None else smoothed(self.check_s, took)
             self.counts["checked"] += 1
             self.counts["agreed"] += agreed
         try:
@@ -210,5 +247,8 @@ class QualityChecker:
                 for k in ("offered", "picked", "checked", "agreed", "failed", "dropped", "preempted", "given_up")
             },
             "seconds": round(self.seconds, 3),
+            "waiting": self._queue.unfinished_tasks,  # picked, not yet run: waiting for a lull
+            "check_s": None if self.check_s is None else round(self.check_s, 4),
+            "mean_gap_s": None if math.isinf(self.mean_gap_s) else round(self.mean_gap_s, 4),
             "state": self.engine.calibrations.live.summary(),
         }

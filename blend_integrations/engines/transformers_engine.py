@@ -119,6 +119,7 @@ class TransformersEngine(Engine):
         if req.checking:
             yield from self._walk(req, stream)
             return
+        self.quality_checker.arrived()
         with self._in_flight_lock:
             self._in_flight += 1
         try:

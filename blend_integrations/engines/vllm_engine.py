@@ -274,6 +274,7 @@ class VLLMEngine(Engine):
         if req.checking:
             self._checks.add(rid)
         else:
+            self.quality_checker.arrived()
             self._preempt_checks()
         with self._lock:
             # vLLM 0.32 and 0.33 deprecate raw prompts in add_request; it takes what the

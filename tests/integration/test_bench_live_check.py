@@ -9,13 +9,17 @@ import subprocess
 import sys
 
 
+def page_of(out) -> str:
+    return (out / "live-check-transformers.md").read_text()
+
+
 def test_a_small_run_writes_its_page(tmp_path):
     from tests.fixtures.commands import ROOT
 
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "benchmarks", "live-check", "--backend", "transformers", "--requests", "3"]
     done = subprocess.run(
-        cmd + ["--arrivals", "10", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT
+        cmd + ["--arrivals", "20", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "live-check-transformers.json").read_text())
@@ -23,6 +27,12 @@ def test_a_small_run_writes_its_page(tmp_path):
     # every request of the stream that loses answers is checked (share 1) and starts at the fallback
     assert loses["start_ratio"] == 0.15 and loses["checks"]["checked"] == loses["blended"] == 3
     assert len(loses["ratios"]) == len(loses["agrees"]) == 3 and holds["requests"] == 3
+    # the reader holds at the policy its calibration chose (docs/results/records/), kept as a user's own
+    assert holds["start_ratio"] == holds["end_ratio"] == 0.15
+    assert "blend_integrations/quality/reader, at the policy its calibration chose (0.15 " in page_of(out)
+    # arrivals at the default risk: where the checks ran is counted, and the users' times compared
+    assert report["config"]["risk"] == 0.05 and report["arrivals"]["checks_while_users_came"] >= 0
+    assert "- No user slower (the goal): time to first token with checks on over off, " in page_of(out)
     assert report["arrivals"]["failed"] == {"checks on": 0, "checks off": 0}
     assert report["arrivals"]["ttft"]["checks on"]["n"] == 10
     page = (out / "live-check-transformers.md").read_text()

@@ -66,6 +66,9 @@ def test_generation_stops_at_the_context(engine):
         (dict(deviation="q"), 'deviation must be "k" or "v"'),
         (dict(sink_tokens=-1), "sink_tokens"),
         (dict(separator=None), "separator must be a string"),
+        (dict(quality_check=2), "quality_check must be a number in"),
+        (dict(quality_check_risk=0), r"quality_check_risk must be a number in \(0, 1\] \(at 0 no check would start"),
+        (dict(quality_check_risk=1.5), r"quality_check_risk must be a number in \(0, 1\]"),
     ],
 )
 def test_config_validation(kwargs, message):

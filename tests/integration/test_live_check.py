@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
+from blend_integrations.engines import quality_check
 from blend_integrations.engines.quality_check import CheckPreempted
 from blend_integrations.models.smollm2 import smollm2_dir
 from tests.fixtures.local_models import sample_text
@@ -24,7 +25,7 @@ def test_at_the_fallback_the_ratio_rises_until_the_answers_hold_and_a_new_engine
 
     store = ChunkStore(tmp_path / "store", remote="")
     uncalibrated = {"model_fingerprint_override": "smollm2-uncalibrated", "device": "cpu"}
-    config = BlendConfig(quality_check=1.0)
+    config = BlendConfig(quality_check=1.0, quality_check_risk=1.0)  # each check at once: the climb is the point
     engine = load_engine(str(smollm2_dir()), store=store, config=config, **uncalibrated)
     task = TASKS["smollm2"]
     examples = task.examples(24, 7_600, None)
@@ -100,6 +101,42 @@ def test_on_vllm_a_check_runs_after_the_answer_and_gives_way_to_a_users_request(
         checker.share = share
 
 
+def test_a_check_waits_for_a_lull_in_the_users_arrivals(model_dirs, tmp_path):
+    """At the default ``quality_check_risk`` (5%) a check starts only where a user is unlikely to come
+    before it ends: while users come at a gap shorter than twenty checks' length, the checks picked
+    wait (the engine is idle between them all the same); once the users stop, they run. A checker that
+    started whenever the engine is idle would fail this test."""
+    store = ChunkStore(tmp_path / "store", remote="")
+    engine = load_engine(model_dirs("llama"), store=store, device="cpu", config=BlendConfig(quality_check=1.0))
+    docs = [" ".join(sample_text(4, seed=88_250 + i)) for i in range(3)]
+    engine.warm(docs)
+    prompt = engine.tokenize(BlendPrompt("Documents:", docs, "Question: which city? Answer:"))
+    checker = engine.quality_checker
+    assert checker.risk == 0.05
+    assert engine.generate(prompt, max_tokens=3).usage.quality_checked
+    assert checker.wait(60) and checker.counts["checked"] == 1  # no check's length known yet: it ran when idle
+
+    def users(n: int) -> None:
+        for _ in range(n):
+            engine.generate(prompt, max_tokens=3)  # picked, or dropped where the queue is full
+            time.sleep(0.02)  # the engine idles between users
+
+    users(15)  # the arrival rate is learnt
+    before = dict(checker.counts)
+    users(30)
+    stats = checker.stats()
+    assert stats["mean_gap_s"] < 19 * stats["check_s"], stats  # a check now would meet a user more than 1 time in 20
+    assert checker.counts["checked"] == before["checked"], stats  # none started while the users came
+    assert checker.counts["dropped"] > before.get("dropped", 0)  # the queue (8) filled meanwhile
+    waiting = stats["waiting"]  # the queue's, and the one its thread holds for a lull
+    assert waiting >= quality_check.QUEUE
+    assert checker.wait(120)  # the users stopped: the quiet spell grows, and the checks run
+    assert checker.stats()["waiting"] == 0
+    assert checker.counts["checked"] == before["checked"] + waiting and checker.counts["failed"] == 0
+    engine.close()
+    store.close()
+
+
 @pytest.mark.parametrize("share", [-0.1, 1.5, "all", True, float("nan")])
 def test_a_share_outside_0_to_1_is_refused_by_name(share):
     with pytest.raises(ValueError, match="quality_check must be a number in"):
@@ -109,8 +146,6 @@ def test_a_share_outside_0_to_1_is_refused_by_name(share):
 def test_an_engine_dropped_without_close_is_freed_and_its_check_thread_ends(model_dirs, tmp_path):
     import gc
     import weakref
-
-    from blend_integrations.engines import quality_check
 
     store = ChunkStore(tmp_path / "store", remote="")
     engine = load_engine(model_dirs("llama"), store=store, device="cpu", config=BlendConfig(quality_check=1.0))
@@ -199,7 +234,9 @@ def test_the_server_checks_its_answers_raises_auto_and_says_so_on_metrics(tmp_pa
 
     model = uncalibrated_copy(smollm2_dir())
     key = "live-check-key"
-    args = ["--max-model-len", "2048", "--kv-cache-gib", "1", "--quality-check", "1", "--api-key", key]
+    # checks start whenever the server is idle (risk 1), so that a user's request can meet one in flight
+    args = ["--max-model-len", "2048", "--kv-cache-gib", "1", "--quality-check", "1", "--quality-check-risk", "1"]
+    args += ["--api-key", key]
     with BlendServer(model, store=tmp_path / "store", log=tmp_path / "server.log", args=args) as server:
         engine = load_engine(server.url, backend="server", api_key=key)
         task = TASKS["smollm2"]
