@@ -270,8 +270,8 @@ def markdown(report: dict) -> str:
         + (", by running full prefill: no blend on this model held" if loses["end_ratio"] == 1.0 else "")
         + ".",
         f"- Where it holds: the checks cost {holds['check_share_of_prefill']:.1%} of the users' prefill compute (the "
-        f"goal: at most 5%), and the ratio went {holds['start_ratio']} → {holds['end_ratio']} (the goal: never "
-        "raised).",
+        f"goal: at most 5%), and the live check stepped the ratio {len(holds['steps'])} times (the goal: never "
+        "raised); a guard's requests run at the ratio it gives each, so their start and end differ all the same.",
     ]
     for name in ("loses", "holds"):
         for step in report[name]["steps"]:
@@ -306,7 +306,12 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"\n- No user slower (the goal): time to first token with checks on over off, "
                 f"{on['p50'] / off['p50']:.2f}x at the median, {on['p95'] / off['p95']:.2f}x at p95; "
-                f"{a['failed']['checks on']} failed with checks on."
+                f"{a['failed']['checks on']} failed with checks on"
+                + (
+                    "; no check was in flight while users came, so the two arms differ by chance alone."
+                    if during == 0
+                    else "."
+                )
             )
     return "\n".join(lines) + "\n"
 
