@@ -152,6 +152,10 @@ def arrivals(engine, task, n: int, share: float, risk: float) -> dict:
     checker.risk = risk
     ran_while_users_came = 0
 
+    def ended() -> int:
+        """Checks that ended: run, preempted or failed."""
+        return checker.counts["checked"] + checker.counts["preempted"] + checker.counts["failed"]
+
     def user(prompt, arm: str) -> None:
         try:
             gen = engine.generate(prompt, max_tokens=TOKENS)
@@ -170,12 +174,10 @@ def arrivals(engine, task, n: int, share: float, risk: float) -> dict:
             t.start()
             threads.append(t)
             time.sleep(rng.expovariate(1.0 / (2 * busy)))  # about half the engine busy
-        ended = checker.counts["checked"] + checker.counts["preempted"] + checker.counts["failed"]
+        before = ended()
         for t in threads:
             t.join()
-        ran_while_users_came += (
-            checker.counts["checked"] + checker.counts["preempted"] + checker.counts["failed"] - ended
-        )
+        ran_while_users_came += ended() - before
         checker.wait(600)
     checker.share = share
 

@@ -10,11 +10,11 @@ engine is idle, compares them with the blend's, and adds the result to the model
 state in the store (``calibration.live_check``), which may move ``"auto"`` for every engine on
 the store. A check that fails is counted, never raised: the answer was already given.
 
-A lull: the engine is idle, and at the rate users have been arriving (``arrived``), one is
-unlikely (``BlendConfig.quality_check_risk``, 5%) to come before a check of the usual length ends. A check in flight slows the
-user who comes anyway: a check's full prefill is one engine step, which no abort cuts short
-(docs/results/live-check-vllm.md). So under steady traffic checks take at most about ``risk`` of
-the time, and they run in its pauses. On vLLM a user's request that arrives during a check
+A check waits for a lull: the engine is idle, and at the rate users have been arriving
+(``arrived``), one is unlikely (``BlendConfig.quality_check_risk``, 5%) to come before a check of
+the usual length ends. A check in flight slows the user who comes anyway: a check's full prefill is
+one engine step, which no abort cuts short. So under steady traffic checks take about ``risk`` of
+the time or less, and they run in its pauses. On vLLM a user's request that arrives during a check
 preempts it (``VLLMEngine``); the check runs again later.
 The blend server hands it the answers it serves as text (``http_checks``): there the first tokens'
 text of full prefill must begin the blend's.
