@@ -103,8 +103,11 @@ system-packages:
 # then the LangChain and LlamaIndex tests again on their newest releases
 test: system-packages install lint
 	@# one examples' store for both runs, as a user's: the examples' chunk KV is computed once (tests/conftest.py)
+	@# first the tests marked `alone` (the 1.5B in float32, some 14 GiB), in a pytest of their own with nothing
+	@# else alive: beside the workers' session engines CI saw the demo's worker killed (5: none selected)
 	store=$$(mktemp -d); export BLEND_TEST_EXAMPLES_STORE=$$store/store; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS) && \
+	{ $(PY) -m pytest -q -m alone $(PYTEST_ARGS) || [ $$? = 5 ]; } && \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40 -m "not alone" $(PYTEST_ARGS) && \
 	$(MAKE) --no-print-directory test-frameworks; \
 	status=$$?; rm -rf $$store; exit $$status
 
@@ -120,7 +123,8 @@ install-frameworks:
 
 # Their [vllm] variants need vLLM, which is not there: -k deselects them (they run in `make test`'s first part).
 test-frameworks: install-frameworks
-	$(FPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(FRAMEWORKS_TESTS) -k "not vllm"
+	$(FPY) -m pytest -q -m alone $(FRAMEWORKS_TESTS) -k "not vllm"
+	$(FPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not alone" $(FRAMEWORKS_TESTS) -k "not vllm"
 
 unit: install
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

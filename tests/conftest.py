@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -90,39 +88,6 @@ def examples_store(tmp_path_factory):
     the same one ($BLEND_TEST_EXAMPLES_STORE)."""
     shared = os.environ.get("BLEND_TEST_EXAMPLES_STORE")
     return Path(shared) if shared else tmp_path_factory.mktemp("examples") / "store"
-
-
-@contextmanager
-def machine_memory(folder: Path, *, alone: bool):
-    """A readers-writer lock across pytest's workers (flock on two files in ``folder``): ``alone``
-    waits until no other test runs and holds every other test off; the others share it. A writer
-    waiting at the turnstile stops new readers, so a test that must run alone is not starved."""
-    with open(folder / "memory.turnstile", "a") as turnstile, open(folder / "memory.lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield  # closing the files lets both go
-
-
-@pytest.fixture
-def large_model_memory(tmp_path_factory):
-    """Held by a test that loads Qwen2.5-Coder-1.5B in float32: its vLLM worker alone holds some
-    12 GiB (6 GiB of weights, the packed LM head, 2 GiB of KV cache), and a test beside it that
-    starts another engine could leave a 24 GiB machine out of memory (CI saw the worker killed
-    while it loaded). Such a test runs with no other test beside it."""
-    with machine_memory(tmp_path_factory.getbasetemp().parent, alone=True):
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _shares_machine_memory(request, tmp_path_factory):
-    """Every other test shares the machine, so that one holding ``large_model_memory`` runs alone."""
-    if "large_model_memory" in request.fixturenames:
-        yield
-        return
-    with machine_memory(tmp_path_factory.getbasetemp().parent, alone=False):
-        yield
 
 
 @pytest.fixture(scope="session")

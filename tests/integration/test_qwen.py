@@ -150,7 +150,8 @@ def test_a_packaged_model_loads_by_its_name(qwen05_engine):
     assert (by_name.fingerprint, by_name.dtype_name) == (engine.fingerprint, engine.dtype_name)
 
 
-def test_qwen_1_5b_in_float32_runs_its_packaged_bfloat16_policy(tmp_path, caplog, large_model_memory):
+@pytest.mark.alone
+def test_qwen_1_5b_in_float32_runs_its_packaged_bfloat16_policy(tmp_path, caplog):
     """On a CPU without bfloat16 instructions, dtype "auto" loads Qwen2.5-Coder-1.5B in float32:
     "auto" runs the calibration shipped for it, measured in bfloat16, named, never the fallback."""
     store = ChunkStore(tmp_path / "store", remote="")
