@@ -214,12 +214,15 @@ def run(args) -> dict:
     examples = task.examples(args.questions, DEVELOPMENT_SEED)
     prompts = [task.prompt(e, reference.tokenizer, config.separator) for e in examples]
     reference.warm([d for e in examples for d in e.documents], progress=True)
-    # a walk pass's fixed cost on the engine timed (what the predicted times add per extra pass)
+    # a walk pass's fixed cost on the engine timed, plain and scoring the query's attention (what the
+    # predicted times add for a query selection's reuse pass)
     context = round(statistics.fmean(len(tp) for tp in prompts))
     if args.backend == "vllm":
-        pass_s = engine.llm.collective_rpc("blend_pass_seconds", args=(context,))[0]
+        pass_s, scored_s = (
+            engine.llm.collective_rpc("blend_pass_seconds", args=(context, s))[0] for s in (False, True)
+        )
     else:
-        pass_s = engine.blender.pass_seconds(context)
+        pass_s, scored_s = (engine.blender.pass_seconds(context, scoring=s) for s in (False, True))
 
     def agree(tokens: list[int], full: list[int]) -> float:
         return float(tokens[:AGREE_TOKENS] == full[:AGREE_TOKENS])
@@ -299,6 +302,7 @@ def run(args) -> dict:
             "mean_prefix_tokens": round(statistics.fmean(tp.chunk_spans[0][0] for tp in prompts)),
             "mean_chunks": round(statistics.fmean(len(tp.chunk_spans) for tp in prompts), 2),
             "pass_ms": round(1000 * pass_s, 1),
+            "scoring_ms": round(1000 * max(0.0, scored_s - pass_s), 1),
             "documents_per_question": list(task.n_docs),
             "two_hop_share": task.two_hop_share,
             "ratios": list(args.ratios),

@@ -4,7 +4,7 @@ and the predicted time to first token each setting's is measured against."""
 from __future__ import annotations
 
 from blend_integrations.config import check_schedule
-from blend_integrations.cost import Shape, passes, token_layers
+from blend_integrations.cost import Shape, Speed, passes, token_layers
 
 
 def hop_counts(report: dict) -> str:
@@ -13,26 +13,28 @@ def hop_counts(report: dict) -> str:
     return f" ({hops.count(1)} 1-hop, {hops.count(2)} 2-hop)" if hops else ""
 
 
-# The prediction's revision (``predicted_ms``): 4 is the package's one cost model. A run made with an
+# The prediction's revision (``predicted_ms``): 5 is the package's one cost model. A run made with an
 # earlier one is not a test of this one, since each revision came after seeing pages' fits.
-PREDICTION = 4
+PREDICTION = 5
 FIT_GOAL = 1.15  # measured time within this factor of the predicted, either way
 
 
 def predicted_ms(config: dict, full_ms: float, reuse_ms: float, settings: dict, ratio: float) -> float:
-    """A blend's predicted time to first token: reuse's time, plus the
-    token-layers the setting computes beyond reuse's (the package's cost model,
-    ``blend_integrations.cost``) at full prefill's cost of one, plus a walk
-    pass's fixed cost (``config["pass_ms"]``) for the reuse pass of a
-    selection by the query. ``config``: a report's (its prompts' mean sizes)."""
+    """A blend's predicted time to first token: reuse's time, plus what the setting's walk costs
+    beyond reuse's by the package's cost model (``blend_integrations.cost.Speed``): its token-layers
+    beyond reuse's at full prefill's cost of one, and for the reuse pass of a selection by the query
+    a walk pass's fixed cost (``config["pass_ms"]``) and the query's scoring
+    (``config["scoring_ms"]``; runs before revision 5 did not measure it). ``config``: a report's
+    (its prompts' mean sizes)."""
     layers, tokens, reused = config["layers"], config["mean_prompt_tokens"], config["mean_reused_tokens"]
     per_token_layer = (full_ms - reuse_ms) / (layers * reused)  # what full prefill computes beyond reuse
+    speed = Speed(per_token_layer, config["pass_ms"], config.get("scoring_ms", 0.0))
     sink, query_pass = settings["sink_tokens"], settings["selection"] != "deviation"
     schedule = check_schedule(tuple(settings["check_layers"]), ratio)
     stored = reused - sink * config["mean_chunks"]  # each chunk's sink tokens are computed fresh
     walk = token_layers(Shape(tokens, stored, config["mean_prefix_tokens"] + sink), layers, schedule, query_pass)
-    extra = walk - token_layers(Shape(tokens, reused), layers, None)
-    return reuse_ms + extra * per_token_layer + (passes(schedule, query_pass) - passes(None)) * config["pass_ms"]
+    reuse = token_layers(Shape(tokens, reused), layers, None)
+    return reuse_ms + speed.seconds(walk, passes(schedule, query_pass)) - speed.seconds(reuse, passes(None))
 
 
 # Names of settings in runs made before they were renamed (their JSON): "prophet" is query selection at
@@ -91,7 +93,13 @@ def markdown(report: dict) -> str:
             "the package's cost model, counting sink tokens and, for a selection by the query's attention, its "
             f"reuse pass over the prompt's {tokens - reused} other tokens and the {prefix} before the first chunk "
             f"that its blend walk skips), plus for that reuse pass a pass's fixed cost, {c['pass_ms']:.0f} ms (one "
-            "token through the walk on this engine, without logits). The query's scoring is not predicted:",
+            "token through the walk on this engine, without logits)"
+            + (
+                f", and its scoring of the query's attention at every layer, {c['scoring_ms']:.0f} ms (that token "
+                "scored so, less the plain pass):"
+                if "scoring_ms" in c
+                else ". The query's scoring is not predicted:"
+            ),
         ]
     else:
         lines += [
@@ -122,11 +130,11 @@ def markdown(report: dict) -> str:
                 "This run was made after the prediction's last revision (the package's one cost model), so this "
                 "fit is a test of it."
                 if c.get("prediction") == PREDICTION
-                else "The prediction was revised three times after its measured-over-predicted ratios on these "
+                else "The prediction was revised four times after its measured-over-predicted ratios on these "
                 "pages were seen: a query selection's reuse pass counted by its token-layers instead of as a second "
-                "reuse (commit f7fb418), then the prefix the blend walk skips with the sink tokens, and a pass's "
-                "fixed cost measured on the engine (f5e6053). This run was made before the last revision, so its "
-                "fit is not a test of it."
+                "reuse (commit f7fb418), then the prefix the blend walk skips with the sink tokens, a pass's "
+                "fixed cost measured on the engine (f5e6053), and the query's scoring measured likewise. This run "
+                "was made before the last revision, so its fit is not a test of it."
             ),
         ]
     lines += ["", "Settings of (a): " + "; ".join(f"{n}: {s}" for n, s in c["settings"].items()), ""]

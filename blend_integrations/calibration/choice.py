@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from ..config import BlendConfig, check_schedule
-from ..cost import Shape, fit_speed, full_token_layers, passes, policy_cost, token_layers
+from ..cost import TOKEN_LAYERS, Shape, Speed, fit_speed, full_token_layers, passes, policy_cost, token_layers
 from ..prompt import TokenizedPrompt
 from .records import CalibrationRecord, Guard, max_misses, wilson_lower
 
@@ -59,19 +59,19 @@ def default_variants(config: BlendConfig, num_layers: int | None) -> list[dict]:
 
 @dataclass(frozen=True)
 class Costs:
-    """What each policy costs on the probes, by the cost model of ``blend_integrations.cost``: the
-    token-layers it computes on each probe's own shape at that probe's ratio, plus a walk pass's
-    fixed cost in token-layers (``pass_token_layers``, fitted to the probes' measured times:
+    """What each policy costs on the probes, by the cost model of ``blend_integrations.cost``: its
+    walks' time on each probe's own shape at that probe's ratio at ``speed`` (token-layers, and the
+    fixed costs of a pass and of a query selection's scoring, fitted to the probes' measured times:
     ``Costs.fitted``), over full prefill's."""
 
     prompts: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # each probe's (tokens, chunk spans)
     num_layers: int
-    pass_token_layers: float = 0.0
+    speed: Speed = TOKEN_LAYERS
 
     @classmethod
-    def of(cls, probes: Sequence[TokenizedPrompt], num_layers: int, pass_token_layers: float = 0.0) -> Costs:
+    def of(cls, probes: Sequence[TokenizedPrompt], num_layers: int) -> Costs:
         prompts = tuple((len(p.token_ids), tuple(map(tuple, p.chunk_spans))) for p in probes)
-        return cls(prompts, num_layers, pass_token_layers)  # type: ignore[arg-type]
+        return cls(prompts, num_layers)  # type: ignore[arg-type]
 
     def shapes(self, settings: dict) -> list[Shape]:
         return [Shape.of(n, spans, settings["sink_tokens"]) for n, spans in self.prompts]
@@ -79,12 +79,12 @@ class Costs:
     def __call__(self, settings: dict, rungs: Sequence[float]) -> float:
         query_pass = settings["selection"] != "deviation"
         return policy_cost(
-            self.shapes(settings), self.num_layers, settings["check_layers"], rungs, query_pass, self.pass_token_layers
+            self.shapes(settings), self.num_layers, settings["check_layers"], rungs, query_pass, self.speed
         )
 
     def fitted(self, runs: Sequence[tuple[int, dict | None, float, float]]) -> Costs:
-        """These costs with the pass's fixed cost fitted to ``runs`` of (probe, settings, ratio,
-        seconds): a measured time to first token, full prefill's with settings None."""
+        """These costs at the speed fitted to ``runs`` of (probe, settings, ratio, seconds): a
+        measured time to first token, full prefill's with settings None."""
         measured = []
         for j, settings, ratio, seconds in runs:
             n, spans = self.prompts[j]
@@ -98,7 +98,7 @@ class Costs:
                 (token_layers(shape, self.num_layers, schedule, query_pass), passes(schedule, query_pass), seconds)
             )
         speed = fit_speed(measured)
-        return self if speed is None else dataclasses.replace(self, pass_token_layers=speed[1] / speed[0])
+        return self if speed is None else dataclasses.replace(self, speed=speed)
 
 
 def _prompts_needed(target: float, confidence: float) -> int | None:

@@ -28,9 +28,10 @@ class BlendWorkerExtension:
         backend = decoder.attn_modules[0].attn_backend.get_name()
         return {"backend": backend, "kernel": decoder.attends_with_kernel(), "probe": decoder.attention_probe}
 
-    def blend_pass_seconds(self, context: int) -> float:
-        """``Blender.pass_seconds`` on this worker's model: a walk pass's fixed cost."""
-        return get_kv_transfer_group()._attach().pass_seconds(context)
+    def blend_pass_seconds(self, context: int, scoring: bool = False) -> float:
+        """``Blender.pass_seconds`` on this worker's model: a walk pass's fixed cost (``scoring``:
+        of a pass that scores the query's attention)."""
+        return get_kv_transfer_group()._attach().pass_seconds(context, scoring=scoring)
 
     def blend_allocator(self) -> str:
         """The malloc this worker runs on ("tcmalloc", "jemalloc" or "system")."""

@@ -162,15 +162,19 @@ class Blender:
             key or self.keys(token_ids), record[:, :, :, skip:].to("cpu").contiguous(), token_ids=tuple(token_ids)
         )
 
-    def pass_seconds(self, context: int, repeats: int = 5) -> float:
+    def pass_seconds(self, context: int, repeats: int = 5, scoring: bool = False) -> float:
         """The median time of one walk pass over a single new token after
         ``context`` tokens of KV, without logits: what a pass costs whatever
         its tokens (on a CPU, mostly reading every layer's weights once),
         which the cost model's token-layers do not count. A query-aware
-        blend pays it once more than reuse does: its reuse pass. On every
-        rank of a tensor-parallel group together, as any walk."""
+        blend pays it once more than reuse does: its reuse pass, which
+        ``scoring`` times as it runs, the token's attention over the context
+        scored at every layer. On every rank of a tensor-parallel group
+        together, as any walk."""
         if not (isinstance(context, int) and context >= 0) or not (isinstance(repeats, int) and repeats >= 1):
             raise ValueError(f"context must be an int >= 0 and repeats >= 1; got {context!r:.40}, {repeats!r:.40}")
+        if not isinstance(scoring, bool):
+            raise ValueError(f"scoring must be a bool; got {scoring!r:.40}")
         m = self.model
         with agreed(m.tp):
             cache = KVCache.allocate(m, context + 1)
@@ -182,7 +186,8 @@ class Blender:
             for _ in range(repeats + 1):  # the first one warms up
                 cache.length = context
                 started = time.perf_counter()
-                forward(m, cache, token, logits=False)
+                scored = {"relevance": torch.zeros(1, device=m.device), "query_start": 0} if scoring else {}
+                forward(m, cache, token, logits=False, **scored)
                 if m.device.type == "cuda":
                     torch.cuda.synchronize(m.device)
                 times.append(time.perf_counter() - started)

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..cost import Shape, passes, token_layers
+from ..cost import Shape, Speed, passes, token_layers
 
 Schedule = Callable[[float], list[tuple[int, float]]]  # ratio -> [(check layer, share)], as BlendConfig.check_schedule
 
@@ -69,26 +69,24 @@ def plan(
     num_layers: int,
     schedule: Schedule,
     floor: float,
-    throughput: float | None,
+    speed: Speed | None,
     overlapped: bool,
     query_pass: bool = False,
     prefix: int = 0,
-    pass_s: float = 0.0,
 ) -> Plan:
     """Decide for chunks with ``tokens[i]`` reusable tokens and estimated
     ``load_s[i]`` seconds to read, in a prompt of ``num_tokens`` new tokens,
-    at a walk speed of ``throughput`` token-layers/s (None: not measured yet,
-    so every chunk is loaded at the floor), plus ``pass_s`` seconds per walk pass (its fixed cost;
-    the cost model of ``blend_integrations.cost``). ``query_pass``: a selection by the query, whose
+    at the walk's measured ``speed`` (the cost model of ``blend_integrations.cost``; None: not
+    measured yet, so every chunk is loaded at the floor). ``query_pass``: a selection by the query, whose
     reuse pass skips the ``prefix`` tokens before the first reused one in its blend walk."""
     load = [t > 0 for t in tokens]  # a chunk of sink tokens only has nothing to reuse
-    if throughput is None:
+    if speed is None:
         return Plan(floor, load, sum(t for t, kept in zip(load_s, load) if kept), None)
 
     def compute(reused: int, ratio: float) -> float:
         walk = schedule(ratio)
         shape = Shape(num_tokens, reused, prefix)
-        return token_layers(shape, num_layers, walk, query_pass) / throughput + passes(walk, query_pass) * pass_s
+        return speed.seconds(token_layers(shape, num_layers, walk, query_pass), passes(walk, query_pass))
 
     def ttft(load_time: float, compute_time: float) -> float:
         return max(load_time, compute_time) if overlapped else load_time + compute_time

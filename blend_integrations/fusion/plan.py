@@ -29,7 +29,7 @@ from typing import Any
 
 from ..calibration import Calibrations, Guard, RatioChoice, choose_ratio
 from ..config import CALIBRATION_SOURCES, BlendConfig, check_schedule
-from ..cost import WalkSpeed
+from ..cost import Speed, WalkSpeed
 from ..store import ChunkStore, chunk_key
 from .controller import LoadingStats, decide
 
@@ -116,12 +116,21 @@ def in_full(choice: RatioChoice) -> bool:
 def measured_rates(store: ChunkStore, speed: WalkSpeed | None) -> dict[str, float | None]:
     """What the loading controller estimates with: each store tier's read
     bandwidth in bytes/s, "compute", the walk's token-layers per second (None
-    until measured), and "pass", a walk pass's fixed cost in seconds (``WalkSpeed``)."""
+    until measured), "pass", a walk pass's fixed cost in seconds, and "scoring", a query
+    selection's scoring in seconds (``WalkSpeed``; plain numbers, which cross vLLM's processes)."""
     rates = {tier: rate.value for tier, rate in store.read_rates.items()}
-    return rates | {
-        "compute": speed.throughput if speed is not None else None,
-        "pass": speed.pass_s if speed is not None else 0.0,
-    }
+    fit = speed.fitted() if speed is not None else None
+    if fit is None:
+        return rates | {"compute": None, "pass": 0.0, "scoring": 0.0}
+    return rates | {"compute": fit.throughput, "pass": fit.pass_s, "scoring": fit.scoring_s}
+
+
+def walk_speed(rates: dict[str, float | None]) -> Speed | None:
+    """The walk's ``Speed`` from ``measured_rates``; None until measured."""
+    compute = rates.get("compute")
+    if not compute:
+        return None
+    return Speed(1.0 / compute, rates.get("pass") or 0.0, rates.get("scoring") or 0.0)
 
 
 def _bandwidth(rates: dict[str, float | None], tier: str) -> float:
@@ -220,8 +229,7 @@ class Planner:
                 num_layers=self.num_layers,
                 schedule=s.check_schedule,
                 floor=floor,
-                throughput=rates["compute"],
-                pass_s=rates.get("pass") or 0.0,
+                speed=walk_speed(rates),
                 overlapped=s.pipelined_loading,
                 query_pass=s.selection != "deviation",
                 prefix=spans[0][0] + s.sink_tokens,  # before the first reused token, or fewer

@@ -70,6 +70,7 @@ def test_the_benchmark_writes_and_renders_its_tables(tmp_path, capsys):
     assert 0.0 <= modes["deviation@0.15"]["recall"] <= 1.0 and modes["query-layer0@0.15"]["speedup"] > 0
     assert report["config"]["settings"]["query-layer0"]["check_layers"] == [0]
     assert report["config"]["pass_ms"] > 0 and report["config"]["mean_prefix_tokens"] > 0
+    assert report["config"]["scoring_ms"] >= 0
     page = (tmp_path / "oracle-reader-transformers-deviation-query-layer0.md").read_text()
     assert "| (a) blend, query-layer0 |" in page and "Deviation by layer" in page
     # made with the prediction in use: its fit is a test of it, and it says how many settings fit
@@ -116,3 +117,8 @@ def test_the_predicted_time_counts_every_token_layer_and_the_reuse_pass():
     # by the query: its reuse pass (20 fresh tokens at 4 layers, and a pass's fixed cost), then a
     # blend walk that skips the 5 tokens before the first chunk
     assert at(0.25, selection="query") == pytest.approx(100.0 + 30.0 + 1.25 * (4 * 20 + 95 + 3 * 35 - 4 * 20))
+    # with the query's scoring measured (revision 5), that reuse pass costs it too; a deviation
+    # selection has no reuse pass and pays nothing more
+    config["scoring_ms"] = 45.0
+    assert at(0.25, selection="query") == pytest.approx(100.0 + 30.0 + 45.0 + 1.25 * (95 + 3 * 35))
+    assert at(0.25) == pytest.approx(100.0 + 1.25 * (80 + 3 * 20))

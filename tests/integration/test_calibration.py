@@ -247,8 +247,14 @@ def test_what_a_policy_costs():
     # a pass's fixed cost, fitted to measured times: 1 ms per token-layer and 50 ms a pass
     runs = [(0, None, 1.0, 0.05 + 0.4), (1, base, 0.15, 0.05 + 0.196), (0, query, 0.15, 0.1 + 0.168)]
     fitted = costs.fitted(runs)
-    assert fitted.pass_token_layers == pytest.approx(50)
+    assert fitted.speed.pass_s / fitted.speed.token_layer_s == pytest.approx(50)
     assert fitted(query, (0.15, 0.15)) == pytest.approx((168 + 100) / 450)
+    # and the query's scoring, 30 ms more, once full prefill's sizes and the two kinds of walk separate it
+    runs = [(0, None, 1.0, 0.05 + 0.4), (0, None, 1.0, 0.05 + 0.4), (1, base, 0.15, 0.05 + 0.196)]
+    runs += [(0, query, 0.15, 0.1 + 0.03 + 0.168), (0, {**query, "check_layers": [1]}, 0.15, 0.1 + 0.03 + 0.236)]
+    runs += [(0, base, 0.5, 0.05 + 0.28)]
+    fitted = costs.fitted(runs).speed
+    assert dataclasses.astuple(fitted) == pytest.approx((1e-3, 0.05, 0.03))
     assert default_variants(BlendConfig(), 4) == [
         {"check_layers": [1, 2]},
         {"selection": "query", "check_layers": [0]},  # ProphetKV's: no layer computed for every token

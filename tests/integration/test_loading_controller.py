@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
-from blend_integrations.cost import Shape, passes, token_layers
+from blend_integrations.cost import Shape, Speed, passes, token_layers
 from blend_integrations.fusion.controller import plan
 from blend_integrations.store import DEFAULT_READ_BANDWIDTH
 from blend_integrations.store.format import encode
@@ -117,7 +117,7 @@ def decide(load_s, *, tokens=(40, 40), overlapped=True, floor=0.25):
         num_layers=4,
         schedule=schedule_of((1,)),
         floor=floor,
-        throughput=100.0,
+        speed=Speed(0.01),
         overlapped=overlapped,
     )
 
@@ -164,7 +164,7 @@ def test_unknown_throughput_loads_everything_at_the_floor():
         num_layers=4,
         schedule=schedule_of((1,)),
         floor=0.2,
-        throughput=None,
+        speed=None,
         overlapped=True,
     )
     assert p.load == [True] and p.ratio == 0.2 and p.compute_s is None
@@ -238,9 +238,9 @@ def test_ratio_rises_above_the_floor_to_hide_compute_under_slow_loads(controlled
     # with that chunk computed).
     N, L, floor, schedule = len(tp), controlled.layers.num_layers, 0.15, CONTROLLED.check_schedule
     speed = controlled.blender.walk_speed
-    throughput, pass_s = speed.throughput, speed.pass_s
+    fitted = speed.fitted()
     walk = schedule(floor)
-    compute = lambda reused: token_layers(Shape(N, reused), L, walk) / throughput + passes(walk) * pass_s  # noqa: E731
+    compute = lambda reused: fitted.seconds(token_layers(Shape(N, reused), L, walk), passes(walk))  # noqa: E731
     U = sum(tokens)
     least_saving = min(compute(U - t) - compute(U) for t in tokens)
     bandwidth = sum(sizes) / (compute(U) + least_saving / 2)
@@ -253,9 +253,8 @@ def test_ratio_rises_above_the_floor_to_hide_compute_under_slow_loads(controlled
         num_layers=L,
         schedule=schedule,
         floor=floor,
-        throughput=throughput,
+        speed=fitted,
         overlapped=True,
-        pass_s=pass_s,
     )
     assert expected.load == [True] * len(docs) and floor < expected.ratio < 1.0
     g = controlled.generate(prompt, max_tokens=4)
