@@ -214,15 +214,19 @@ def run(args) -> dict:
     examples = task.examples(args.questions, DEVELOPMENT_SEED)
     prompts = [task.prompt(e, reference.tokenizer, config.separator) for e in examples]
     reference.warm([d for e in examples for d in e.documents], progress=True)
-    # a walk pass's fixed cost on the engine timed, plain and scoring the query's attention (what the
-    # predicted times add for a query selection's reuse pass)
+    # a walk pass of a reuse pass's size (the fresh tokens) timed on the engine, plain and with the
+    # query's tokens scoring their attention: the fixed costs the predicted times add for a query
+    # selection's reuse pass
     context = round(statistics.fmean(len(tp) for tp in prompts))
+    fresh = round(statistics.fmean(len(tp) - reused_tokens(tp) for tp in prompts))
+    query = round(statistics.fmean(len(tp) - tp.chunk_spans[-1][1] - 1 for tp in prompts))  # the walk's query
     if args.backend == "vllm":
-        pass_s, scored_s = (
-            engine.llm.collective_rpc("blend_pass_seconds", args=(context, s))[0] for s in (False, True)
+        timed = (
+            engine.llm.collective_rpc("blend_pass_seconds", args=(context - fresh, fresh, q))[0] for q in (0, query)
         )
     else:
-        pass_s, scored_s = (engine.blender.pass_seconds(context, scoring=s) for s in (False, True))
+        timed = (engine.blender.pass_seconds(context - fresh, tokens=fresh, scored=q) for q in (0, query))
+    pass_s, scored_s = timed
 
     def agree(tokens: list[int], full: list[int]) -> float:
         return float(tokens[:AGREE_TOKENS] == full[:AGREE_TOKENS])
@@ -301,6 +305,8 @@ def run(args) -> dict:
             "mean_reused_tokens": round(statistics.fmean(reused_tokens(tp) for tp in prompts)),
             "mean_prefix_tokens": round(statistics.fmean(tp.chunk_spans[0][0] for tp in prompts)),
             "mean_chunks": round(statistics.fmean(len(tp.chunk_spans) for tp in prompts), 2),
+            "pass_tokens": fresh,
+            "scored_tokens": query,
             "pass_ms": round(1000 * pass_s, 1),
             "scoring_ms": round(1000 * max(0.0, scored_s - pass_s), 1),
             "documents_per_question": list(task.n_docs),

@@ -19,16 +19,28 @@ PREDICTION = 5
 FIT_GOAL = 1.15  # measured time within this factor of the predicted, either way
 
 
-def predicted_ms(config: dict, full_ms: float, reuse_ms: float, settings: dict, ratio: float) -> float:
-    """A blend's predicted time to first token: reuse's time, plus what the setting's walk costs
-    beyond reuse's by the package's cost model (``blend_integrations.cost.Speed``): its token-layers
-    beyond reuse's at full prefill's cost of one, and for the reuse pass of a selection by the query
-    a walk pass's fixed cost (``config["pass_ms"]``) and the query's scoring
-    (``config["scoring_ms"]``; runs before revision 5 did not measure it). ``config``: a report's
-    (its prompts' mean sizes)."""
-    layers, tokens, reused = config["layers"], config["mean_prompt_tokens"], config["mean_reused_tokens"]
+def measured_speed(config: dict, full_ms: float, reuse_ms: float) -> Speed:
+    """The package's cost model (``blend_integrations.cost.Speed``, in ms) with the costs the run
+    measured: a token-layer costs what full prefill computes beyond reuse, per token-layer; a pass's
+    fixed cost is a pass of a reuse pass's size (``config["pass_tokens"]``, the prompts' fresh
+    tokens; runs before revision 5 timed one token) timed on the engine without logits, less its
+    token-layers at that cost (on a CPU, reading every layer's weights once, and multiplying a few
+    dozen tokens by them far below the speed of hundreds); a query selection's scoring is that pass
+    with its last ``config["scored_tokens"]`` (the query's) scoring their attention, less the plain
+    one (``config["scoring_ms"]``; runs before revision 5 did not measure it). ``config``: a report's (its prompts' mean sizes)."""
+    layers, reused = config["layers"], config["mean_reused_tokens"]
     per_token_layer = (full_ms - reuse_ms) / (layers * reused)  # what full prefill computes beyond reuse
-    speed = Speed(per_token_layer, config["pass_ms"], config.get("scoring_ms", 0.0))
+    pass_ms = max(0.0, config["pass_ms"] - per_token_layer * layers * config.get("pass_tokens", 1))
+    return Speed(per_token_layer, pass_ms, config.get("scoring_ms", 0.0))
+
+
+def predicted_ms(config: dict, full_ms: float, reuse_ms: float, settings: dict, ratio: float) -> float:
+    """A blend's predicted time to first token: reuse's time plus what the setting's walk costs
+    beyond reuse's at ``measured_speed``: its token-layers (sink tokens, and a query selection's
+    reuse pass and the prefix its blend walk skips, counted) and, for that reuse pass, a pass and
+    the query's scoring."""
+    layers, tokens, reused = config["layers"], config["mean_prompt_tokens"], config["mean_reused_tokens"]
+    speed = measured_speed(config, full_ms, reuse_ms)
     sink, query_pass = settings["sink_tokens"], settings["selection"] != "deviation"
     schedule = check_schedule(tuple(settings["check_layers"]), ratio)
     stored = reused - sink * config["mean_chunks"]  # each chunk's sink tokens are computed fresh
@@ -85,21 +97,24 @@ def markdown(report: dict) -> str:
     predicts = "pass_ms" in c and "mean_prefix_tokens" in c
     if predicts:
         tokens, reused, prefix = c["mean_prompt_tokens"], c["mean_reused_tokens"], c["mean_prefix_tokens"]
+        speed = measured_speed(c, full_ms, reuse_ms)
+        timed = f"a pass of {c['pass_tokens']} tokens" if "pass_tokens" in c else "one token's pass"
+        scoring = (
+            f", and its scoring of the query's attention at every layer, {speed.scoring_s:.0f} ms (that pass with its "
+            f"last {c['scored_tokens']} tokens scoring so, less the plain one; query-tail scores 4)"
+            if "scoring_ms" in c
+            else " (this run did not measure the query's scoring, which is left out)"
+        )
         lines += [
             "",
             f"Speedup over full prefill (in brackets: measured time over predicted; reuse "
-            f"{m['reuse']['speedup']:.2f}x, {reuse_ms:.0f} ms). Predicted: reuse's time, plus each token-layer the "
-            "setting computes beyond reuse's at full prefill's cost of one ((full - reuse) / reused token-layers; "
-            "the package's cost model, counting sink tokens and, for a selection by the query's attention, its "
-            f"reuse pass over the prompt's {tokens - reused} other tokens and the {prefix} before the first chunk "
-            f"that its blend walk skips), plus for that reuse pass a pass's fixed cost, {c['pass_ms']:.0f} ms (one "
-            "token through the walk on this engine, without logits)"
-            + (
-                f", and its scoring of the query's attention at every layer, {c['scoring_ms']:.0f} ms (that token "
-                "scored so, less the plain pass):"
-                if "scoring_ms" in c
-                else ". The query's scoring is not predicted:"
-            ),
+            f"{m['reuse']['speedup']:.2f}x, {reuse_ms:.0f} ms). Predicted by the package's cost model "
+            "(`blend_integrations.cost`): reuse's time, plus each token-layer the setting computes beyond reuse's "
+            f"at full prefill's cost of one, {speed.token_layer_s:.4f} ms ((full - reuse) / reused token-layers; "
+            "counting sink tokens and, for a selection by the query's attention, its reuse pass over the prompt's "
+            f"{tokens - reused} other tokens and the {prefix} before the first chunk that its blend walk skips), "
+            f"plus for that reuse pass a pass's fixed cost, {speed.pass_s:.0f} ms ({timed} timed on this engine "
+            f"without logits, less its token-layers at that cost){scoring}:",
         ]
     else:
         lines += [
@@ -133,8 +148,10 @@ def markdown(report: dict) -> str:
                 else "The prediction was revised four times after its measured-over-predicted ratios on these "
                 "pages were seen: a query selection's reuse pass counted by its token-layers instead of as a second "
                 "reuse (commit f7fb418), then the prefix the blend walk skips with the sink tokens, a pass's "
-                "fixed cost measured on the engine (f5e6053), and the query's scoring measured likewise. This run "
-                "was made before the last revision, so its fit is not a test of it."
+                "fixed cost measured on the engine as one token's pass (f5e6053), and last that pass timed at a "
+                "reuse pass's size instead (on SmolLM2 one token left out most of it; read off reuse's time, it "
+                "counts each request's own costs too), with the query's scoring measured on it. This run was made "
+                "before the last revision, so its fit is not a test of it."
             ),
         ]
     lines += ["", "Settings of (a): " + "; ".join(f"{n}: {s}" for n, s in c["settings"].items()), ""]

@@ -28,10 +28,9 @@ class BlendWorkerExtension:
         backend = decoder.attn_modules[0].attn_backend.get_name()
         return {"backend": backend, "kernel": decoder.attends_with_kernel(), "probe": decoder.attention_probe}
 
-    def blend_pass_seconds(self, context: int, scoring: bool = False) -> float:
-        """``Blender.pass_seconds`` on this worker's model: a walk pass's fixed cost (``scoring``:
-        of a pass that scores the query's attention)."""
-        return get_kv_transfer_group()._attach().pass_seconds(context, scoring=scoring)
+    def blend_pass_seconds(self, context: int, tokens: int = 1, scored: int = 0) -> float:
+        """``Blender.pass_seconds`` on this worker's model: a walk pass's time."""
+        return get_kv_transfer_group()._attach().pass_seconds(context, tokens=tokens, scored=scored)
 
     def blend_allocator(self) -> str:
         """The malloc this worker runs on ("tcmalloc", "jemalloc" or "system")."""

@@ -162,32 +162,33 @@ class Blender:
             key or self.keys(token_ids), record[:, :, :, skip:].to("cpu").contiguous(), token_ids=tuple(token_ids)
         )
 
-    def pass_seconds(self, context: int, repeats: int = 5, scoring: bool = False) -> float:
-        """The median time of one walk pass over a single new token after
-        ``context`` tokens of KV, without logits: what a pass costs whatever
-        its tokens (on a CPU, mostly reading every layer's weights once),
-        which the cost model's token-layers do not count. A query-aware
-        blend pays it once more than reuse does: its reuse pass, which
-        ``scoring`` times as it runs, the token's attention over the context
-        scored at every layer. On every rank of a tensor-parallel group
-        together, as any walk."""
-        if not (isinstance(context, int) and context >= 0) or not (isinstance(repeats, int) and repeats >= 1):
-            raise ValueError(f"context must be an int >= 0 and repeats >= 1; got {context!r:.40}, {repeats!r:.40}")
-        if not isinstance(scoring, bool):
-            raise ValueError(f"scoring must be a bool; got {scoring!r:.40}")
+    def pass_seconds(self, context: int, repeats: int = 5, tokens: int = 1, scored: int = 0) -> float:
+        """The median time of one walk pass over ``tokens`` new tokens after
+        ``context`` tokens of KV, without logits, the last ``scored`` of them
+        scoring their attention at every layer, as a query selection's reuse
+        pass scores the query's. Less its token-layers, it is what a pass costs
+        whatever its tokens (on a CPU, reading every layer's weights once, and
+        multiplying a few dozen tokens by them far below the speed of
+        hundreds), which the cost model's token-layers do not count. On every
+        rank of a tensor-parallel group together, as any walk."""
+        for name, value, least in (("context", context, 0), ("repeats", repeats, 1), ("tokens", tokens, 1)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ValueError(f"{name} must be an int >= {least}; got {value!r:.40}")
+        if not (isinstance(scored, int) and not isinstance(scored, bool) and 0 <= scored <= tokens):
+            raise ValueError(f"scored must be an int from 0 to tokens ({tokens}); got {scored!r:.40}")
         m = self.model
         with agreed(m.tp):
-            cache = KVCache.allocate(m, context + 1)
+            cache = KVCache.allocate(m, context + tokens)
             for rows in (*cache.k, *cache.v):
                 rows.zero_()  # any values: only the time is read
-            token = torch.zeros(1, dtype=torch.long, device=m.device)
+            ids = torch.zeros(tokens, dtype=torch.long, device=m.device)
         times = []
         with torch.inference_mode():
             for _ in range(repeats + 1):  # the first one warms up
                 cache.length = context
                 started = time.perf_counter()
-                scored = {"relevance": torch.zeros(1, device=m.device), "query_start": 0} if scoring else {}
-                forward(m, cache, token, logits=False, **scored)
+                query = {"relevance": torch.zeros(tokens, device=m.device), "query_start": tokens - scored}
+                forward(m, cache, ids, logits=False, **(query if scored else {}))
                 if m.device.type == "cuda":
                     torch.cuda.synchronize(m.device)
                 times.append(time.perf_counter() - started)

@@ -70,6 +70,8 @@ def test_the_benchmark_writes_and_renders_its_tables(tmp_path, capsys):
     assert 0.0 <= modes["deviation@0.15"]["recall"] <= 1.0 and modes["query-layer0@0.15"]["speedup"] > 0
     assert report["config"]["settings"]["query-layer0"]["check_layers"] == [0]
     assert report["config"]["pass_ms"] > 0 and report["config"]["mean_prefix_tokens"] > 0
+    c = report["config"]
+    assert abs(c["pass_tokens"] - (c["mean_prompt_tokens"] - c["mean_reused_tokens"])) <= 1  # a reuse pass's size
     assert report["config"]["scoring_ms"] >= 0
     page = (tmp_path / "oracle-reader-transformers-deviation-query-layer0.md").read_text()
     assert "| (a) blend, query-layer0 |" in page and "Deviation by layer" in page
@@ -103,11 +105,13 @@ def test_the_probes_benchmark_lists_every_prompt_a_setting_missed(tmp_path):
 
 
 def test_the_predicted_time_counts_every_token_layer_and_the_reuse_pass():
-    """``oracle_report.predicted_ms`` on round numbers: 4 layers, 100 tokens of
-    which 80 reused in 4 chunks, 5 before the first; full 500 ms, reuse 100 ms,
-    so a token-layer costs 400 / 320 = 1.25 ms; a pass's fixed cost 30 ms."""
+    """``oracle_report.predicted_ms`` on round numbers: 4 layers, 100 tokens of which 80 reused in
+    4 chunks, 5 before the first; full 500 ms, reuse 100 ms, so a token-layer costs 400 / 320 =
+    1.25 ms; a pass of the 20 fresh tokens timed at 130 ms, less its 80 token-layers: 30 ms."""
     config = {"layers": 4, "mean_prompt_tokens": 100, "mean_reused_tokens": 80}
-    config |= {"mean_chunks": 4, "mean_prefix_tokens": 5, "pass_ms": 30.0}
+    config |= {"mean_chunks": 4, "mean_prefix_tokens": 5, "pass_ms": 130.0, "pass_tokens": 20}
+    speed = oracle_report.measured_speed(config, 500.0, 100.0)
+    assert (speed.token_layer_s, speed.pass_s, speed.scoring_s) == pytest.approx((1.25, 30.0, 0.0))
     base = {"check_layers": [1], "sink_tokens": 0, "selection": "deviation"}
     at = lambda ratio, **changes: oracle_report.predicted_ms(config, 500.0, 100.0, base | changes, ratio)  # noqa: E731
     assert at(1.0, check_layers=[0]) == pytest.approx(500.0)  # every token-layer: full prefill
@@ -122,3 +126,7 @@ def test_the_predicted_time_counts_every_token_layer_and_the_reuse_pass():
     config["scoring_ms"] = 45.0
     assert at(0.25, selection="query") == pytest.approx(100.0 + 30.0 + 45.0 + 1.25 * (95 + 3 * 35))
     assert at(0.25) == pytest.approx(100.0 + 1.25 * (80 + 3 * 20))
+    # a run before revision 5 timed one token's pass; a pass faster than its token-layers costs nothing fixed
+    del config["pass_tokens"]
+    assert oracle_report.measured_speed(config, 500.0, 100.0).pass_s == pytest.approx(130.0 - 4 * 1.25)
+    assert oracle_report.measured_speed(config | {"pass_ms": 2.0}, 500.0, 100.0).pass_s == 0.0

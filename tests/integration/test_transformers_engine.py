@@ -310,13 +310,19 @@ def test_plain_text_prompt_and_max_tokens(engine):
 
 
 def test_a_walk_pass_is_timed_without_touching_the_measured_throughput(engine):
-    """``Blender.pass_seconds``: one token through the walk after a context
-    (the oracle benchmark's fixed cost of a pass); the loading controller's
-    throughput is measured on real prefills only."""
+    """``Blender.pass_seconds``: new tokens through the walk after a context, plain or scoring their
+    attention (the oracle benchmark's fixed costs of a pass and of the scoring); the loading
+    controller's throughput is measured on real prefills only."""
     speed = engine.blender.walk_speed
     before = speed.samples
     assert engine.blender.pass_seconds(64, repeats=2) > 0
+    assert engine.blender.pass_seconds(64, repeats=2, tokens=16, scored=8) > 0
     assert speed.samples == before
-    for bad in (-1, 1.5, "64"):
+    for bad in (-1, 1.5, "64", True):
         with pytest.raises(ValueError, match="context must be an int"):
             engine.blender.pass_seconds(bad)
+    with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+        engine.blender.pass_seconds(64, tokens=0)
+    for bad in (-1, 2, True, "1"):
+        with pytest.raises(ValueError, match="scored must be an int from 0 to tokens"):
+            engine.blender.pass_seconds(64, tokens=1, scored=bad)

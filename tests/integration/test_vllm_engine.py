@@ -348,6 +348,8 @@ def test_a_walk_pass_is_timed_on_the_worker(vllm_engine):
     bad context is refused there without harming the engine."""
     [seconds] = vllm_engine.llm.collective_rpc("blend_pass_seconds", args=(64,))
     assert seconds > 0
+    [scored] = vllm_engine.llm.collective_rpc("blend_pass_seconds", args=(64, 16, 8))  # a query selection's pass
+    assert scored > 0
     with pytest.raises(Exception, match="context must be an int"):
         vllm_engine.llm.collective_rpc("blend_pass_seconds", args=(-1,))
     assert vllm_engine.generate("Hello", mode="full", max_tokens=2).token_ids
