@@ -12,10 +12,11 @@ the store. A check that fails is counted, never raised: the answer was already g
 
 A check waits for a lull: the engine is idle, and at the rate users have been arriving
 (``arrived``), one is unlikely (``BlendConfig.quality_check_risk``, 5%) to come before a check of
-the usual length ends. A check in flight slows the user who comes anyway: a check's full prefill is
-one engine step, which no abort cuts short. So under steady traffic checks take about ``risk`` of
-the time or less, and they run in its pauses. On vLLM a user's request that arrives during a check
-preempts it (``VLLMEngine``); the check runs again later.
+the usual length ends. So under steady traffic checks take about ``risk`` of the time or less, and
+they run in its pauses. A user's request that arrives during a check preempts it
+(``CheckPreempted``; the check runs again later): on vLLM between engine steps (``VLLMEngine``; the
+check's full prefill is one step, which the user still waits for), on the transformers engine
+before the check's next layer (``TransformersEngine._give_way``).
 The blend server hands it the answers it serves as text (``http_checks``): there the first tokens'
 text of full prefill must begin the blend's.
 """

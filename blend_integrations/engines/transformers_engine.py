@@ -24,6 +24,7 @@ from ..prompt import TextOrIds, bos_id_added
 from ..store import ChunkKV, ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage, engine_store
 from .decoding import TextAssembler, sample, top_logprobs
+from .quality_check import CheckPreempted
 
 
 class TransformersEngine(Engine):
@@ -130,6 +131,11 @@ class TransformersEngine(Engine):
         if stream.generation is not None:
             self._answered(req, stream.generation)
 
+    def _give_way(self) -> None:
+        """A live check's walk, before each layer: a user's request waits for the lock it holds."""
+        if self._in_flight:
+            raise CheckPreempted("a user's request arrived")
+
     def _walk(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         tp = req.prompt
         with self._lock, contextlib.ExitStack() as held:
@@ -150,7 +156,9 @@ class TransformersEngine(Engine):
                 settings=req.settings,
                 question_end=tp.question_end,
             )
-            logits, stats = self.blender.prefill(cache, tp.token_ids, plan)
+            # a live check gives way to a user's request at the next layer: one layer's wait, not a prefill's
+            give_way = self._give_way if req.checking else None
+            logits, stats = self.blender.prefill(cache, tp.token_ids, plan, before_layer=give_way)
             text = TextAssembler(self._tokenizer, req.stop)
             out_ids: list[int] = []
             out_logprobs: list[dict[int, float]] | None = [] if req.logprobs is not None else None
@@ -176,7 +184,8 @@ class TransformersEngine(Engine):
                     if len(out_ids) >= max_tokens:
                         break
                     with torch.inference_mode():
-                        logits, _ = forward(self.layers, cache, torch.tensor([token], device=self.device))
+                        token_ids = torch.tensor([token], device=self.device)
+                        logits, _ = forward(self.layers, cache, token_ids, before_layer=give_way)
                 if not text.stopped:
                     delta = text.finish()
                     if delta:

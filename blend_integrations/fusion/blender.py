@@ -13,7 +13,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -215,10 +215,12 @@ class Blender:
         *,
         logits: bool = True,
         kv_target: object | None = None,
+        before_layer: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor | None, PrefillStats]:
         """Prefill ``token_ids`` into an empty ``cache`` as ``plan`` says (see
         ``plan.py``); ``kv_target``: the engine's own cache the walk also
-        writes and attends (``LayerModel.attention``). Call ``save_missed`` after."""
+        writes and attends (``LayerModel.attention``); ``before_layer``: the
+        walk's (``walk.forward``). Call ``save_missed`` after."""
         stats = PrefillStats(loading=plan.loading)
         to_open = []  # (chunk, ids) of the chunks to load
         for chunk in plan.chunks:
@@ -244,7 +246,9 @@ class Blender:
                 loaded.append((chunk.start, chunk.end, chunk.key, ids, source))
         first = cache.length
         while True:
-            out, walk = self._walk(cache, token_ids, loaded, plan, logits=logits, kv_target=kv_target)
+            out, walk = self._walk(
+                cache, token_ids, loaded, plan, logits=logits, kv_target=kv_target, before_layer=before_layer
+            )
             if walk is not None:
                 break
             # A chunk failed to read or verify after its bytes may have been
@@ -266,7 +270,9 @@ class Blender:
             stats.ranking_captured, stats.ranking_share = walk.captured, walk.share
         return out, stats
 
-    def _walk(self, cache: KVCache, token_ids, loaded: list, plan: PrefillPlan, *, logits: bool, kv_target):
+    def _walk(
+        self, cache: KVCache, token_ids, loaded: list, plan: PrefillPlan, *, logits: bool, kv_target, before_layer
+    ):
         """One walk with the ``loaded`` chunks, as ``plan`` says, reading the
         layers of those still in the store meanwhile (pipelined loading).
         Every reader is then settled: ``loaded`` holds its entry, or None if it
@@ -307,6 +313,7 @@ class Blender:
                     guard=plan.guard,
                     schedule_for=plan.schedule,
                     kv_target=kv_target,
+                    before_layer=before_layer,
                 )
         except LoadFailed:
             pass  # settled below

@@ -157,6 +157,7 @@ def forward(
     schedule_for: Callable[[float], list[tuple[int, float]]] | None = None,
     kv_target: object | None = None,
     ranking: torch.Tensor | None = None,
+    before_layer: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor | None, WalkStats]:
     """Run the new tokens ``ids`` through every layer, appending their KV to
     ``cache``. Returns the float32 logits of the last token (None when
@@ -186,7 +187,9 @@ def forward(
     ``cache`` alone. ``ranking`` (``[T]``), if given, ranks the reused tokens
     at every check layer in place of ``selection``: the oracle benchmark hands
     the walk a token set (each token's true deviation from full prefill) to
-    measure the recompute apart from the selection.
+    measure the recompute apart from the selection. ``before_layer``, if
+    given, is called before each layer: a live check's walk raises there to
+    give way to a user's request (``engines.quality_check.CheckPreempted``).
     """
     T = ids.shape[0]
     start, end = cache.length, cache.length + T
@@ -240,6 +243,7 @@ def forward(
             logits=False,  # its last layer only scores: the blend walk gives the logits
             relevance=query_mass,
             kv_target=kv_target,
+            before_layer=before_layer,
         )
         first_pass = first.token_layers
         cache.length = start  # the blend walk below writes its rows again
@@ -258,6 +262,8 @@ def forward(
     loads = _Loads(cache, start, to_load, load_from, model.num_layers, device)
     try:
         for layer in range(model.num_layers):
+            if before_layer is not None:
+                before_layer()
             # A check layer needs every token's K and V, but queries only for
             # the tokens it keeps: they are made once it has chosen (at 0.15,
             # five sixths of that layer's query projection and RoPE saved).

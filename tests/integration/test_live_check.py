@@ -101,6 +101,36 @@ def test_on_vllm_a_check_runs_after_the_answer_and_gives_way_to_a_users_request(
         checker.share = share
 
 
+def test_on_the_transformers_engine_a_check_gives_way_to_a_user_at_the_next_layer(engine):
+    """A check holds the engine's lock while it runs; a user's request that comes meanwhile makes it
+    stop before its next layer (``CheckPreempted``: it runs again later), so the user waits for one
+    layer, not a prefill and its tokens."""
+    docs = [" ".join(sample_text(5, seed=88_200 + i)) for i in range(3)]
+    prompt = engine.tokenize(BlendPrompt("Documents:", docs, "Question: which city is named? Answer:"))
+    raised: list[BaseException] = []
+
+    def long_check() -> None:
+        try:
+            engine.full_prefill_tokens(prompt, 400)
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=long_check)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and engine._lock.acquire(blocking=False):  # until the check holds it
+        engine._lock.release()
+        time.sleep(0.001)
+    assert thread.is_alive(), "the check ended before a user came"
+    answer = engine.generate(prompt, max_tokens=4, mode="full")
+    thread.join(60)
+    assert len(raised) == 1 and isinstance(raised[0], CheckPreempted)
+    assert answer.token_ids == engine.generate(prompt, max_tokens=4, mode="full").token_ids
+    assert engine.idle()
+    # with no user in flight a check runs to its end
+    assert len(engine.full_prefill_tokens(prompt, 4)) == 4
+
+
 def test_a_check_waits_for_a_lull_in_the_users_arrivals(model_dirs, tmp_path):
     """At the default ``quality_check_risk`` (5%) a check starts only where a user is unlikely to come
     before it ends: while users come at a gap shorter than twenty checks' length, the checks picked
