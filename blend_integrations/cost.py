@@ -153,17 +153,6 @@ class WalkSpeed:
         with self._lock:
             return _solve(self._xx, self._xy) if self.samples else None
 
-    @property
-    def throughput(self) -> float | None:
-        """Token-layers per second, beside ``pass_s``; None before any walk."""
-        fit = self.fitted()
-        return None if fit is None else fit.throughput
-
-    @property
-    def pass_s(self) -> float:
-        fit = self.fitted()
-        return 0.0 if fit is None else fit.pass_s
-
     def __repr__(self) -> str:
         fit = self.fitted()
         if fit is None:

@@ -65,11 +65,12 @@ def test_a_policy_costs_its_token_layers_and_passes_over_full_prefills():
 
 def test_walk_speed_fits_a_token_layers_cost_and_a_pass_cost():
     speed = WalkSpeed()
-    assert speed.fitted() is None and speed.throughput is None and speed.pass_s == 0.0
+    assert speed.fitted() is None
     for token_layers_, k in [(1000, 1), (4000, 1), (2500, 1), (800, 1)]:
         speed.add(token_layers_, k, 2e-4 * token_layers_ + 0.03 * k)
-    assert speed.throughput == pytest.approx(5000) and speed.pass_s == pytest.approx(0.03)
-    assert speed.fitted().scoring_s == 0.0  # no query selection walked: nothing scored
+    fit = speed.fitted()
+    assert fit.throughput == pytest.approx(5000) and fit.pass_s == pytest.approx(0.03)
+    assert fit.scoring_s == 0.0  # no query selection walked: nothing scored
     assert astuple(fit_speed([(1000, 1, 0.23), (4000, 1, 0.83), (2500, 1, 0.53)])) == pytest.approx((2e-4, 0.03, 0.0))
     assert fit_speed([]) is None
 
