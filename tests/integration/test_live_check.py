@@ -78,35 +78,15 @@ def test_on_vllm_a_check_runs_after_the_answer_and_gives_way_to_a_users_request(
             assert not engine.generate(prompt, max_tokens=4, **options).usage.quality_checked, options
         assert checker.counts["picked"] == before.get("picked", 0) + 1
         # a check in flight is aborted the moment a user's request comes, and says so
-        raised: list[BaseException] = []
-
-        def long_check() -> None:
-            try:
-                engine.full_prefill_tokens(prompt, 400)
-            except BaseException as e:
-                raised.append(e)
-
-        thread = threading.Thread(target=long_check)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not engine._checks and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert engine._checks, "the check never started"
-        answer = engine.generate(prompt, max_tokens=4, mode="full")
-        thread.join(60)
-        assert len(raised) == 1 and isinstance(raised[0], CheckPreempted)
-        assert answer.token_ids == engine.generate(prompt, max_tokens=4, mode="full").token_ids
-        assert not engine._checks and engine.idle()
+        user_comes_during_a_check(engine, prompt, started=lambda: bool(engine._checks))
+        assert not engine._checks
     finally:
         checker.share = share
 
 
-def test_on_the_transformers_engine_a_check_gives_way_to_a_user_at_the_next_layer(engine):
-    """A check holds the engine's lock while it runs; a user's request that comes meanwhile makes it
-    stop before its next layer (``CheckPreempted``: it runs again later), so the user waits for one
-    layer, not a prefill and its tokens."""
-    docs = [" ".join(sample_text(5, seed=88_200 + i)) for i in range(3)]
-    prompt = engine.tokenize(BlendPrompt("Documents:", docs, "Question: which city is named? Answer:"))
+def user_comes_during_a_check(engine, prompt, started) -> None:
+    """A long check (400 tokens) in a thread; once ``started()`` says it runs, a user's request comes:
+    the check gives way (``CheckPreempted``) and the user's answer is full prefill's."""
     raised: list[BaseException] = []
 
     def long_check() -> None:
@@ -118,8 +98,7 @@ def test_on_the_transformers_engine_a_check_gives_way_to_a_user_at_the_next_laye
     thread = threading.Thread(target=long_check)
     thread.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and engine._lock.acquire(blocking=False):  # until the check holds it
-        engine._lock.release()
+    while not started() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert thread.is_alive(), "the check ended before a user came"
     answer = engine.generate(prompt, max_tokens=4, mode="full")
@@ -127,6 +106,22 @@ def test_on_the_transformers_engine_a_check_gives_way_to_a_user_at_the_next_laye
     assert len(raised) == 1 and isinstance(raised[0], CheckPreempted)
     assert answer.token_ids == engine.generate(prompt, max_tokens=4, mode="full").token_ids
     assert engine.idle()
+
+
+def test_on_the_transformers_engine_a_check_gives_way_to_a_user_at_the_next_layer(engine):
+    """A check holds the engine's lock while it runs; a user's request that comes meanwhile makes it
+    stop before its next layer (``CheckPreempted``: it runs again later), so the user waits for one
+    layer, not a prefill and its tokens."""
+    docs = [" ".join(sample_text(5, seed=88_200 + i)) for i in range(3)]
+    prompt = engine.tokenize(BlendPrompt("Documents:", docs, "Question: which city is named? Answer:"))
+
+    def holds_the_engine() -> bool:
+        if not engine._lock.acquire(blocking=False):
+            return True
+        engine._lock.release()
+        return False
+
+    user_comes_during_a_check(engine, prompt, started=holds_the_engine)
     # with no user in flight a check runs to its end
     assert len(engine.full_prefill_tokens(prompt, 4)) == 4
 
