@@ -7,8 +7,7 @@ first runs a reuse pass (the fresh tokens through every layer), which leaves the
 tokens before the first reused one, so its blend walk skips them. Its time is a cost per
 token-layer plus a fixed cost per pass (on a CPU mostly reading every layer's weights once; the
 token-layers do not count it), and for that reuse pass the scoring of the query's attention at
-every layer (on a CPU mostly each layer's few small operations, about two passes' worth on
-SmolLM2), all measured where the model is used (``Speed``, ``WalkSpeed``).
+every layer, all measured where the model is used (``Speed``, ``WalkSpeed``).
 """
 
 from __future__ import annotations
