@@ -152,8 +152,11 @@ class CalibrationRecord:
     tasks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def holds_under(self, kv_codec: str | None) -> bool:
-        """Whether ``"auto"`` may use this record in a store of ``kv_codec``."""
-        return kv_codec == self.kv_codec or kv_codec in self.codecs_checked
+        """Whether ``"auto"`` may use this record in a store of ``kv_codec``. One
+        that chose full prefill holds under every codec: it is run as full
+        prefill (``in_full``) and reads no stored KV."""
+        runs_in_full = self.ratio >= 1.0 and self.guard is None
+        return runs_in_full or kv_codec == self.kv_codec or kv_codec in self.codecs_checked
 
     def to_bytes(self) -> bytes:
         data = dataclasses.asdict(self)

@@ -121,23 +121,45 @@ def test_vllm_engine_blends_from_a_coded_store(model_dirs, tmp_path, docs):
     )
 
 
-def test_calibrations_are_kept_per_codec(tmp_path):
+def test_calibrations_are_kept_per_codec(tmp_path, monkeypatch):
     """A calibration holds under the codec it was measured under: the one
     this package ships (measured raw) is not used for an int8 store unless it
-    names int8 among the codecs shown to choose the same."""
+    names int8 among the codecs shown to choose the same, or it chose full
+    prefill (run as full prefill, it reads no stored KV)."""
+    import json
+
+    from blend_integrations.calibration import packaged as packaged_module
+
     shipped = packaged_calibrations()
     (fingerprint, dtype, engine), packaged = next(
         (k, p) for k, p in shipped.items() if not p.record.holds_under("int8")
     )
+    assert packaged.record.ratio < 1.0
     raw = Calibrations(ChunkStore(tmp_path), fingerprint, dtype, engine=engine)
     coded = Calibrations(ChunkStore(tmp_path, kv_codec="int8"), fingerprint, dtype, engine=engine)
     assert raw.source() == "packaged"
     assert coded.name == record_name(fingerprint, dtype, "int8") != raw.name
     assert packaged.record.kv_codec is None and coded.source() == "fallback"
-    # one whose int8 store was shown to choose the same is used there
-    (fingerprint2, dtype2, engine2), _ = next((k, p) for k, p in shipped.items() if "int8" in p.record.codecs_checked)
-    checked = Calibrations(ChunkStore(tmp_path / "checked", kv_codec="int8"), fingerprint2, dtype2, engine=engine2)
-    assert checked.source() == "packaged"
+    # one that chose full prefill is used under every codec
+    (fingerprint2, dtype2, engine2), full = next((k, p) for k, p in shipped.items() if p.record.ratio >= 1.0)
+    assert full.record.guard is None and not full.record.codecs_checked
+    in_full = Calibrations(ChunkStore(tmp_path / "full", kv_codec="fp8"), fingerprint2, dtype2, engine=engine2)
+    assert in_full.source() == "packaged"
+    # a blending one whose int8 store was shown to choose the same is used there, and under no other codec
+    shipped_file = json.loads(packaged.path.read_bytes())
+    shipped_file["record"]["codecs_checked"] = ["int8"]
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / packaged.path.name).write_text(json.dumps(shipped_file))
+    monkeypatch.setattr(packaged_module, "PACKAGED_DIR", tmp_path / "shipped")
+    packaged_calibrations.cache_clear()
+    try:
+        checked = Calibrations(ChunkStore(tmp_path / "checked", kv_codec="int8"), fingerprint, dtype, engine=engine)
+        assert checked.source() == "packaged"
+        other = Calibrations(ChunkStore(tmp_path / "other", kv_codec="fp8"), fingerprint, dtype, engine=engine)
+        assert other.source() == "fallback"
+    finally:
+        monkeypatch.undo()
+        packaged_calibrations.cache_clear()
 
     import dataclasses
 
