@@ -14,9 +14,9 @@ A check waits for a lull: the engine is idle, and at the rate users have been ar
 (``arrived``), one is unlikely (``BlendConfig.quality_check_risk``, 5%) to come before a check of
 the usual length ends. So under steady traffic checks take about ``risk`` of the time or less, and
 they run in its pauses. A user's request that arrives during a check preempts it
-(``CheckPreempted``; the check runs again later): on vLLM between engine steps (``VLLMEngine``; the
-check's full prefill is one step, which the user still waits for), on the transformers engine
-before the check's next layer (``TransformersEngine._give_way``).
+(``CheckPreempted``; the check runs again later): on the transformers engine before the check's
+next layer (``TransformersEngine._give_way``), on the embedded vLLM engine at the next slice of a
+walk on its workers (``VLLMEngine.full_prefill_tokens``, ``vllm_check``).
 The blend server hands it the answers it serves as text (``http_checks``): there the first tokens'
 text of full prefill must begin the blend's.
 """

@@ -20,12 +20,13 @@ from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..models import check_supported
 from ..models.loading import resolve_device, resolve_model_dir
-from ..prompt import PromptInput, TextOrIds
+from ..prompt import PromptInput, TextOrIds, TokenizedPrompt
 from ..store import ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage, engine_store
 from .blend_metrics import BlendCounters
 from .quality_check import CheckPreempted
 from .vllm_answers import blend_details
+from .vllm_check import next_slice
 from .vllm_contract import (
     KV_CACHE_ENV,
     blend_engine_args,
@@ -154,7 +155,8 @@ class VLLMEngine(Engine):
         self._counters = BlendCounters()  # every finished request's blend outcome: ``stats()``
         self._counters_lock = threading.Lock()
         self._requests: dict[str, queue.Queue] = {}  # request id -> its outputs, until finished
-        self._checks: set[str] = set()  # of those, the live checks' (``quality_check``): users' requests preempt them
+        self.checking = False  # a live check walks on the workers (``full_prefill_tokens``)
+        self._slice = 1  # the layers a check walks between two looks for users (``vllm_check.next_slice``)
         self._lock = threading.Lock()  # vLLM's engine is not thread-safe
         self._wake = threading.Event()
         self._closed = False
@@ -189,13 +191,13 @@ class VLLMEngine(Engine):
         """Stop the stepping thread and vLLM's engine core."""
         if self._closed:
             return
-        self._preempt_checks()
+        self._closed = True  # the stepping thread and a live check in flight stop at their next turn
         super().close()
-        self._closed = True
         self._wake.set()
         self._stepper.join(timeout=30)
         with self._lock:
             with contextlib.suppress(Exception):  # the engine is already gone
+                self.llm.collective_rpc("blend_check_stop")
                 self.llm.collective_rpc("blend_flush")
             shutdown = getattr(self.llm.llm_engine, "engine_core", None)
             if shutdown is not None and hasattr(shutdown, "shutdown"):
@@ -249,41 +251,52 @@ class VLLMEngine(Engine):
         )
 
     def idle(self) -> bool:
-        try:
-            return not (self._requests.keys() - self._checks)
-        except RuntimeError:  # the stepping thread changed the dict meanwhile: not idle
-            return False
+        return not self._requests
 
-    def _preempt_checks(self) -> None:
-        """Abort the live checks in flight: a user's request never waits behind one."""
-        for rid in list(self._checks):
-            with self._lock:
-                self.llm.llm_engine.abort_request([rid])
-            waiting = self._requests.pop(rid, None)
-            if waiting is not None:
-                waiting.put(None)  # its follower raises CheckPreempted
-            self._checks.discard(rid)
+    def full_prefill_tokens(self, prompt: TokenizedPrompt, tokens: int) -> list[int]:
+        """A live check's run: full prefill's first ``tokens`` greedy tokens, walked on the workers
+        a slice of layers at a time (about ``vllm_check.SLICE_S``) between engine steps while no
+        user's request is in flight. A user's request that comes stops it at the next slice
+        (``CheckPreempted``)."""
+        tokens = min(tokens, self.context_length - len(prompt))
+        if tokens < 1:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the context of {self.context_length}")
+        started = False
+        try:
+            while True:
+                with self._lock:
+                    if self._closed or not self.idle():
+                        raise CheckPreempted("a user's request arrived")
+                    if not started:
+                        started = self.checking = True
+                        self.llm.collective_rpc("blend_check_start", args=(list(prompt.token_ids), tokens))
+                        continue
+                    started_at = time.perf_counter()
+                    result = self.llm.collective_rpc("blend_check_advance", args=(self._slice,))[0]
+                    self._slice = next_slice(self._slice, time.perf_counter() - started_at)
+                if result is not None:
+                    return result
+        finally:
+            self.checking = False
+            if started:
+                with self._lock:
+                    if not self._closed:  # else close() stops it
+                        self.llm.collective_rpc("blend_check_stop")
 
     def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         from vllm.inputs import TokensPrompt
 
         params = self._sampling_params(req)
-        rid = f"blend-{'check-' if req.checking else ''}{next(self._ids)}"
+        rid = f"blend-{next(self._ids)}"
         outputs: queue.Queue = queue.Queue()
-        self._requests[rid] = outputs  # before it is a check: a preemption finds its queue
-        if req.checking:
-            self._checks.add(rid)
-        else:
-            self.quality_checker.arrived()
-            self._preempt_checks()
+        self._requests[rid] = outputs  # before it waits for the lock: a live check sees it and stops
+        self.quality_checker.arrived()
         with self._lock:
             # vLLM 0.32 and 0.33 deprecate raw prompts in add_request; it takes what the
             # engine's renderer makes of one (the raw path ran the same renderer inside).
             engine = self.llm.llm_engine
             (prompt,) = engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=req.prompt.token_ids)])
             engine.add_request(rid, prompt, params)
-            if req.checking and rid not in self._checks:  # a user's request preempted it before it was added
-                engine.abort_request([rid])
         self._wake.set()
         return self._follow(stream, rid, outputs, req)
 
@@ -316,9 +329,6 @@ class VLLMEngine(Engine):
         try:
             while not finished:
                 out = outputs.get()
-                if out is None:  # a live check, preempted by a user's request (``_preempt_checks``)
-                    finished = True
-                    raise CheckPreempted(rid)
                 finished = out.finished
                 completion = out.outputs[0]
                 if completion.token_ids and ttft is None:
@@ -334,9 +344,8 @@ class VLLMEngine(Engine):
             if details is None and not blend.get("cached_tokens"):
                 details = ((), (), None)  # nothing was reused
             spans, positions, shares = details or (None, None, None)
-            if not req.checking:
-                with self._counters_lock:
-                    self._counters.add(out.kv_transfer_params)
+            with self._counters_lock:
+                self._counters.add(out.kv_transfer_params)
             usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
             generation = Generation(
                 text="".join(text),
@@ -354,9 +363,8 @@ class VLLMEngine(Engine):
                 reused_spans=spans,
                 recomputed_positions=positions,
             )
-            stream.generation = generation if req.checking else self._answered(req, generation)
+            stream.generation = self._answered(req, generation)
         finally:
-            self._checks.discard(rid)
             if not finished:
                 with self._lock:
                     self.llm.llm_engine.abort_request([rid])

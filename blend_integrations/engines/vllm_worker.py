@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+from .vllm_check import SteppedCheck
 from .vllm_connector import CONNECTORS
 from .vllm_host import process_allocator
 
@@ -31,6 +32,34 @@ class BlendWorkerExtension:
     def blend_pass_seconds(self, context: int, tokens: int = 1, scored: int = 0) -> float:
         """``Blender.pass_seconds`` on this worker's model: a walk pass's time."""
         return get_kv_transfer_group()._attach().pass_seconds(context, tokens=tokens, scored=scored)
+
+    def blend_check_start(self, token_ids: list[int], tokens: int) -> None:
+        """Begin a live check's full prefill on this worker (``vllm_check``); one at a time."""
+        self.blend_check_stop()
+        self._blend_check: SteppedCheck | None = SteppedCheck(
+            get_kv_transfer_group()._attach().model, token_ids, tokens
+        )
+
+    def blend_check_advance(self, layers: int) -> list[int] | None:
+        """Run the check ``layers`` layers on; its tokens once it has them all (then it is gone)."""
+        check = getattr(self, "_blend_check", None)
+        if check is None:
+            raise RuntimeError("no live check was started on this worker")
+        try:
+            result = check.advance(layers)
+        except BaseException:
+            self.blend_check_stop()
+            raise
+        if result is not None:
+            self.blend_check_stop()
+        return result
+
+    def blend_check_stop(self) -> None:
+        """End the check in flight, if any, and free what it holds."""
+        check = getattr(self, "_blend_check", None)
+        self._blend_check = None
+        if check is not None:
+            check.stop()
 
     def blend_allocator(self) -> str:
         """The malloc this worker runs on ("tcmalloc", "jemalloc" or "system")."""

@@ -28,7 +28,7 @@ import torch
 from torch.profiler import record_function
 
 from ..fusion.attention import DenseAttention
-from ..fusion.layers import Attention, TableRotary, TensorParallel
+from ..fusion.layers import Attention, TableRotary, TensorParallel, agreed
 from .hf import check_supported, heads_first, layer_windows, post_norm_finish, qk_norm_kind, table_rotary
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class VLLMDecoder:
         self.walk_attention = walk_attention  # "auto", "kernel" or "sdpa" (``vllm_contract.WALK_ATTENTION``)
         check_supported(config)
         self.config = config
+        self.causal_lm = model  # its compute_logits: a live check's walk decodes (``engines.vllm_check``)
         self.inner = model.model
         self.layers = list(self.inner.layers)
         attn = self.layers[0].self_attn
@@ -176,8 +177,14 @@ class VLLMDecoder:
         return post_norm_finish(block, hidden, out, self.post_norms)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # vLLM samples from its own forward; the blend pass never needs logits.
-        raise NotImplementedError("logits are computed by vLLM itself")
+        """The blend pass never needs them (vLLM samples from its own forward); a live check's full
+        prefill does. vLLM's logits processor (soft-capping, scaling, and under tensor parallelism
+        the gather of every rank's vocabulary) makes them; on every rank, or the ranks would part."""
+        logits = self.causal_lm.compute_logits(self.inner.norm(hidden))
+        with agreed(self.tp):
+            if logits is None:
+                raise NotImplementedError("this platform gathers vLLM's logits to the first rank only")
+        return logits.float()
 
     def attention_layer_names(self) -> list[str]:
         return [module.layer_name for module in self.attn_modules]

@@ -73,6 +73,8 @@ def test_gemma3_on_the_vllm_engine(gemma3_gguf, gemma3_full, tmp_path):
         llm.warm(DOCS)
         exact = llm.generate(PROMPT, max_tokens=8, recompute_ratio=1.0)
         assert (exact.usage.chunks_hit, exact.token_ids) == (4, full.token_ids)
+        # a live check's walk on the worker, with vLLM's logits, gives them too
+        assert llm.full_prefill_tokens(llm.tokenize(PROMPT), 8)[: len(full.token_ids)] == full.token_ids
         engine.store = store  # the transformers engine reads the chunks vLLM computed
         assert engine.generate(PROMPT, max_tokens=8, recompute_ratio=1.0).usage.chunks_hit == 4
     finally:

@@ -107,6 +107,9 @@ def test_smollm2_gguf_on_vllm_embedded_and_served(smollm2_gguf, smollm2_full, tm
         blended = llm.generate(prompt, max_tokens=16, recompute_ratio=1.0)
         assert blended.usage.chunks_hit == 4 and blended.token_ids == full.token_ids
         assert llm.generate(prompt, max_tokens=16, mode="full").token_ids == full.token_ids
+        # a live check's walk on the worker gives vLLM's own full prefill's tokens (float32)
+        checked = llm.full_prefill_tokens(llm.tokenize(prompt), 16)
+        assert checked[: len(full.token_ids)] == full.token_ids
     finally:
         llm.close()
     with BlendServer(

@@ -77,9 +77,15 @@ def test_on_vllm_a_check_runs_after_the_answer_and_gives_way_to_a_users_request(
         for options in ({"temperature": 0.8, "seed": 1}, {"mode": "reuse"}, {"recompute_ratio": 0.3}, {"mode": "full"}):
             assert not engine.generate(prompt, max_tokens=4, **options).usage.quality_checked, options
         assert checker.counts["picked"] == before.get("picked", 0) + 1
-        # a check in flight is aborted the moment a user's request comes, and says so
-        user_comes_during_a_check(engine, prompt, started=lambda: bool(engine._checks))
-        assert not engine._checks
+        # a check walks on the workers a slice at a time: a user's request that comes stops it at
+        # the next slice, and says so
+        user_comes_during_a_check(engine, prompt, started=lambda: engine.checking)
+        assert not engine.checking
+        # what it computes is full prefill's answer, as vLLM's own prefill and decoding give it
+        for seed in range(3):
+            docs = [" ".join(sample_text(3 + i, seed=88_150 + 10 * seed + i)) for i in range(3)]
+            other = engine.tokenize(BlendPrompt("Documents:", docs, "Question: which city is named? Answer:"))
+            assert engine.full_prefill_tokens(other, 8) == engine.generate(other, max_tokens=8, mode="full").token_ids
     finally:
         checker.share = share
 

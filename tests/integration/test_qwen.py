@@ -137,6 +137,11 @@ def test_qwen_on_the_vllm_engine(qwen05_engine, qwen05_gguf, tmp_path):
         engine.warm(DOCS)
         full = exact_at_ratio_one(llm, prompt, num_chunks=4, max_tokens=12, tolerance=0.05)
         assert "Ada Lind" in full.text
+        # a live check's walk on the worker gives vLLM's own full prefill's first tokens, the ones a
+        # check compares, in this machine's dtype
+        # (it walks on past an end token, where vLLM stops)
+        first = full.token_ids[:4]
+        assert llm.full_prefill_tokens(llm.tokenize(prompt), 4)[: len(first)] == first
     finally:
         llm.close()
 

@@ -237,8 +237,8 @@ def test_family_on_vllm(name, model_dirs, tmp_path, docs):
     qkv and gate_up split per rank, and its partial rotary; Granite's four multipliers; Qwen's
     biases and q/k norms per head. Chunks the transformers engine computed are hits on vLLM;
     blend at r=1 is vLLM's full prefill, which is the transformers engine's; reordered chunks
-    hit and a blend recomputes its share; chunks the two ranks stored are hits on the
-    transformers engine, with its own exact answer."""
+    hit and a blend recomputes its share; a live check's walk gives full prefill's answer; chunks
+    the two ranks stored are hits on the transformers engine, with its own exact answer."""
     store = ChunkStore(tmp_path / "store")
     transformers = load_engine(model_dirs(name), store=store, device="cpu")
     transformers.warm(docs)
@@ -251,6 +251,9 @@ def test_family_on_vllm(name, model_dirs, tmp_path, docs):
         reference = transformers.generate(prompt, max_tokens=10, mode="full", logprobs=1)
         assert reference.token_ids == full.token_ids
         assert chosen(reference) == pytest.approx(chosen(full), abs=1e-3)
+        # a live check's full prefill, walked on both ranks with vLLM's logits, gives the same answer
+        checked = engine.full_prefill_tokens(engine.tokenize(prompt), 10)
+        assert checked[: len(reference.token_ids)] == reference.token_ids
         shuffled = BlendPrompt("Read.", [docs[2], docs[0], docs[3], docs[1]], QUESTION)
         blend = engine.generate(shuffled, max_tokens=4, recompute_ratio=0.15)
         chunk_tokens = sum(len(engine.tokenizer.encode(d, add_special_tokens=False)) for d in docs)
