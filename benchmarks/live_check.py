@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         "The live check",
         markdown(report),
         report,
-        command=f"`python -m benchmarks live-check --backend {args.backend}`",
+        command=f"`{' '.join(['python -m benchmarks live-check', *(argv or [])])}`",
         extra=f"\n![ratio and agreement over requests]({part}.png)\n",
     )
     plot(report, args.out / f"{part}.png")
