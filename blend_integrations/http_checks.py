@@ -10,15 +10,18 @@ server, so its ``CheckBlendParams`` middleware does it there, with the same
   or chat completion with blend parameters: its text (streamed or not) and
   the connector's answer (``kv_transfer_params``) say whether ``"auto"``
   blended it from stored chunk KV, as ``Engine._answered`` requires;
-- a picked answer is checked once no user request is in flight: the same
-  request without its blend parameters (so vLLM computes it in full), for the
-  compared tokens only, over loopback, marked with this process's secret so
-  that it is neither counted nor checked itself. A user's request arriving
-  meanwhile closes its connection, which makes vLLM abort it, and the check
-  runs again later (``CheckPreempted``);
-- full prefill's first tokens' text must begin the blend's answer (``agrees``:
-  the server answers in text); the result goes to the model's live-check
-  state in the server's store, which the connector reads with the calibration.
+- a picked answer is checked once no user request is in flight, as on the
+  embedded engine: full prefill's first tokens are walked on the workers a
+  slice of layers at a time (``engines.vllm_check``), through the API server's
+  engine client, and a user's request that comes stops it at the next slice
+  (``CheckPreempted``; it runs again later). The prompt's token ids are the
+  request's own, or vLLM's rendering of its text or messages (its
+  ``/tokenize`` route over loopback, marked with this process's secret so
+  that it is not counted as a user's);
+- the text of full prefill's first tokens (cut where vLLM would stop them)
+  must begin the blend's answer (``agrees``: the server answers in text); the
+  result goes to the model's live-check state in the server's store, which
+  the connector reads with the calibration.
 
 Its counts are Prometheus series on vLLM's ``/metrics`` (``LiveCheckMetrics``).
 A response does not say whether it was checked: it is picked after it was sent.
@@ -26,13 +29,12 @@ A response does not say whether it was checked: it is picked after it was sent.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import http.client
 import json
 import logging
 import os
 import secrets
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,8 +42,10 @@ from typing import Any
 
 from .engines.base import AUTO_SOURCES
 from .engines.quality_check import CheckPreempted, QualityChecker
+from .engines.vllm_check import SlicedWalk
 from .engines.vllm_contract import blend_results
-from .engines.vllm_served import ServedModel
+from .engines.vllm_served import ServedModel, served_tokenizer
+from .models.loading import end_token_ids, resolve_model_dir
 from .store import ChunkStore
 
 logger = logging.getLogger(__name__.rsplit(".", 1)[0])
@@ -49,18 +53,19 @@ logger = logging.getLogger(__name__.rsplit(".", 1)[0])
 CHECK_HEADER = b"x-blend-live-check"  # a check's own request; its value is the process's secret
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_WATCHED_BYTES = 4 << 20  # a longer response is passed on unwatched
-CHECK_TIMEOUT_S = 600.0
-# Fields of a user's request a check leaves out: its blend parameters (so vLLM computes it in full), how it
-# is delivered, what only makes the response longer, and a floor its few tokens would break.
-DROPPED = (
-    "kv_transfer_params",
-    "stream",
-    "stream_options",
-    "logprobs",
-    "top_logprobs",
-    "return_token_ids",
-    "echo",
-    "min_tokens",
+RPC_TIMEOUT_S = 600.0
+# A chat request's fields that vLLM's ``/tokenize`` renders as its chat completion does.
+CHAT_RENDERING = (
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
 )
 
 
@@ -70,7 +75,7 @@ class CheckRequest:
 
     path: str
     body: dict
-    address: tuple[str, int]
+    address: tuple[str, int]  # this server's, for ``/tokenize``
 
 
 def checkable(path: str, data: dict | None) -> bool:
@@ -120,6 +125,22 @@ def answer_of(data: dict, body: bytes) -> tuple[str, dict | None] | None:
     return "".join(text), params
 
 
+def answer_text(tokenizer, end_ids: frozenset[int], ids: list[int], body: dict) -> str:
+    """The text vLLM answers ``body`` with where it generated ``ids``: cut before an end token (one of
+    ``end_ids`` or the request's ``stop_token_ids``, unless ``ignore_eos``) and at a stop string, and
+    decoded as it decodes (``skip_special_tokens``)."""
+    if not body.get("ignore_eos"):
+        stops = end_ids | {t for t in body.get("stop_token_ids") or () if type(t) is int}
+        ended = [i for i, t in enumerate(ids) if t in stops]
+        ids = ids[: ended[0]] if ended else ids
+    text = tokenizer.decode(ids, skip_special_tokens=body.get("skip_special_tokens", True) is not False)
+    stop = body.get("stop")
+    for s in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else ():
+        if isinstance(s, str) and s and s in text:
+            text = text[: text.index(s) + (len(s) if body.get("include_stop_str_in_output") else 0)]
+    return text
+
+
 def blended_by_auto(params: dict | None) -> bool:
     """Whether the connector says ``"auto"`` blended this prompt from stored chunk KV (``Engine._answered``)."""
     try:
@@ -138,16 +159,20 @@ def blended_by_auto(params: dict | None) -> bool:
 
 class ServedChecks:
     """One API server process's live checks: what ``QualityChecker`` needs of an engine
-    (``quality_check.Checkable``), run over loopback HTTP."""
+    (``quality_check.Checkable``), walked on the workers through the server's engine client."""
 
-    def __init__(self, served: ServedModel, store: ChunkStore) -> None:
+    def __init__(self, vllm_config, store: ChunkStore, engine_client, loop: asyncio.AbstractEventLoop) -> None:
+        served, model_config = ServedModel.of(vllm_config), vllm_config.model_config
         self.store = store
         self.calibrations = served.calibrations(store)
+        self.tokenizer = served_tokenizer(model_config.tokenizer)
+        self.stop_ids = end_token_ids(generation_config(model_config.model), self.tokenizer)
+        self.context_length = int(model_config.max_model_len)
+        self.engine_client, self.loop = engine_client, loop
         self.secret = secrets.token_hex(16).encode()
         self.in_flight = 0  # the users' requests (under the lock)
         self._lock = threading.Lock()
-        self._conn: http.client.HTTPConnection | None = None
-        self._preempted = False
+        self._walk = SlicedWalk()
         self.checker = QualityChecker(self, served.config.quality_check, served.config.quality_check_risk)
 
     def idle(self) -> bool:
@@ -155,48 +180,63 @@ class ServedChecks:
             return self.in_flight == 0
 
     def _arrived(self) -> None:
-        """A user's request came: count it, and close the check in flight's connection (vLLM aborts it)."""
+        """A user's request came: count it (a check in flight stops at its next slice)."""
         self.checker.arrived()
         with self._lock:
             self.in_flight += 1
-            if self._conn is not None and self._conn.sock is not None:
-                self._preempted = True
-                with contextlib.suppress(OSError):
-                    self._conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def _rpc(self, method: str, args: tuple = ()):
+        """A worker method on every rank (``vllm_worker``), run on the server's event loop; the first rank's result."""
+        rpc = self.engine_client.collective_rpc(method, args=args)
+        return asyncio.run_coroutine_threadsafe(rpc, self.loop).result(timeout=RPC_TIMEOUT_S)[0]
 
     def full_prefill_tokens(self, request: CheckRequest, tokens: int) -> str:
-        """The text of full prefill's first ``tokens`` tokens for ``request``, asked of this server."""
-        body = {k: v for k, v in request.body.items() if k not in DROPPED}
-        body |= {"max_tokens": tokens, "n": 1}
+        """The text of full prefill's first ``tokens`` tokens for ``request``, cut where vLLM would
+        stop them; a user's request that comes stops it (``CheckPreempted``)."""
+        ids = self.prompt_ids(request)
+        tokens = min(tokens, self.context_length - len(ids))
+        if tokens < 1:
+            raise ValueError(f"a prompt of {len(ids)} tokens leaves no room in the context of {self.context_length}")
+
+        def call(method: str, args: tuple):
+            if not self.idle():
+                raise CheckPreempted("a user's request arrived")
+            return self._rpc(method, args)
+
+        ids = self._walk.run(call, lambda: self._rpc("blend_check_stop"), ids, tokens)
+        return answer_text(self.tokenizer, self.stop_ids, ids, request.body)
+
+    def prompt_ids(self, request: CheckRequest) -> list[int]:
+        """The token ids vLLM prefilled for the request: its own, or its text or messages as vLLM
+        renders them (``/tokenize``, which runs no engine step)."""
+        body = request.body
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):  # token ids (``checkable``)
+            return prompt
         if "messages" in body:
-            body["max_completion_tokens"] = tokens
+            asked = {k: body[k] for k in CHAT_RENDERING if k in body}
+        else:
+            asked = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
+            if "model" in body:
+                asked["model"] = body["model"]
         headers = {"Content-Type": "application/json", CHECK_HEADER.decode(): self.secret.decode()}
         key = os.environ.get("VLLM_API_KEY")
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        conn = http.client.HTTPConnection(*request.address, timeout=CHECK_TIMEOUT_S)
-        with self._lock:
-            if self.in_flight:
-                raise CheckPreempted
-            self._conn, self._preempted = conn, False
+        conn = http.client.HTTPConnection(*request.address, timeout=RPC_TIMEOUT_S)
         try:
-            conn.request("POST", request.path, json.dumps(body), headers)
+            conn.request("POST", "/tokenize", json.dumps(asked), headers)
             response = conn.getresponse()
             raw = response.read()
-        except (OSError, http.client.HTTPException):
-            if self._preempted:
-                raise CheckPreempted from None
-            raise
         finally:
-            with self._lock:
-                self._conn = None
             conn.close()
-        if response.status != 200:
-            raise RuntimeError(f"the server answered the check HTTP {response.status}: {raw[:200]!r}")
-        answer = answer_of({}, raw)
-        if answer is None:
-            raise RuntimeError(f"the server's answer to the check is not a completion: {raw[:200]!r}")
-        return answer[0]
+        try:
+            ids = json.loads(raw)["tokens"] if response.status == 200 else None
+        except (ValueError, KeyError, TypeError):
+            ids = None
+        if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+            raise RuntimeError(f"the server's /tokenize answered HTTP {response.status}: {raw[:200]!r}")
+        return ids
 
     def watch(self, scope, data: dict | None, send):
         """Count a user's request in flight and preempt a check; returns the ``send`` to use and a
@@ -293,13 +333,25 @@ class LiveCheckMetrics:
         yield ratio
 
 
-def open_checks(vllm_config) -> ServedChecks | None:
-    """This process's live checks (None where the server runs none), with their metrics registered."""
+def generation_config(model: str):
+    """The checkpoint's generation config, whose end tokens vLLM stops at (None where it has none)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(resolve_model_dir(model))
+    except OSError:
+        return None
+
+
+def open_checks(vllm_config, engine_client, loop: asyncio.AbstractEventLoop) -> ServedChecks | None:
+    """This process's live checks (None where the server runs none), with their metrics registered;
+    ``engine_client``: the API server's (``app.state.engine_client``), run on ``loop``."""
     served = ServedModel.of(vllm_config)
     if served.config.quality_check <= 0:
         return None
     from prometheus_client import REGISTRY
 
-    checks = ServedChecks(served, ChunkStore(**{**served.store_args, "memory_limit_bytes": 0}))
+    store = ChunkStore(**{**served.store_args, "memory_limit_bytes": 0})
+    checks = ServedChecks(vllm_config, store, engine_client, loop)
     REGISTRY.register(LiveCheckMetrics(checks))
     return checks

@@ -17,8 +17,8 @@ It runs vLLM's OpenAI-compatible server (what ``vllm serve MODEL`` runs) with th
   gets HTTP 400 naming the field, and never reaches the engine;
 - the live check (``--quality-check SHARE``, default ``BlendConfig.quality_check``; 0
   turns it off): ``CheckBlendParams`` checks that share of ``"auto"``'s greedy
-  blended answers against full prefill over loopback when no user request is in
-  flight, and reports it on ``/metrics`` (``http_checks``);
+  blended answers against full prefill, walked on the workers while no user
+  request is in flight, and reports it on ``/metrics`` (``http_checks``);
 - ``--middleware blend_integrations.serve.CalibrationRoute``: ``/v1/blend/calibration``,
   where ``load_engine(URL, backend="server").calibrate(documents)`` reads the
   served model's identity and stores the calibration it measured over HTTP.
@@ -156,14 +156,16 @@ class CheckBlendParams(_ApiKeyAware):
         """This process's live checks, opened at the first request (None: the server runs none)."""
         if self._checks_tried:
             return self._checks
-        config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
-        if config is None:  # not vLLM's API server
+        state = getattr(scope.get("app"), "state", None)
+        config, client = getattr(state, "vllm_config", None), getattr(state, "engine_client", None)
+        if config is None or client is None:  # not vLLM's API server
             return None
         self._opening = self._opening or asyncio.Lock()
         async with self._opening:
             if not self._checks_tried:
                 try:
-                    self._checks = await asyncio.to_thread(open_checks, config)
+                    loop = asyncio.get_running_loop()
+                    self._checks = await asyncio.to_thread(open_checks, config, client, loop)
                 except Exception as e:  # the store cannot be opened: serve without checks, and say so
                     logger.warning("the live check is off: %s: %s", type(e).__name__, str(e)[:300])
                 self._checks_tried = True

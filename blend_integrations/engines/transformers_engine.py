@@ -19,7 +19,7 @@ from ..calibration import Calibrations
 from ..config import BlendConfig
 from ..fusion import Blender, forward
 from ..models import HFDecoder, check_supported
-from ..models.loading import dtype_name, resolve_device, resolve_dtype, resolve_model_dir
+from ..models.loading import dtype_name, end_token_ids, resolve_device, resolve_dtype, resolve_model_dir
 from ..prompt import TextOrIds, bos_id_added
 from ..store import ChunkKV, ChunkStore, model_fingerprint
 from .base import Engine, Generation, GenerationStream, Request, Usage, engine_store
@@ -68,9 +68,7 @@ class TransformersEngine(Engine):
         self.blender = Blender(
             self.layers, store, self.config, fingerprint=self.fingerprint, bos_token_id=bos_id_added(self._tokenizer)
         )
-        eos = hf_model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, list) else [eos]
-        self._eos = {e for e in eos + [self._tokenizer.eos_token_id] if e is not None}
+        self._eos = end_token_ids(hf_model.generation_config, self._tokenizer)
         self._lock = threading.RLock()  # one request at a time on this model
         self._in_flight = 0  # user requests started and not finished (a live check waits for none)
         self._in_flight_lock = threading.Lock()

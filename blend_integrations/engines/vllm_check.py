@@ -4,10 +4,11 @@ engine's steps.
 A check sent to vLLM as a request would run its whole prefill in one engine step, and a user's
 request that came meanwhile would wait for that step. Here the check walks the worker's own model
 (the blend pass's ``VLLMDecoder``) on a dense KV cache of its own, in a thread that runs only while
-the engine hands it a slice of layers (``advance``, through ``LLM.collective_rpc``) and waits
-before every layer otherwise. The engine hands out slices only while no user's request is in
-flight, sized to take about ``SLICE_S`` (``VLLMEngine.full_prefill_tokens``), so a user who comes
-waits for one slice, not a prefill.
+the engine hands it a slice of layers (``advance``, through a collective RPC) and waits before
+every layer otherwise. ``SlicedWalk`` hands out slices only while no user's request is in flight,
+sized to take about ``SLICE_S``, so a user who comes waits for one slice, not a prefill. It drives
+the embedded engine's checks (``VLLMEngine.full_prefill_tokens``, through ``LLM.collective_rpc``)
+and the server's (``http_checks``, through the API server's engine client).
 
 The thread never runs beside vLLM's own step: each slice is an RPC the worker's main thread waits
 in. Under tensor parallelism every rank's thread walks the same layers in the same slices (a count
@@ -18,7 +19,9 @@ always do.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -115,3 +118,28 @@ class SteppedCheck:
             self._stopping = True
             self._go.release()
         self._thread.join()
+
+
+class SlicedWalk:
+    """Drives a live check's walk on the workers (``blend_check_start``, ``_advance``, ``_stop`` of
+    ``vllm_worker.BlendWorkerExtension``), a slice of layers at a time, each slice sized from the
+    last one's time (``next_slice``)."""
+
+    def __init__(self) -> None:
+        self.layers = 1  # the next slice's layers
+
+    def run(self, call: Callable[[str, tuple], Any], stop: Callable[[], None], token_ids: list[int], tokens: int):
+        """Full prefill's first ``tokens`` greedy tokens of ``token_ids``. ``call(method, args)`` runs a
+        worker method on every rank and gives the first rank's result, or raises ``CheckPreempted``
+        where a user's request is in flight, before it runs anything; ``stop()`` ends the walk on
+        every rank, and runs once it was started, however it ends."""
+        call("blend_check_start", (list(token_ids), tokens))
+        try:
+            while True:
+                started = time.perf_counter()
+                result = call("blend_check_advance", (self.layers,))
+                self.layers = next_slice(self.layers, time.perf_counter() - started)
+                if result is not None:
+                    return result
+        finally:
+            stop()

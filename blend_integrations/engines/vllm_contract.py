@@ -120,6 +120,8 @@ def blend_engine_args(
         "max_model_len": max_model_len,
         "tensor_parallel_size": tensor_parallel_size,
         "load_format": "blend",  # vLLM's default loading; hands the model to the connector
+        # the workers' blend methods (warming chunks, the live check's walk), run by collective RPCs
+        "worker_extension_cls": "blend_integrations.engines.vllm_worker.BlendWorkerExtension",
         "kv_transfer_config": {
             "kv_connector": "BlendConnector",
             "kv_connector_module_path": CONNECTOR_MODULE,

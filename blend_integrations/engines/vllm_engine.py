@@ -26,7 +26,7 @@ from .base import Engine, Generation, GenerationStream, Request, Usage, engine_s
 from .blend_metrics import BlendCounters
 from .quality_check import CheckPreempted
 from .vllm_answers import blend_details
-from .vllm_check import next_slice
+from .vllm_check import SlicedWalk
 from .vllm_contract import (
     KV_CACHE_ENV,
     blend_engine_args,
@@ -131,7 +131,6 @@ class VLLMEngine(Engine):
             tokenizer=model_dir,
             kv_transfer_config=KVTransferConfig(**args["kv_transfer_config"]),
             max_num_seqs=max_num_seqs,
-            worker_extension_cls="blend_integrations.engines.vllm_worker.BlendWorkerExtension",
             seed=0,
         )
         kwargs.update(llm_kwargs)
@@ -156,7 +155,7 @@ class VLLMEngine(Engine):
         self._counters_lock = threading.Lock()
         self._requests: dict[str, queue.Queue] = {}  # request id -> its outputs, until finished
         self.checking = False  # a live check walks on the workers (``full_prefill_tokens``)
-        self._slice = 1  # the layers a check walks between two looks for users (``vllm_check.next_slice``)
+        self._walk = SlicedWalk()  # a live check's, on the workers
         self._lock = threading.Lock()  # vLLM's engine is not thread-safe
         self._wake = threading.Event()
         self._closed = False
@@ -261,27 +260,23 @@ class VLLMEngine(Engine):
         tokens = min(tokens, self.context_length - len(prompt))
         if tokens < 1:
             raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the context of {self.context_length}")
-        started = False
+
+        def call(method: str, args: tuple):
+            with self._lock:
+                if self._closed or not self.idle():
+                    raise CheckPreempted("a user's request arrived")
+                return self.llm.collective_rpc(method, args=args)[0]
+
+        def stop() -> None:
+            with self._lock:
+                if not self._closed:  # else close() stops it
+                    self.llm.collective_rpc("blend_check_stop")
+
+        self.checking = True
         try:
-            while True:
-                with self._lock:
-                    if self._closed or not self.idle():
-                        raise CheckPreempted("a user's request arrived")
-                    if not started:
-                        started = self.checking = True
-                        self.llm.collective_rpc("blend_check_start", args=(list(prompt.token_ids), tokens))
-                        continue
-                    started_at = time.perf_counter()
-                    result = self.llm.collective_rpc("blend_check_advance", args=(self._slice,))[0]
-                    self._slice = next_slice(self._slice, time.perf_counter() - started_at)
-                if result is not None:
-                    return result
+            return self._walk.run(call, stop, list(prompt.token_ids), tokens)
         finally:
             self.checking = False
-            if started:
-                with self._lock:
-                    if not self._closed:  # else close() stops it
-                        self.llm.collective_rpc("blend_check_stop")
 
     def _run(self, req: Request, stream: GenerationStream) -> Iterator[str]:
         from vllm.inputs import TokensPrompt

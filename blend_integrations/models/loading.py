@@ -14,6 +14,14 @@ from .gguf import converted_dir, gguf_file
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def end_token_ids(generation_config, tokenizer) -> frozenset[int]:
+    """The tokens that end an answer, as transformers and vLLM take them: the generation config's
+    ``eos_token_id`` (one or a list; ``generation_config`` may be None) and the tokenizer's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    eos = eos if isinstance(eos, list) else [eos]
+    return frozenset(e for e in [*eos, tokenizer.eos_token_id] if isinstance(e, int))
+
+
 def resolve_model_dir(model: str | os.PathLike) -> str:
     """A local checkpoint directory for ``model``: a checkpoint directory as
     it is; a ``.gguf`` file (or a directory holding one) dequantized once into

@@ -250,12 +250,45 @@ def settled(server, before: float, timeout: float = 120) -> dict:
         time.sleep(0.2)
 
 
+def post(server, key: str, path: str, body: dict) -> tuple[str, dict | None]:
+    """A request's answer text and ``kv_transfer_params``."""
+    request = urllib.request.Request(
+        server.url + path,
+        data=json.dumps({"max_tokens": 4, "temperature": 0, **body}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as r:
+        answer = json.load(r)
+    choice = answer["choices"][0]
+    return choice.get("text") or choice["message"]["content"], answer.get("kv_transfer_params")
+
+
+def assert_checked_as_full_prefill_says(server, key: str, path: str, body: dict) -> None:
+    """Blended under "auto" (once to store its chunks, then from them), the answer is checked, and
+    the check's verdict is the one vLLM's own full prefill of the same request gives."""
+    from blend_integrations.http_checks import blended_by_auto
+
+    blend = {"kv_transfer_params": {"blend": {"mode": "blend", "separator": "\n---\n"}}}
+    post(server, key, path, body | blend)  # its chunks are new: not blended from the store, not checked
+    deadline = time.monotonic() + 120
+    while server.blend_series()[("vllm:blend_live_checks_waiting", ())] and time.monotonic() < deadline:
+        time.sleep(0.2)  # no check of an earlier answer is left to count
+    before = live_checks(server)
+    text, params = post(server, key, path, body | blend)
+    assert blended_by_auto(params), params
+    now = settled(server, ran(before))
+    assert ran(now) == ran(before) + 1 and now.get("failed", 0) == before.get("failed", 0), now
+    full, _ = post(server, key, path, body)
+    assert now.get("agreed", 0) - before.get("agreed", 0) == text.startswith(full), (path, text, full, now)
+
+
 def test_the_server_checks_its_answers_raises_auto_and_says_so_on_metrics(tmp_path):
     """A blend server with ``--quality-check 1`` on SmolLM2-135M's real weights under a fingerprint no
     calibration knows (the fallback, 0.15, where it loses answers): each greedy "auto" answer is
-    checked over loopback after it was sent; "auto" rises for the next requests, ``/metrics`` counts
-    the checks and gives the ratio and its source, the store holds the state, and a user's request
-    arriving during a check aborts the check, which runs again later."""
+    checked after it was sent (walked on the workers: its verdict is the one vLLM's own full prefill
+    gives, for token ids, text and chat messages); "auto" rises for the next requests, ``/metrics``
+    counts the checks and gives the ratio and its source, the store holds the state, and a user's
+    request arriving during a check stops the check, which runs again later."""
     from benchmarks.live_check import uncalibrated_copy
     from benchmarks.quality import TASKS
     from blend_integrations.calibration import Calibrations
@@ -272,18 +305,22 @@ def test_the_server_checks_its_answers_raises_auto_and_says_so_on_metrics(tmp_pa
         engine = load_engine(server.url, backend="server", api_key=key)
         task = TASKS["smollm2"]
         examples = task.examples(24, 7_600, None)
-        served, ended = [], 0.0
+        served, ended, agreed = [], 0.0, 0.0
         for e in examples:
             engine.warm(e.documents, progress=False)
-            gen = engine.generate(task.prompt(e, engine.tokenizer, engine.config.separator), max_tokens=4)
+            prompt = task.prompt(e, engine.tokenizer, engine.config.separator)
+            gen = engine.generate(prompt, max_tokens=4)
             served.append((gen.usage.recompute_ratio, gen.usage.ratio_source))
             if gen.usage.ratio_source == "checked":
                 break
             now = settled(server, ended)
             assert ran(now) == ended + 1, now
             assert len(served) > 1 or now["ratio"] == {"fallback": 0.15}  # the series come with the first request
-            ended = ran(now)
-        now = live_checks(server)
+            # the check's verdict is the one vLLM's own full prefill gives (asked once the check ended)
+            full = engine.generate(prompt, max_tokens=4, mode="full")
+            assert now.get("agreed", 0) - agreed == gen.text.startswith(full.text), (gen.text, full.text, now)
+            ended, agreed = ran(now), now.get("agreed", 0)
+        now = settled(server, ended)  # the last answer's check too
         assert served[0] == (0.15, "fallback") and served[-1][1] == "checked" and served[-1][0] > 0.15, served
         assert now["disagreed"] == 4 and now.get("failed", 0) == 0 and now["seconds"] > 0, now
         assert now["ratio"] == {"checked": served[-1][0]}
@@ -296,7 +333,16 @@ def test_the_server_checks_its_answers_raises_auto_and_says_so_on_metrics(tmp_pa
         choice = Calibrations(store, model_fingerprint(model), dtype, engine="vllm", num_layers=30).choice()
         assert (choice.ratio, choice.source) == (served[-1][0], "checked")
         store.close()
-        # a user's request that comes while a check runs (a long prompt's) aborts it; it runs again later
+        # a prompt sent as text, or as chat messages: the check prefills the token ids vLLM rendered for it
+        docs = [" ".join(sample_text(2, seed=88_300 + i)) for i in range(3)]
+        # (a separator this tokenizer keeps apart in context: SmolLM2's merges "\n\n" into what follows)
+        text = "\n---\n".join(["Documents:", *docs, "Question: which city is named? Answer:"])
+        for path, body in (
+            ("/v1/completions", {"prompt": text}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+        ):
+            assert_checked_as_full_prefill_says(server, key, path, body)
+        # a user's request that comes while a check runs (a long prompt's) stops it; it runs again later
         docs = [" ".join(sample_text(25, seed=88_400 + i)) for i in range(4)]
         long = engine.tokenize(BlendPrompt("Documents:", docs, "Question: which city is named? Answer:"))
         engine.warm(docs)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from blend_integrations.engines.quality_check import agrees
-from blend_integrations.http_checks import answer_of, blended_by_auto, checkable
+from blend_integrations.http_checks import answer_of, answer_text, blended_by_auto, checkable
 
 BLEND = {"blend": {"mode": "blend", "ratio": "auto", "chunk_spans": [[1, 5]], "num_tokens": 9}}
 GREEDY = {"prompt": list(range(10)), "temperature": 0, "kv_transfer_params": BLEND}
@@ -78,3 +78,24 @@ def test_full_prefills_first_tokens_begin_the_blends_answer():
     assert agrees(" caf\ufffd", " café au lait")  # a character cut at the last compared token
     assert not agrees(" Paris is the capital of", " Paris is")  # the blend stopped sooner than full prefill
     assert not agrees((1, 2), "text") and not agrees("text", (1, 2))
+
+
+def test_a_checks_tokens_are_read_as_the_text_vllm_would_have_answered(model_dirs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs("llama"))
+    words = tokenizer.encode(" the river runs north", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    ends = frozenset({eos})
+    assert answer_text(tokenizer, ends, words, {}) == tokenizer.decode(words)
+    # cut before an end token, unless the request ignored it; special tokens skipped as vLLM does
+    assert answer_text(tokenizer, ends, [*words[:2], eos, *words[2:]], {}) == tokenizer.decode(words[:2])
+    kept = answer_text(tokenizer, ends, [*words[:2], eos, *words[2:]], {"ignore_eos": True})
+    assert kept == tokenizer.decode([*words[:2], eos, *words[2:]], skip_special_tokens=True)
+    assert answer_text(tokenizer, ends, words, {"stop_token_ids": [words[1]]}) == tokenizer.decode(words[:1])
+    # cut at the first stop string, kept where the request asked for it
+    text = tokenizer.decode(words)
+    assert answer_text(tokenizer, ends, words, {"stop": "river"}) == text[: text.index("river")]
+    both = {"stop": ["north", "runs"], "include_stop_str_in_output": True}
+    assert answer_text(tokenizer, ends, words, both) == text[: text.index("runs") + 4]
+    assert answer_text(tokenizer, ends, words, {"stop": ["", 7, "absent"]}) == text
