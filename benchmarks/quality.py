@@ -346,7 +346,7 @@ def run_shards(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks quality", description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=300)
-    parser.add_argument("--quick", action="store_true", help="8 questions, results not written")
+    parser.add_argument("--quick", action="store_true", help="4 questions (both hops), results not written")
     parser.add_argument("--out", default="docs/results", help="directory for the results ('' to skip)")
     parser.add_argument("--json", action="store_true", help="print one JSON object of the modes' metrics last")
     parser.add_argument(
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     given = {name for name in ("device", "shards") if getattr(args, name) != parser.get_default(name)}
     if args.quick:
-        args.questions = 8
+        args.questions = 4
     unknown = set(args.modes or []) - set(MODES)
     if unknown:
         parser.error(f"unknown modes: {', '.join(sorted(unknown))}")

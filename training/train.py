@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--held-out", type=int, default=64, help="held-out questions the model card's accuracy is measured on"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--stop-after", type=int, help="save a checkpoint after this step and stop (train in slices)")
     args = parser.parse_args(argv)
@@ -280,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
             "follow_ups",
             "vocab",
             "seed",
+            "held_out",
         )
     }
     if resume and resume["settings"] != settings:
@@ -295,7 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(
         [*model.parameters(), *probe.parameters()], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
     )
-    held_out = make_examples(64, seed=args.seed + 10_000)  # never trained on: other seeds
+    if args.held_out < 1:
+        parser.error(f"--held-out must be at least 1, got {args.held_out}")
+    held_out = make_examples(args.held_out, seed=args.seed + 10_000)  # never trained on: other seeds
     rng = random.Random(args.seed + 1)
     state = {"step": 0, "stage": 0, "stage_starts": [0], "tokens": 0, "examples": 0, "minutes": 0.0, "log": []}
     if resume:  # carry on exactly where the last run stopped

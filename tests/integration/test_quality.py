@@ -211,7 +211,7 @@ def short_runs(tmp_path_factory):
     for name, slices in (("a", [[]]), ("b", [["--stop-after", "1"], []])):
         out = tmp_path_factory.mktemp(f"reader-{name}")
         for extra in slices:
-            args = ["--steps", "2", "--tokens-per-step", "512", "--threads", "1", *extra]
+            args = ["--steps", "2", "--tokens-per-step", "512", "--threads", "1", "--held-out", "4", *extra]
             run_python("-m", "training.train", str(out), *args, timeout=900)
         runs.append(out)
     return runs
