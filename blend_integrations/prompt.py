@@ -8,6 +8,7 @@ separator would change the tokens.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -154,26 +155,42 @@ class TokenizedPrompt:
         return len(self.token_ids)
 
 
-def spans_from_separator(token_ids: Sequence[int], separator_ids: Sequence[int]) -> list[tuple[int, int]]:
+def separator_forms(tokenizer, separator: str) -> list[list[int]]:
+    """The token ids ``separator`` takes in a prompt tokenized whole: alone, and where a byte-level
+    BPE splits it otherwise between words (SmolLM2 tokenizes "\\n\\n" alone as one token, and as
+    two "\\n" tokens before a word). Each form decodes to the separator exactly."""
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    forms = [encode(separator)] if separator else []
+    for left, right in (("word", "Word"), ("word.", "Word"), ("word:", "word")):
+        head, tail, whole = encode(left), encode(right), encode(left + separator + right)
+        middle = whole[len(head) : len(whole) - len(tail)]
+        if whole[: len(head)] != head or whole[len(whole) - len(tail) :] != tail or middle in forms or not middle:
+            continue  # the words merged with the separator, or nothing new
+        if tokenizer.decode(middle) == separator:
+            forms.append(middle)
+    return forms
+
+
+def spans_from_separator(token_ids: Sequence[int], separator_forms: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """Chunk spans of an already tokenized prompt ``prefix sep c1 sep ... ck sep
-    suffix``: the pieces between the first and the last separator. The
-    fallback for callers that send only text (the server side gets the
-    tokens of the joined text); empty pieces are skipped. Chunks found this way
-    were tokenized in context, so a BPE merge across a separator can give ids
-    that differ from the chunk tokenized alone: a cache miss, never a wrong hit."""
-    sep = list(separator_ids)
-    if not sep:
-        return []
+    suffix``: the pieces between the first and the last separator, which may
+    take any of ``separator_forms`` (``separator_forms()``). The fallback for
+    callers that send only text (the server side gets the tokens of the joined
+    text); empty pieces are skipped. Chunks found this way were tokenized in
+    context, so a BPE merge across a separator can give ids that differ from
+    the chunk tokenized alone: a cache miss, never a wrong hit."""
+    forms = sorted((list(f) for f in separator_forms if f), key=len, reverse=True)  # the longest first
     ids = list(token_ids)
-    cuts = []
+    cuts: list[tuple[int, int]] = []  # each separator's (start, end)
     i = 0
-    while i + len(sep) <= len(ids):
-        if ids[i : i + len(sep)] == sep:
-            cuts.append(i)
-            i += len(sep)
-        else:
+    while i < len(ids):
+        form = next((f for f in forms if ids[i : i + len(f)] == f), None)
+        if form is None:
             i += 1
-    return [(a + len(sep), b) for a, b in itertools.pairwise(cuts) if b > a + len(sep)]
+        else:
+            cuts.append((i, i + len(form)))
+            i += len(form)
+    return [(a[1], b[0]) for a, b in itertools.pairwise(cuts) if b[0] > a[1]]
 
 
 def bos_id_added(tokenizer) -> int | None:

@@ -93,7 +93,7 @@ from ..fusion import Blender, ChunkKeys, Planner, PrefillStats
 from ..fusion.layers import RanksFailed, agreed
 from ..fusion.plan import in_full, measured_rates
 from ..models.vllm import PagedCache, VLLMDecoder, VLLMRanks
-from ..prompt import PromptError, spans_from_separator
+from ..prompt import PromptError, separator_forms, spans_from_separator
 from ..store import ChunkStore
 from . import vllm_plugin
 from .blend_metrics import BlendCounters, store_reads
@@ -110,6 +110,12 @@ logger = logging.getLogger(__name__)
 # This process's connectors, for ``vllm_worker``'s ``blend_pending``: a worker's, and the scheduler's too where
 # vLLM runs its engine core and worker in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor).
 CONNECTORS: weakref.WeakSet[BlendConnector] = weakref.WeakSet()
+
+
+@functools.lru_cache(maxsize=16)
+def _separator_forms(tokenizer_name: str, separator: str) -> tuple[tuple[int, ...], ...]:
+    """``prompt.separator_forms`` of the served tokenizer, kept for the separators requests send most."""
+    return tuple(map(tuple, separator_forms(served_tokenizer(tokenizer_name), separator)))
 
 
 class BlendConnector(KVConnectorBase_V1):
@@ -171,8 +177,9 @@ class BlendConnector(KVConnectorBase_V1):
             if params is None or params.mode == "full":
                 return None
             if params.separator is not None:
-                sep = served_tokenizer(self.tokenizer_name).encode(params.separator, add_special_tokens=False)
-                spans = spans_from_separator(request.prompt_token_ids, sep)
+                spans = spans_from_separator(
+                    request.prompt_token_ids, _separator_forms(self.tokenizer_name, params.separator)
+                )
                 if not spans:
                     raise PromptError(
                         f"the prompt has no chunk between two separators {params.separator!r:.40} "

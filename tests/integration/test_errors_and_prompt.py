@@ -151,11 +151,33 @@ def test_hub_id_resolves_through_the_hub_cache(model_dirs, tmp_path):
 def test_spans_from_separator_in_token_ids():
     from blend_integrations.prompt import spans_from_separator
 
-    sep = [9, 9]
+    sep = [[9, 9]]
     ids = [1, 5, 9, 9, 6, 7, 9, 9, 9, 9, 8, 9, 9, 4]  # prefix, chunk, empty piece, chunk, suffix
     assert spans_from_separator(ids, sep) == [(4, 6), (10, 11)]
     assert spans_from_separator([1, 2, 3], sep) == []
-    assert spans_from_separator(ids, []) == []
+    assert spans_from_separator(ids, []) == [] and spans_from_separator(ids, [[]]) == []
+    # a separator in either of its forms; the longer form where both match
+    assert spans_from_separator([1, 9, 9, 6, 3, 7, 9, 9, 4], [[3], [9, 9]]) == [(3, 4), (5, 6)]
+    assert spans_from_separator([1, 9, 9, 6, 9, 9, 2], [[9], [9, 9]]) == [(3, 4)]
+
+
+def test_a_separator_is_found_in_the_forms_a_tokenizer_gives_it_in_context():
+    """SmolLM2's byte-level BPE tokenizes "\\n\\n" alone as one token, and before a word as two:
+    both are the separator, and a text prompt's chunks are found either way."""
+    from transformers import AutoTokenizer
+
+    from blend_integrations.models.smollm2 import smollm2_dir
+    from blend_integrations.prompt import separator_forms, spans_from_separator
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    forms = separator_forms(tokenizer, "\n\n")
+    assert len(forms) == 2 and all(tokenizer.decode(f) == "\n\n" for f in forms)
+    pieces = ["Documents:", "Brimford lies north.", "The mill made paper.", "Question: where? Answer:"]
+    ids = tokenizer.encode("\n\n".join(pieces), add_special_tokens=False)
+    chunks = [tokenizer.decode(ids[a:b]) for a, b in spans_from_separator(ids, forms)]
+    assert chunks == pieces[1:3]
+    assert separator_forms(tokenizer, "\n---\n") == [tokenizer.encode("\n---\n", add_special_tokens=False)]
+    assert separator_forms(tokenizer, "") == []
 
 
 @pytest.mark.parametrize(

@@ -268,7 +268,7 @@ def assert_checked_as_full_prefill_says(server, key: str, path: str, body: dict)
     the check's verdict is the one vLLM's own full prefill of the same request gives."""
     from blend_integrations.http_checks import blended_by_auto
 
-    blend = {"kv_transfer_params": {"blend": {"mode": "blend", "separator": "\n---\n"}}}
+    blend = {"kv_transfer_params": {"blend": {"mode": "blend", "separator": "\n\n"}}}
     post(server, key, path, body | blend)  # its chunks are new: not blended from the store, not checked
     deadline = time.monotonic() + 120
     while server.blend_series()[("vllm:blend_live_checks_waiting", ())] and time.monotonic() < deadline:
@@ -335,8 +335,8 @@ def test_the_server_checks_its_answers_raises_auto_and_says_so_on_metrics(tmp_pa
         store.close()
         # a prompt sent as text, or as chat messages: the check prefills the token ids vLLM rendered for it
         docs = [" ".join(sample_text(2, seed=88_300 + i)) for i in range(3)]
-        # (a separator this tokenizer keeps apart in context: SmolLM2's merges "\n\n" into what follows)
-        text = "\n---\n".join(["Documents:", *docs, "Question: which city is named? Answer:"])
+        # (the default separator, which SmolLM2's tokenizer splits in two before a word)
+        text = "\n\n".join(["Documents:", *docs, "Question: which city is named? Answer:"])
         for path, body in (
             ("/v1/completions", {"prompt": text}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
