@@ -161,8 +161,9 @@ class ServedChecks:
     """One API server process's live checks: what ``QualityChecker`` needs of an engine
     (``quality_check.Checkable``), walked on the workers through the server's engine client."""
 
-    def __init__(self, vllm_config, store: ChunkStore, engine_client, loop: asyncio.AbstractEventLoop) -> None:
-        served, model_config = ServedModel.of(vllm_config), vllm_config.model_config
+    def __init__(
+        self, served: ServedModel, model_config, store: ChunkStore, engine_client, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.store = store
         self.calibrations = served.calibrations(store)
         self.tokenizer = served_tokenizer(model_config.tokenizer)
@@ -352,6 +353,6 @@ def open_checks(vllm_config, engine_client, loop: asyncio.AbstractEventLoop) -> 
     from prometheus_client import REGISTRY
 
     store = ChunkStore(**{**served.store_args, "memory_limit_bytes": 0})
-    checks = ServedChecks(vllm_config, store, engine_client, loop)
+    checks = ServedChecks(served, vllm_config.model_config, store, engine_client, loop)
     REGISTRY.register(LiveCheckMetrics(checks))
     return checks

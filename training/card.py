@@ -65,7 +65,7 @@ last quarter; a stage ends when its 1-hop teacher-forced accuracy reaches {summa
 
 ## Accuracy
 
-Greedy exact match under teacher forcing on 64 held-out examples (every answer
+Greedy exact match under teacher forcing on {summary.get("held_out", 64)} held-out examples (every answer
 token and the end must be the argmax): 1-hop {acc.get("acc_1hop", 0):.2f}, 2-hop {acc.get("acc_2hop", 0):.2f}.
 The quality benchmark (`python -m benchmarks quality`, results in
 `docs/results/quality.md`) measures generated answers on 300 other held-out

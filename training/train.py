@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         "subject_weight": args.subject_weight,
         "tokens_per_step": args.tokens_per_step,
         "follow_ups": args.follow_ups,
+        "held_out": args.held_out,
         "held_out_teacher_forced": final,
         "gate": GATE,
         "embedding_std": EMBEDDING_STD,

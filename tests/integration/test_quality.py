@@ -229,6 +229,7 @@ def test_training_is_deterministic_resumable_and_writes_a_model_card(short_runs,
     for heading in ("## Data", "## Size", "## Training", "## Accuracy"):
         assert heading in card
     assert "--steps 2 --seed 0 --threads 1" in card
+    assert "teacher forcing on 4 held-out examples" in card  # --held-out 4
     engine = load_engine(str(a), store=ChunkStore(tmp_path / "store"), device="cpu")
     assert engine.generate("Notes on Mara Okafor.", max_tokens=3).usage.completion_tokens >= 1
 
