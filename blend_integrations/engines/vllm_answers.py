@@ -19,12 +19,18 @@ order in both). So ``Answers.finish`` hands vLLM the answer made from the
 plan, and ``Answers.report`` amends that very dict in place when the report
 comes. Its counts and a stream's answer file are written once the step's
 reports are in (``settle``), before its outputs go out.
+
+A request vLLM's front end stops on a stop string is aborted in the engine
+core: vLLM drops what ``request_finished`` answers for it, so its last output
+carries no ``kv_transfer_params``. The worker keeps the answers of its latest
+blend passes (``RecentAnswers``) for the embedded engine to ask for then.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +74,31 @@ def answer_of(plan: PrefillPlan, report: PassReport | None) -> dict[str, Any]:
     if report is not None and report.details is not None:
         answer["blend_details"] = report.details
     return answer
+
+
+class RecentAnswers:
+    """The worker side's answers of its latest blend passes, by vLLM's request
+    id: for a request whose finished output lost its answer (stopped on a stop
+    string). Bounded: the oldest is dropped, so unlike the per-request maps
+    it may outlive its requests."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._answers: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def keep(self, req_id: str, answer: dict[str, Any]) -> None:
+        self._answers[req_id] = answer
+        self._answers.move_to_end(req_id)
+        while len(self._answers) > self.size:
+            self._answers.popitem(last=False)
+
+    def find(self, request_id: str) -> dict[str, Any] | None:
+        """The answer of the request the caller named ``request_id``: vLLM's
+        engine core knows it as that id plus ``-`` and a random suffix."""
+        for req_id in reversed(self._answers):
+            if req_id == request_id or req_id.rpartition("-")[0] == request_id:
+                return self._answers[req_id]
+        return None
 
 
 class Answers:

@@ -97,8 +97,8 @@ from ..prompt import PromptError, separator_forms, spans_from_separator
 from ..store import ChunkStore
 from . import vllm_plugin
 from .blend_metrics import BlendCounters, store_reads
-from .vllm_answers import Answers, PassReport
-from .vllm_contract import BlendParams, blend_params_of
+from .vllm_answers import Answers, PassReport, RecentAnswers, answer_of
+from .vllm_contract import BlendParams, blend_params_of, not_blended
 from .vllm_limits import check_vllm_config, kv_block_size
 from .vllm_memory import REASON as MEMORY_REASON
 from .vllm_memory import NotEnoughMemory, check_pass_memory, pass_memory, pooled_tokens
@@ -150,6 +150,7 @@ class BlendConnector(KVConnectorBase_V1):
         self._failed: dict[str, tuple[str, str]] = {}  # req_id -> (cause, reason) of failed passes, until reported
         self._reports: dict[str, PassReport] = {}  # req_id -> what its blend pass did, until reported
         self._invalid_blocks: set[int] = set()  # their blocks, until reported
+        self.recent = RecentAnswers()  # the latest passes' answers, for requests that lose theirs
         CONNECTORS.add(self)
 
     def pending(self) -> dict[str, int]:
@@ -384,6 +385,7 @@ class BlendConnector(KVConnectorBase_V1):
         request in full), and tell the scheduler why (None: another rank does)."""
         if why is not None:
             self._failed[job.req_id] = (why, reason)
+            self.recent.keep(job.req_id, not_blended(why, reason))
         self._invalid_blocks.update(job.block_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -419,7 +421,8 @@ class BlendConnector(KVConnectorBase_V1):
             # Missed chunks are saved at the next step, after this step's first
             # token is out: off the time-to-first-token path.
             self._unsaved.append(stats)
-            self._reports[job.req_id] = PassReport.of(stats, job.details)
+            report = self._reports[job.req_id] = PassReport.of(stats, job.details)
+            self.recent.keep(job.req_id, answer_of(job.plan, report))
 
     def _measured_rates(self) -> dict[str, float | None]:
         return measured_rates(self.store, self.blender.walk_speed if self.blender is not None else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -37,6 +38,8 @@ from .vllm_contract import (
     kv_transfer_params,
 )
 from .vllm_limits import UnsupportedSetting, refused_settings
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -314,6 +317,17 @@ class VLLMEngine(Engine):
             gens.append(s.generation)
         return gens
 
+    def _answer_of_stopped(self, rid: str) -> dict | None:
+        """The connector's answer for a request vLLM stopped on a stop string:
+        its front end aborts such a request in the engine core, and the answer
+        ``request_finished`` gave is dropped (``vllm_answers.RecentAnswers``)."""
+        try:
+            with self._lock:
+                return self.llm.collective_rpc("blend_answer", args=(rid,))[0]
+        except Exception:  # the usage must not fail the answer: it then says nothing was reused
+            logger.warning("asking the workers for request %s's blend usage failed", rid, exc_info=True)
+            return None
+
     def _follow(self, stream, rid, outputs, req: Request) -> Iterator[str]:
         tp, t0, mode = req.prompt, req.started, req.mode
         ids: list[int] = []
@@ -334,13 +348,16 @@ class VLLMEngine(Engine):
                 if completion.text:
                     text.append(completion.text)
                     yield completion.text
-            blend, loading, fallback = blend_results(out.kv_transfer_params)
-            details = blend_details(out.kv_transfer_params, len(tp))
+            params = out.kv_transfer_params
+            if mode != "full" and isinstance(completion.stop_reason, str) and "blend" not in (params or {}):
+                params = self._answer_of_stopped(rid) or params
+            blend, loading, fallback = blend_results(params)
+            details = blend_details(params, len(tp))
             if details is None and not blend.get("cached_tokens"):
                 details = ((), (), None)  # nothing was reused
             spans, positions, shares = details or (None, None, None)
             with self._counters_lock:
-                self._counters.add(out.kv_transfer_params)
+                self._counters.add(params)
             usage = Usage(prompt_tokens=len(tp), completion_tokens=len(ids), **blend)
             generation = Generation(
                 text="".join(text),

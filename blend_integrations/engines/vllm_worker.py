@@ -61,6 +61,11 @@ class BlendWorkerExtension:
         if check is not None:
             check.stop()
 
+    def blend_answer(self, request_id: str) -> dict | None:
+        """The connector's answer for the request the caller named
+        ``request_id``, if this worker blended it lately (``RecentAnswers``)."""
+        return get_kv_transfer_group().recent.find(request_id)
+
     def blend_allocator(self) -> str:
         """The malloc this worker runs on ("tcmalloc", "jemalloc" or "system")."""
         return process_allocator()

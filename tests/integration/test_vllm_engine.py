@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, PromptError, UnsupportedModelError, load_engine
+from blend_integrations.engines.base import Generation
 from blend_integrations.engines.vllm_contract import (
     KV_CACHE_ENV,
     blend_engine_args,
@@ -141,6 +143,17 @@ def test_stream_stop_and_async(vllm_engine, docs):
     stop = gen.text[3:6]
     stopped = vllm_engine.generate(prompt, max_tokens=20, stop=stop)
     assert stopped.finish_reason == "stop" and stopped.text == gen.text[: gen.text.index(stop)]
+    # vLLM's front end stops a request on a stop string by aborting it in the engine core, which drops
+    # the connector's answer: the engine asks the worker for it, and reports the same blend as without
+    assert gen.usage.chunks_hit == len(docs) and gen.usage.recomputed_tokens > 0
+    for answer in (stopped, vllm_engine.stream(prompt, max_tokens=20, stop=stop)):
+        if not isinstance(answer, Generation):
+            assert "".join(answer) == gen.text[: gen.text.index(stop)]
+            answer = answer.generation
+        assert dataclasses.replace(answer.usage, completion_tokens=0) == dataclasses.replace(
+            gen.usage, completion_tokens=0
+        )
+        assert (answer.reused_spans, answer.recomputed_positions) == (gen.reused_spans, gen.recomputed_positions)
 
     async def both():
         deltas = [d async for d in vllm_engine.astream(prompt, max_tokens=20)]

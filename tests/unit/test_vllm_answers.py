@@ -12,7 +12,7 @@ import torch
 
 from blend_integrations.calibration import RankShares
 from blend_integrations.engines import stream_usage
-from blend_integrations.engines.vllm_answers import Answers, PassReport, blend_details
+from blend_integrations.engines.vllm_answers import Answers, PassReport, RecentAnswers, blend_details
 from blend_integrations.fusion import PrefillPlan, PrefillStats
 from blend_integrations.fusion.plan import LOAD, ChunkPlan
 
@@ -121,3 +121,15 @@ def test_ranking_shares_are_the_top_tokens_share_of_the_total():
     assert [shares(r) for r in (0.0, 0.25, 0.5, 1.0)] == [0.0, 0.5, pytest.approx(0.875), pytest.approx(1.0)]
     assert RankShares.of(torch.zeros(3))(0.2) == 1.0  # nothing deviates: any share holds all of it
     assert RankShares.of(torch.zeros(0))(0.5) == 1.0
+
+
+def test_recent_answers_are_found_by_the_callers_id_and_bounded():
+    recent = RecentAnswers(size=2)
+    recent.keep("blend-1-0a1b2c3d", {"blend": {"cached_tokens": 1}})
+    recent.keep("blend-12-9f8e7d6c", {"blend": {"cached_tokens": 12}})
+    assert recent.find("blend-12") == {"blend": {"cached_tokens": 12}}  # vLLM's core id: the caller's + a suffix
+    assert recent.find("blend-1") == {"blend": {"cached_tokens": 1}}  # not blend-12's
+    assert recent.find("blend-12-9f8e7d6c") == {"blend": {"cached_tokens": 12}}
+    recent.keep("blend-3-00000000", {"blend": {"cached_tokens": 3}})
+    assert recent.find("blend-1") is None and recent.find("blend-3") is not None  # the oldest is dropped
+    assert recent.find("blend") is None
