@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .engines import stream_usage
 from .engines.vllm_contract import BlendParamsError, parse_blend_params
+
+logger = logging.getLogger(__name__)
+# The workers' answer for a request id (``vllm_answers.RecentAnswers``), asked through the engine client.
+AskAnswer = Callable[[str], Awaitable["dict | None"]]
 
 MAX_PARAMS_DEPTH = 16  # how deeply kv_transfer_params may nest: it is serialized into the engine core
 
@@ -133,9 +139,72 @@ def mark_for_stream_usage(data: dict | None) -> tuple[bytes | None, str | None]:
     return (json.dumps(data).encode() if changed or token else None), token
 
 
-def stream_usage_sender(send, token: str):
+def stopped_on_a_string(data: dict | None) -> bool:
+    """Whether the body asks to blend one completion that a stop string may
+    end: vLLM then drops the connector's answer (``vllm_answers.RecentAnswers``)."""
+    params = data.get("kv_transfer_params") if data is not None else None
+    if data is None or not isinstance(params, dict) or "blend" not in params or data.get("n") not in (None, 1):
+        return False
+    prompt = data.get("prompt")
+    one_prompt = "messages" in data or isinstance(prompt, str) or len(_prompt_lengths(prompt) or ()) == 1
+    return one_prompt and bool(data.get("stop"))
+
+
+async def _asked_answer(response: dict, ask: AskAnswer) -> dict | None:
+    """The workers' answer for a completion stopped on a stop string whose
+    response carries none; None when it carries one, or none is found."""
+    choices, params = response.get("choices"), response.get("kv_transfer_params")
+    if (isinstance(params, dict) and "blend" in params) or not isinstance(response.get("id"), str):
+        return None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    if not isinstance(choices[0].get("stop_reason"), str):
+        return None  # ended otherwise: the engine core finished it, and its answer came
+    try:
+        return await ask(response["id"])
+    except Exception as e:  # the usage must not cost the answer
+        logger.warning("asking the workers for the blend usage of %s failed: %s", response["id"], e)
+        return None
+
+
+def stopped_usage_sender(send, ask: AskAnswer):
+    """``send`` that puts the blend usage into a plain (not streamed) JSON
+    completion vLLM stopped on a stop string, whose answer it dropped."""
+    start: dict | None = None
+    parts: list[bytes] = []
+
+    async def sender(message) -> None:
+        nonlocal start
+        if message["type"] == "http.response.start" and message.get("status") == 200:
+            start = message  # held until the body is known: its length may change
+            return
+        if message["type"] != "http.response.body" or start is None:
+            await send(message)
+            return
+        parts.append(message.get("body", b""))
+        if message.get("more_body"):
+            return
+        body = b"".join(parts)
+        try:
+            response = json.loads(body)
+        except ValueError:
+            response = None
+        answer = await _asked_answer(response, ask) if isinstance(response, dict) else None
+        if answer is not None:
+            assert isinstance(response, dict)
+            response["kv_transfer_params"] = {**(response.get("kv_transfer_params") or {}), **answer}
+            body = json.dumps(response).encode()
+        headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return sender
+
+
+def stream_usage_sender(send, token: str, ask: AskAnswer | None = None):
     """``send`` that adds the request's blend usage before a stream's
-    ``data: [DONE]`` (``stream_usage``)."""
+    ``data: [DONE]`` (``stream_usage``); for a stream stopped on a stop
+    string whose answer was dropped, the workers' (``ask``)."""
     import asyncio
 
     streaming, last_event = False, b""
@@ -158,9 +227,22 @@ def stream_usage_sender(send, token: str):
                     if found:
                         break
                     await asyncio.sleep(0.01)
-                if found and answer is not None:
+                if not found and ask is not None:
+                    answer = await _asked_answer(_last_choice(last_event or data[:done]), ask)
+                if answer is not None:
                     event = stream_usage.answer_event(last_event or data[:done], answer)
                     message = {**message, "body": data[:done] + event + data[done:]}
         await send(message)
 
     return sender
+
+
+def _last_choice(events: bytes) -> dict:
+    """The id and the one choice, with its stop reason, of a stream's last
+    completion event (``{}`` if it has none)."""
+    start = events.rfind(b"data: {")
+    try:
+        last = json.loads(events[start + len(b"data: ") :].strip()) if start >= 0 else {}
+    except ValueError:
+        return {}
+    return {"id": last.get("id"), "choices": last.get("choices")} if isinstance(last, dict) else {}

@@ -57,12 +57,15 @@ from .engines.vllm_contract import (
 from .engines.vllm_served import ServedModel
 from .http_checks import CHECK_HEADER, ServedChecks, open_checks
 from .http_edge import (
+    AskAnswer,
     check_request_body,
     mark_for_stream_usage,
     read_body,
     refused_requests,
     request_path,
     send_error,
+    stopped_on_a_string,
+    stopped_usage_sender,
     stream_usage_sender,
 )
 from .models.gguf import gguf_file
@@ -139,6 +142,20 @@ class _ApiKeyAware:
         return request_path(scope).startswith(self._guarded) and not self._auth.verify_token(Headers(scope=scope))
 
 
+def _workers_answer(scope) -> AskAnswer | None:
+    """How to ask vLLM's workers, through the API server's engine client, for
+    a request's blend answer (``vllm_answers.RecentAnswers``); None outside vLLM's server."""
+    client = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+    if client is None:
+        return None
+
+    async def ask(request_id: str) -> dict | None:
+        answers = await client.collective_rpc("blend_answer", args=(request_id,))
+        return answers[0] if answers and isinstance(answers[0], dict) else None
+
+    return ask
+
+
 class CheckBlendParams(_ApiKeyAware):
     """ASGI middleware for vLLM's API server (``--middleware``): a POST whose
     ``kv_transfer_params.blend`` breaks a rule gets HTTP 400 with vLLM's error
@@ -195,8 +212,11 @@ class CheckBlendParams(_ApiKeyAware):
             body = marked
             headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        ask = _workers_answer(scope) if stopped_on_a_string(data) else None
         if token is not None:
-            send = stream_usage_sender(send, token)
+            send = stream_usage_sender(send, token, ask)
+        elif ask is not None:
+            send = stopped_usage_sender(send, ask)
         replayed = False
 
         async def replay():

@@ -94,9 +94,10 @@ class RecentAnswers:
 
     def find(self, request_id: str) -> dict[str, Any] | None:
         """The answer of the request the caller named ``request_id``: vLLM's
-        engine core knows it as that id plus ``-`` and a random suffix."""
+        engine core knows it as that id plus ``-`` and a random suffix (the
+        API server's completions put the prompt's index between them)."""
         for req_id in reversed(self._answers):
-            if req_id == request_id or req_id.rpartition("-")[0] == request_id:
+            if req_id == request_id or req_id.startswith(request_id + "-"):
                 return self._answers[req_id]
         return None
 

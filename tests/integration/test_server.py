@@ -13,6 +13,7 @@ import pytest
 
 from blend_integrations import BlendPrompt, PromptError, load_engine
 from blend_integrations.calibration import RELOAD_S, CalibrationRecord, record_name
+from blend_integrations.engines.base import Generation
 from blend_integrations.engines.server_engine import CALIBRATION_PATH, ServerError
 from blend_integrations.prompt import TokenizedPrompt
 from tests.fixtures.commands import ROOT
@@ -58,6 +59,15 @@ def test_server_stream(client, docs):
     assert streamed.chunks_hit == plain.chunks_hit == len(docs) and streamed.cached_tokens == plain.cached_tokens > 0
     assert streamed.recomputed_tokens == plain.recomputed_tokens > 0
     assert streamed.recompute_ratio == plain.recompute_ratio and stream.generation.fallback is None
+    # vLLM's front end aborts a request it stops on a stop string and drops the connector's answer:
+    # the server asks the workers for it, on a plain response and on a stream
+    stop = gen.text[3:6]
+    for answer in (client.generate(prompt, max_tokens=12, stop=stop), client.stream(prompt, max_tokens=12, stop=stop)):
+        if not isinstance(answer, Generation):
+            "".join(answer)
+            answer = answer.generation
+        assert answer.finish_reason == "stop" and answer.text == gen.text[: gen.text.index(stop)]
+        assert dataclasses.replace(answer.usage, completion_tokens=0) == dataclasses.replace(plain, completion_tokens=0)
 
 
 def sse_events(client, path: str, body: dict) -> list:

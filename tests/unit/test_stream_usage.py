@@ -4,13 +4,19 @@ can name."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
 import pytest
 
 from blend_integrations.engines import stream_usage
-from blend_integrations.http_edge import check_request_body, mark_for_stream_usage
+from blend_integrations.http_edge import (
+    check_request_body,
+    mark_for_stream_usage,
+    stopped_on_a_string,
+    stopped_usage_sender,
+)
 
 
 def mark(raw: bytes):
@@ -101,3 +107,59 @@ def test_a_token_a_client_sent_is_dropped():
     assert token is None and stream_usage.TOKEN_KEY not in json.loads(marked)["kv_transfer_params"]
     marked, token = mark(body(stream=True, kv_transfer_params=sent))
     assert token not in (None, "0" * 32) and json.loads(marked)["kv_transfer_params"][stream_usage.TOKEN_KEY] == token
+
+
+def test_only_a_blended_single_completion_with_stop_strings_is_watched_for_a_dropped_answer():
+    blend = {"kv_transfer_params": {"blend": {"mode": "blend"}}}
+    assert stopped_on_a_string({"prompt": "x", "stop": ["\n"], **blend})
+    assert stopped_on_a_string({"messages": [], "stop": "Q:", **blend})
+    assert not stopped_on_a_string({"prompt": "x", **blend})  # no stop string: the engine core ends it
+    assert not stopped_on_a_string({"prompt": "x", "stop": ["\n"]})  # not blended
+    assert not stopped_on_a_string({"prompt": "x", "stop": ["\n"], "n": 2, **blend})
+    assert not stopped_on_a_string({"prompt": [[1, 2], [3]], "stop": ["\n"], **blend})
+
+
+def respond(status: int, response, answer=ANSWER) -> tuple[list[dict], list[str]]:
+    """What a plain completion's response becomes through ``stopped_usage_sender``, sent in
+    two parts, and which request ids it asked the workers about."""
+    body = response if isinstance(response, bytes) else json.dumps(response).encode()
+    sent, asked = [], []
+
+    async def send(message):
+        sent.append(message)
+
+    async def ask(request_id):
+        asked.append(request_id)
+        return answer
+
+    async def run():
+        sender = stopped_usage_sender(send, ask)
+        await sender({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"1")]})
+        await sender({"type": "http.response.body", "body": body[:5], "more_body": True})
+        await sender({"type": "http.response.body", "body": body[5:], "more_body": False})
+
+    asyncio.run(run())
+    return sent, asked
+
+
+def stopped_response(stop_reason="\n", params=None) -> dict:
+    choice = {"index": 0, "text": "1830.", "finish_reason": "stop", "stop_reason": stop_reason}
+    return {"id": "cmpl-5f3a", "choices": [choice], "kv_transfer_params": params}
+
+
+def test_a_plain_completion_stopped_on_a_string_gets_the_workers_answer():
+    sent, asked = respond(200, stopped_response())
+    start, body = sent
+    assert asked == ["cmpl-5f3a"]
+    assert json.loads(body["body"])["kv_transfer_params"] == ANSWER
+    assert dict(start["headers"])[b"content-length"] == str(len(body["body"])).encode()
+    # ended by a stop token or the length, or carrying its answer already: passed on as it came
+    for response in (stopped_response(stop_reason=7), stopped_response(params=ANSWER)):
+        sent, asked = respond(200, response)
+        assert asked == [] and json.loads(sent[1]["body"]) == response
+    # an error, a body that is not JSON, and no answer found: passed on unchanged
+    for status, response, answer in ((400, stopped_response(), ANSWER), (200, b"not json", ANSWER),
+                                     (200, stopped_response(), None)):  # fmt: skip
+        sent, _ = respond(status, response, answer=answer)
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        assert body == (response if isinstance(response, bytes) else json.dumps(response).encode())

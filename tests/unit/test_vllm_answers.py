@@ -130,6 +130,6 @@ def test_recent_answers_are_found_by_the_callers_id_and_bounded():
     assert recent.find("blend-12") == {"blend": {"cached_tokens": 12}}  # vLLM's core id: the caller's + a suffix
     assert recent.find("blend-1") == {"blend": {"cached_tokens": 1}}  # not blend-12's
     assert recent.find("blend-12-9f8e7d6c") == {"blend": {"cached_tokens": 12}}
-    recent.keep("blend-3-00000000", {"blend": {"cached_tokens": 3}})
-    assert recent.find("blend-1") is None and recent.find("blend-3") is not None  # the oldest is dropped
-    assert recent.find("blend") is None
+    recent.keep("cmpl-5f3a-0-00000000", {"blend": {"cached_tokens": 3}})  # the API server's: prompt 0 of cmpl-5f3a
+    assert recent.find("blend-1") is None and recent.find("cmpl-5f3a") is not None  # the oldest is dropped
+    assert recent.find("cmpl-5f") is None
