@@ -131,23 +131,23 @@ def mark_for_stream_usage(data: dict | None) -> tuple[bytes | None, str | None]:
     if data is None or not isinstance(params, dict):
         return None, None
     changed = params.pop(stream_usage.TOKEN_KEY, None) is not None
-    prompt = data.get("prompt")
-    one_prompt = "messages" in data or isinstance(prompt, str) or len(_prompt_lengths(prompt) or ()) == 1
     token = None
-    if data.get("stream") is True and "blend" in params and one_prompt and data.get("n") in (None, 1):
+    if data.get("stream") is True and _one_blended_completion(data):
         token = params[stream_usage.TOKEN_KEY] = stream_usage.new_token()
     return (json.dumps(data).encode() if changed or token else None), token
+
+
+def _one_blended_completion(data: dict) -> bool:
+    """Whether the body asks to blend exactly one completion (one prompt, ``n`` 1)."""
+    params, prompt = data.get("kv_transfer_params"), data.get("prompt")
+    one_prompt = "messages" in data or isinstance(prompt, str) or len(_prompt_lengths(prompt) or ()) == 1
+    return isinstance(params, dict) and "blend" in params and one_prompt and data.get("n") in (None, 1)
 
 
 def stopped_on_a_string(data: dict | None) -> bool:
     """Whether the body asks to blend one completion that a stop string may
     end: vLLM then drops the connector's answer (``vllm_answers.RecentAnswers``)."""
-    params = data.get("kv_transfer_params") if data is not None else None
-    if data is None or not isinstance(params, dict) or "blend" not in params or data.get("n") not in (None, 1):
-        return False
-    prompt = data.get("prompt")
-    one_prompt = "messages" in data or isinstance(prompt, str) or len(_prompt_lengths(prompt) or ()) == 1
-    return one_prompt and bool(data.get("stop"))
+    return data is not None and bool(data.get("stop")) and _one_blended_completion(data)
 
 
 async def _asked_answer(response: dict, ask: AskAnswer) -> dict | None:
@@ -189,9 +189,7 @@ def stopped_usage_sender(send, ask: AskAnswer):
             response = json.loads(body)
         except ValueError:
             response = None
-        answer = await _asked_answer(response, ask) if isinstance(response, dict) else None
-        if answer is not None:
-            assert isinstance(response, dict)
+        if isinstance(response, dict) and (answer := await _asked_answer(response, ask)) is not None:
             response["kv_transfer_params"] = {**(response.get("kv_transfer_params") or {}), **answer}
             body = json.dumps(response).encode()
         headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"content-length"]
@@ -228,21 +226,10 @@ def stream_usage_sender(send, token: str, ask: AskAnswer | None = None):
                         break
                     await asyncio.sleep(0.01)
                 if not found and ask is not None:
-                    answer = await _asked_answer(_last_choice(last_event or data[:done]), ask)
+                    answer = await _asked_answer(stream_usage.last_event(last_event or data[:done]), ask)
                 if answer is not None:
                     event = stream_usage.answer_event(last_event or data[:done], answer)
                     message = {**message, "body": data[:done] + event + data[done:]}
         await send(message)
 
     return sender
-
-
-def _last_choice(events: bytes) -> dict:
-    """The id and the one choice, with its stop reason, of a stream's last
-    completion event (``{}`` if it has none)."""
-    start = events.rfind(b"data: {")
-    try:
-        last = json.loads(events[start + len(b"data: ") :].strip()) if start >= 0 else {}
-    except ValueError:
-        return {}
-    return {"id": last.get("id"), "choices": last.get("choices")} if isinstance(last, dict) else {}

@@ -102,16 +102,20 @@ def discard(token: str) -> None:
         path.unlink(missing_ok=True)
 
 
-def answer_event(last_event: bytes, answer: dict) -> bytes:
-    """The server-sent event that carries ``answer``, with the id, object,
-    creation time and model of the stream's ``last_event`` (``data: {...}``)."""
-    start = last_event.rfind(b"data: {")
+def last_event(events: bytes) -> dict:
+    """The last ``data: {...}`` event of a stream's bytes, parsed (``{}`` if none parses)."""
+    start = events.rfind(b"data: {")
     try:
-        last = json.loads(last_event[start + len(b"data: ") :].strip()) if start >= 0 else {}
+        last = json.loads(events[start + len(b"data: ") :].strip()) if start >= 0 else {}
     except ValueError:
-        last = {}
-    if not isinstance(last, dict):
-        last = {}
+        return {}
+    return last if isinstance(last, dict) else {}
+
+
+def answer_event(events: bytes, answer: dict) -> bytes:
+    """The server-sent event that carries ``answer``, with the id, object,
+    creation time and model of the stream's last event in ``events``."""
+    last = last_event(events)
     event = {k: last.get(k) for k in ("id", "object", "created", "model")}
     event.update(choices=[], kv_transfer_params=answer)
     return b"data: " + json.dumps(event).encode() + b"\n\n"

@@ -23,7 +23,8 @@ reports are in (``settle``), before its outputs go out.
 A request vLLM's front end stops on a stop string is aborted in the engine
 core: vLLM drops what ``request_finished`` answers for it, so its last output
 carries no ``kv_transfer_params``. The worker keeps the answers of its latest
-blend passes (``RecentAnswers``) for the embedded engine to ask for then.
+blend passes (``RecentAnswers``) for the embedded engine and the server's
+middleware to ask for then.
 """
 
 from __future__ import annotations
