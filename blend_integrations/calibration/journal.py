@@ -9,7 +9,12 @@ are valid for: the model's checkpoint, dtype, engine and codec, what each
 reply holds, and the CPU (the replies' times are compared with each other,
 so a journal from another machine is not mixed in). A journal that names
 anything else is started afresh; a line that does not read back whole (cut
-by a kill) or holds a value out of range is measured again, never used."""
+by a kill) or holds a value out of range is measured again, never used.
+
+A reply's guard shares are kept at the ladder's rungs alone (the ladder is part
+of what a journal is valid for): calibration reads a share nowhere else, and a
+whole ranking (a float per reused token) made a 1.5B model's journal 14 MB
+compressed, too much to commit between sessions."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +33,7 @@ from .records import RankShares
 
 logger = logging.getLogger(__name__.rsplit(".", 1)[0])
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: shares at the ladder's rungs
 
 
 def cpu_name() -> str:
@@ -58,15 +63,29 @@ class KeptReply:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     ttft_s: float
-    ranking_share: Callable[[float], float] | None  # a RankShares
+    ranking_share: Callable[[float], float] | None  # a RungShares
     wall_s: float = 0.0  # how long measuring it took (the calibration's time, summed over its pieces)
 
 
-class Journal:
-    """The replies one calibration measured (see the module docstring)."""
+@dataclass(frozen=True)
+class RungShares:
+    """A reply's guard shares (``RankShares``) as the journal keeps them: at the ladder's rungs."""
 
-    def __init__(self, path: str | os.PathLike, identity: dict[str, Any]) -> None:
+    at: dict[float, float]
+
+    def __call__(self, r: float) -> float:
+        if r not in self.at:
+            raise ValueError(f"the journal kept shares at the ladder's rungs {sorted(self.at)}, not at {r}")
+        return self.at[r]
+
+
+class Journal:
+    """The replies one calibration measured on ``ladder`` (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, identity: dict[str, Any], ladder: Sequence[float]) -> None:
         self.path = Path(path)
+        self.ladder = tuple(ladder)
+        identity = identity | {"ladder": list(self.ladder)}
         self.header = {"journal": "blend-calibration", "version": JOURNAL_VERSION, "identity": identity}
         self.replies: dict[str, KeptReply] = {}
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +123,7 @@ class Journal:
         for line in lines[1:]:
             try:
                 entry = json.loads(line)
-                self.replies[_check_key(entry["key"])] = _reply(entry)
+                self.replies[_check_key(entry["key"])] = _reply(entry, self.ladder)
             except (ValueError, TypeError, KeyError):
                 dropped += 1
         return dropped
@@ -131,11 +150,11 @@ class Journal:
             # of a 1.5B model's calibration is committed between sessions (``benchmarks calibration --checkpoint``)
             "logprobs": None if reply.logprobs is None else [sorted(step.items()) for step in reply.logprobs[:1]],
             "ttft_s": reply.ttft_s,
-            "shares": None if shares is None else list(shares.cumulative),
+            "shares": None if shares is None else [shares(r) for r in self.ladder],
             "wall_s": round(float(wall_s), 4),
         }
         try:
-            kept = _reply(json.loads(json.dumps(entry)))  # what a resumed run would read
+            kept = _reply(json.loads(json.dumps(entry)), self.ladder)  # what a resumed run would read
         except (ValueError, TypeError):
             return  # a value a resumed run would refuse (an infinite log-probability): measured again then
         with open(self.path, "a") as f:
@@ -149,7 +168,7 @@ def _check_key(key: Any) -> str:
     return key
 
 
-def _reply(entry: dict) -> KeptReply:
+def _reply(entry: dict, ladder: tuple[float, ...]) -> KeptReply:
     """A journal line's reply, every value checked (ValueError/TypeError when one is out of range)."""
     token_ids, logprobs, ttft, shares = (entry[k] for k in ("token_ids", "logprobs", "ttft_s", "shares"))
     if not isinstance(token_ids, list) or not all(isinstance(t, int) and t >= 0 for t in token_ids):
@@ -162,10 +181,13 @@ def _reply(entry: dict) -> KeptReply:
         if any(not math.isfinite(lp) or lp > 1e-6 for step in steps for lp in step.values()):
             raise ValueError("logprobs")
     if shares is not None:
-        cumulative = tuple(float(s) for s in shares)
-        if any(not 0.0 <= s <= 1.0 + 1e-6 for s in cumulative) or list(cumulative) != sorted(cumulative):
+        at_rungs = [float(s) for s in shares]
+        if len(at_rungs) != len(ladder) or any(not 0.0 <= s <= 1.0 + 1e-6 for s in at_rungs):
+            raise ValueError("shares")
+        if at_rungs != sorted(at_rungs):  # the top share of more tokens never holds less
             raise ValueError("shares")
     wall = entry.get("wall_s", 0.0)  # absent from the lines of the journals before it
     if not isinstance(wall, (int, float)) or not (math.isfinite(wall) and wall >= 0):
         raise ValueError("wall_s")
-    return KeptReply(token_ids, steps, ttft, None if shares is None else RankShares(cumulative), float(wall))
+    kept = None if shares is None else RungShares(dict(zip(ladder, at_rungs)))
+    return KeptReply(token_ids, steps, ttft, kept, float(wall))

@@ -268,7 +268,7 @@ def calibrate(
     if journal is not None:
         identity: dict[str, Any] = {"fingerprint": engine.fingerprint, "dtype": engine.dtype_name}
         identity |= {"engine": engine.backend, "kv_codec": engine.kv_codec, "tokens": tokens, "kl_top": KL_TOP}
-        journaled = Journal(journal, identity | {"cpu": cpu_name(), "version": __version__})
+        journaled = Journal(journal, identity | {"cpu": cpu_name(), "version": __version__}, ladder)
 
     earlier_s = 0.0  # what measuring the replies read back from the journal took, in earlier pieces
 

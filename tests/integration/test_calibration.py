@@ -204,6 +204,8 @@ def test_a_stopped_calibration_resumes_from_its_journal(private, monkeypatch, tm
     lines = journal.read_text().splitlines()
     assert len(lines) == 1 + measured and measured > 6  # its header, then each reply as it was measured
     assert all(len(json.loads(line)["logprobs"]) == 1 for line in lines[1:])  # the first token's: what the KL reads
+    shares = [json.loads(line)["shares"] for line in lines[1:]]
+    assert any(shares) and all(s is None or len(s) == 2 for s in shares)  # at the ladder's two rungs: what guards read
     damaged = json.loads(lines[1]) | {"ttft_s": -1.0}
     journal.write_text("\n".join([lines[0], json.dumps(damaged), *lines[2:-1], lines[-1][:40]]))  # no last newline
     runs.clear()
