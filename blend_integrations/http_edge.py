@@ -160,10 +160,13 @@ async def _asked_answer(response: dict, ask: AskAnswer) -> dict | None:
         return None
     if not isinstance(choices[0].get("stop_reason"), str):
         return None  # ended otherwise: the engine core finished it, and its answer came
+    # vLLM's completions name each prompt's request the response's id plus "-" and the prompt's
+    # index (one prompt here: 0); a chat's request is named as its response
+    request_id = response["id"] + ("-0" if response.get("object") == "text_completion" else "")
     try:
-        return await ask(response["id"])
+        return await ask(request_id)
     except Exception as e:  # the usage must not cost the answer
-        logger.warning("asking the workers for the blend usage of %s failed: %s", response["id"], e)
+        logger.warning("asking the workers for the blend usage of %s failed: %s", request_id, e)
         return None
 
 

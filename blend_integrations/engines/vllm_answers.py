@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -95,10 +96,12 @@ class RecentAnswers:
 
     def find(self, request_id: str) -> dict[str, Any] | None:
         """The answer of the request the caller named ``request_id``: vLLM's
-        engine core knows it as that id plus ``-`` and a random suffix (the
-        API server's completions put the prompt's index between them)."""
+        engine core knows it as that id plus ``-`` and 8 random hex digits.
+        Only that suffix matches, so the id of another request that merely
+        starts with this one (a client may choose ids) is never taken for it."""
+        core_id = re.compile(re.escape(request_id) + r"-[0-9a-f]{8}")
         for req_id in reversed(self._answers):
-            if req_id == request_id or req_id.startswith(request_id + "-"):
+            if req_id == request_id or core_id.fullmatch(req_id):
                 return self._answers[req_id]
         return None
 

@@ -144,15 +144,17 @@ def respond(status: int, response, answer=ANSWER) -> tuple[list[dict], list[str]
 
 def stopped_response(stop_reason="\n", params=None) -> dict:
     choice = {"index": 0, "text": "1830.", "finish_reason": "stop", "stop_reason": stop_reason}
-    return {"id": "cmpl-5f3a", "choices": [choice], "kv_transfer_params": params}
+    return {"id": "cmpl-5f3a", "object": "text_completion", "choices": [choice], "kv_transfer_params": params}
 
 
 def test_a_plain_completion_stopped_on_a_string_gets_the_workers_answer():
     sent, asked = respond(200, stopped_response())
     start, body = sent
-    assert asked == ["cmpl-5f3a"]
+    assert asked == ["cmpl-5f3a-0"]  # vLLM names a completion's one prompt its id plus "-0"
     assert json.loads(body["body"])["kv_transfer_params"] == ANSWER
     assert dict(start["headers"])[b"content-length"] == str(len(body["body"])).encode()
+    chat = {"id": "chatcmpl-9", "object": "chat.completion", "choices": [{"index": 0, "stop_reason": "\n"}]}
+    assert respond(200, chat)[1] == ["chatcmpl-9"]  # a chat's request is named as its response
     # ended by a stop token or the length, or carrying its answer already: passed on as it came
     for response in (stopped_response(stop_reason=7), stopped_response(params=ANSWER)):
         sent, asked = respond(200, response)

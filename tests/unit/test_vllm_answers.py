@@ -131,5 +131,8 @@ def test_recent_answers_are_found_by_the_callers_id_and_bounded():
     assert recent.find("blend-1") == {"blend": {"cached_tokens": 1}}  # not blend-12's
     assert recent.find("blend-12-9f8e7d6c") == {"blend": {"cached_tokens": 12}}
     recent.keep("cmpl-5f3a-0-00000000", {"blend": {"cached_tokens": 3}})  # the API server's: prompt 0 of cmpl-5f3a
-    assert recent.find("blend-1") is None and recent.find("cmpl-5f3a") is not None  # the oldest is dropped
-    assert recent.find("cmpl-5f") is None
+    assert recent.find("blend-1") is None and recent.find("cmpl-5f3a-0") is not None  # the oldest is dropped
+    # only vLLM's own suffix matches: not another request whose id starts with this one's
+    assert recent.find("cmpl-5f3a") is None and recent.find("cmpl-5f") is None and recent.find("blend") is None
+    recent.keep("chatcmpl-ab-1-00000001", {"blend": {"cached_tokens": 4}})  # a client chose "ab-1"
+    assert recent.find("chatcmpl-ab") is None and recent.find("chatcmpl-ab-1") is not None
