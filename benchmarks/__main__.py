@@ -1,5 +1,5 @@
-"""``python -m benchmarks [ttft|store|vllm|vllm-ttft|quality|codecs|squad|oracle|probes|fuzz|drift|calibration|profile|hma|live-check|tuning|readme|newcomer] [options]``;
-no part runs them all but squad, oracle, probes, vllm-ttft, live-check, tuning, readme and newcomer, which run only when named."""
+"""``python -m benchmarks [ttft|store|vllm|vllm-ttft|quality|codecs|squad|oracle|probes|fuzz|drift|calibration|profile|hma|live-check|check-walk|tuning|readme|newcomer] [options]``;
+no part runs them all but squad, oracle, probes, vllm-ttft, live-check, check-walk, tuning, readme and newcomer, which run only when named."""
 
 import os
 import sys
@@ -8,6 +8,7 @@ from blend_integrations.engines.vllm_host import tcmalloc_preload
 
 from . import (
     calibration,
+    check_walk,
     codecs,
     drift,
     fuzz,
@@ -43,6 +44,7 @@ PARTS = {
     "profile": pass_profile.main,  # not benchmarks/profile.py: that would hide the standard library's profile
     "hma": hma.main,
     "live-check": live_check.main,
+    "check-walk": check_walk.main,
     "tuning": tuning.main,
     "readme": readme.main,
     "newcomer": newcomer.main,
@@ -65,10 +67,20 @@ def main() -> None:  # vLLM starts processes: keep the entry under the __main__ 
     elif args:
         sys.exit(f"unknown benchmark part {args[0]!r}; choose from: {', '.join(PARTS)}")
     else:  # every measurement; the oracle (hours on a 1.5B model), the probes (a 1.5B model's), tuning (it needs a tuned model), the
-        # README's renderer, the newcomer's path, the long-prompt vLLM run (a GPU's), SQuAD and the live check's streams
-        # (hours) run only when named
+        # README's renderer, the newcomer's path, the long-prompt vLLM run (a GPU's), SQuAD, the live check's streams
+        # (hours) and its walk (real 0.5B and 1.5B models) run only when named
         for name, part in PARTS.items():
-            if name not in ("squad", "oracle", "probes", "vllm-ttft", "live-check", "tuning", "readme", "newcomer"):
+            if name not in (
+                "squad",
+                "oracle",
+                "probes",
+                "vllm-ttft",
+                "live-check",
+                "check-walk",
+                "tuning",
+                "readme",
+                "newcomer",
+            ):
                 part([])
 
 

@@ -3,7 +3,7 @@ loses answers it must climb until they hold, and where it holds it must cost lit
 
     python -m benchmarks live-check [--backend vllm|transformers] [--requests 200] [--share 1.0]
                                     [--holds-share 0.05] [--arrivals 120] [--arrivals-share 1.0]
-                                    [--risk 0.05]
+                                    [--risk 0.05] [--server]
 
 Streams, each request asked with ``"auto"`` and answered before the next, its check run at once
 (``quality_check_risk=1``: how fast the checks climb, counted in requests, is the point):
@@ -23,7 +23,8 @@ busy) with checks at ``--arrivals-share`` and with checks off, in alternating bl
 default ``quality_check_risk`` (``--risk``): the users' time to first token side by side, any
 request that failed, and where the checks ran (while users came, or in the pause after a block). The page ends each stream with its
 goal: later answers that agree on at least 95% within 200 requests where the policy loses them;
-checks that cost at most 5% of compute and never raise the ratio where it holds.
+checks that cost at most 5% of compute and never raise the ratio where it holds. ``--server`` runs
+the arrivals alone on the blend server instead (``live_check_served``), on a page of their own.
 """
 
 from __future__ import annotations
@@ -64,13 +65,17 @@ def uncalibrated_copy(model_dir: Path) -> Path:
     return copy
 
 
-def holding_record(engine) -> CalibrationRecord:
-    """The policy the reader's calibration on this engine chose (docs/results/records/): where it held
+def holding_record(backend: str, *, fingerprint: str, dtype: str, num_layers: int) -> CalibrationRecord:
+    """The policy the reader's calibration on ``backend`` chose (docs/results/records/): where it held
     out on the generated task (the package ships it only where SQuAD's held-out bound holds too)."""
-    path = RESULTS / "records" / f"calibration-reader-{engine.backend}.json"
-    return CalibrationRecord.from_bytes(
-        path.read_bytes(), fingerprint=engine.fingerprint, dtype=engine.dtype_name, num_layers=engine.num_layers
-    )
+    path = RESULTS / "records" / f"calibration-reader-{backend}.json"
+    return CalibrationRecord.from_bytes(path.read_bytes(), fingerprint=fingerprint, dtype=dtype, num_layers=num_layers)
+
+
+def ttft_quantiles(xs: list[float]) -> dict:
+    """The count, median and p95 of users' times to first token."""
+    qs = statistics.quantiles(xs, n=20) if len(xs) >= 2 else [xs[0]] * 19
+    return {"n": len(xs), "p50": round(statistics.median(xs), 4), "p95": round(qs[18], 4)}
 
 
 def ask_stream(engine, task, n: int, seed: int, name: str) -> list[dict]:
@@ -181,13 +186,9 @@ def arrivals(engine, task, n: int, share: float, risk: float) -> dict:
         checker.wait(600)
     checker.share = share
 
-    def quantiles(xs: list[float]) -> dict:
-        qs = statistics.quantiles(xs, n=20) if len(xs) >= 2 else [xs[0]] * 19
-        return {"n": len(xs), "p50": round(statistics.median(xs), 4), "p95": round(qs[18], 4)}
-
     return {
         "mean_gap_s": round(2 * busy, 3),
-        "ttft": {arm: quantiles(xs) for arm, xs in results.items() if xs},
+        "ttft": {arm: ttft_quantiles(xs) for arm, xs in results.items() if xs},
         "failed": failures,
         "checks": {k: v for k, v in checker.stats().items() if k != "state"},
         "checks_while_users_came": ran_while_users_came,  # ended (run, preempted or failed) during a block
@@ -224,7 +225,9 @@ def run(args) -> dict:
     store = ChunkStore(scratch_dir("blend-live-check-store-"), remote="")
     config = BlendConfig(quality_check=args.holds_share, quality_check_risk=1.0)
     with load_engine(str(reader_dir), store=store, backend=args.backend, config=config) as engine:
-        record = holding_record(engine)
+        record = holding_record(
+            engine.backend, fingerprint=engine.fingerprint, dtype=engine.dtype_name, num_layers=engine.num_layers
+        )
         engine.keep_calibration(record)
         policy = f"{record.ratio:g} {record.settings}" + (f", guard {record.guard}" if record.guard else "")
         report["holds"] = {
@@ -361,6 +364,12 @@ def main(argv: list[str] | None = None) -> None:
         default=BlendConfig().quality_check_risk,
         help="the arrivals' quality_check_risk: how likely a user may arrive during a check that starts",
     )
+    parser.add_argument(
+        "--server",
+        action="store_true",
+        help="only the arrivals, on the blend server (vllm; its own page): on servers with checks on and off",
+    )
+    parser.add_argument("--server-rounds", type=int, default=2, help="--server: pairs of servers, checks on and off")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--render", type=Path, metavar="JSON", help="rewrite this result's page from its JSON")
     args = parser.parse_args(argv)
@@ -374,6 +383,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.requests < 2:
         parser.error("--requests must be at least 2")
+    if args.server:
+        served(args, argv)
+        return
     report = run(args)
     part = f"live-check-{args.backend}"
     write_results(
@@ -386,3 +398,34 @@ def main(argv: list[str] | None = None) -> None:
         extra=f"\n![ratio and agreement over requests]({part}.png)\n",
     )
     plot(report, args.out / f"{part}.png")
+
+
+def served(args, argv: list[str] | None) -> None:
+    """``--server``: the arrivals on the blend server (``live_check_served``), on their own page."""
+    from . import live_check_served
+
+    if args.backend != "vllm" or args.server_rounds < 1 or args.arrivals < 2 * args.server_rounds:
+        raise SystemExit("--server runs on vllm with at least one --server-rounds and an arrival per server")
+    started = time.perf_counter()
+    report = {
+        "config": {
+            "arrivals": args.arrivals,
+            "arrivals_share": args.arrivals_share,
+            "risk": args.risk,
+            "rounds": args.server_rounds,
+            "tokens_compared": TOKENS,
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "served": live_check_served.served_arrivals(
+            args.arrivals, args.arrivals_share, args.risk, TOKENS, args.server_rounds
+        ),
+    }
+    report["config"]["minutes"] = round((time.perf_counter() - started) / 60, 1)
+    write_results(
+        args.out,
+        "live-check-served-vllm",
+        "The live check on the blend server",
+        live_check_served.markdown(report),
+        report,
+        command=f"`{' '.join(['python -m benchmarks live-check', *(argv or [])])}`",
+    )

@@ -45,3 +45,45 @@ def test_a_small_run_writes_its_page(tmp_path):
 
     live_check.main(["--render", str(out / "live-check-transformers.json")])
     assert (out / "live-check-transformers.md").read_text() == page
+
+
+def test_a_small_run_on_the_server_writes_its_page(tmp_path):
+    """``--server``: a server with checks on, then one with checks off, on one store; users stream
+    their requests over HTTP. The reader's calibrated policy is checked at an eighth of the share,
+    so the 8 answers the server with checks on blends (3 untimed, 5 timed) bring exactly one check."""
+    from tests.fixtures.commands import ROOT
+
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "benchmarks", "live-check", "--server", "--server-rounds", "1", "--arrivals", "10"]
+    done = subprocess.run(
+        cmd + ["--risk", "1", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    served = json.loads((out / "live-check-served-vllm.json").read_text())["served"]
+    assert served["failed"] == {"checks on": 0, "checks off": 0}
+    assert served["ttft"]["checks on"]["n"] == served["ttft"]["checks off"]["n"] == 5
+    on, off = served["checks"]["1: checks on"], served["checks"]["2: checks off"]
+    assert on["agreed"] + on["disagreed"] == 1 and on["failed"] == on["dropped"] == 0, on
+    assert not any(off[k] for k in ("agreed", "disagreed", "failed", "preempted", "dropped")), off
+    page = (out / "live-check-served-vllm.md").read_text()
+    assert "streamed over HTTP, on 2 servers one after another on one store" in page
+    assert (
+        "| 1: checks on | " in page
+        and "- No user slower (the goal): time to first token with checks on over off" in page
+    )
+
+
+def test_the_walk_benchmark_compares_the_checks_walk_with_vllms_full_prefill(tmp_path):
+    """``check-walk``: in float32 the live check's walk gives vLLM's own full prefill's first tokens."""
+    from tests.fixtures.commands import ROOT
+
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "benchmarks", "check-walk", "--models", "smollm2", "--dtypes", "float32"]
+    done = subprocess.run(
+        cmd + ["--prompts", "2", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = json.loads((out / "check-walk.json").read_text())["runs"]
+    assert (run["dtype"], run["prompts"], run["same"], run["differs_at"]) == ("float32", 2, 2, [])
+    assert run["mean_prompt_tokens"] > 100
+    assert "| SmolLM2-135M-Instruct" in (out / "check-walk.md").read_text()

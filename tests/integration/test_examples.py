@@ -79,7 +79,7 @@ def test_langchain_rag_example_is_the_demo(run, examples_store):
     from blend_integrations.store.format import dtype_name
 
     variables, command = demo_command()
-    # LangChain on the embedded vLLM engine, with the model that keeps its answers blended
+    # LangChain on the embedded vLLM engine, with the packaged model that answers best
     assert command == ["examples/langchain_rag.py", "--backend", "vllm", "--model", "qwen2.5-coder-1.5b"]
     if BACKEND == "vllm":  # `make demo` itself, the README's first command (docs/index.md leaves it to this test)
         out = make_demo(examples_store)

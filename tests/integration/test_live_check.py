@@ -15,6 +15,7 @@ from blend_integrations import BlendConfig, BlendPrompt, ChunkStore, load_engine
 from blend_integrations.engines import quality_check
 from blend_integrations.engines.quality_check import CheckPreempted
 from blend_integrations.models.smollm2 import smollm2_dir
+from tests.fixtures.blend_server import checks_ended
 from tests.fixtures.local_models import sample_text
 
 
@@ -227,25 +228,12 @@ def test_both_integrations_pass_the_share_through_and_report_each_check(model_di
     llm.engine.close()
 
 
-def live_checks(server) -> dict[str, float]:
-    """The server's live-check counts on ``/metrics``, by outcome, and the ratio "auto" uses now."""
-    series = server.blend_series()
-    counts = {dict(k[1])["outcome"]: v for k, v in series.items() if k[0] == "vllm:blend_live_checks_total"}
-    ratio = {dict(k[1])["source"]: v for k, v in series.items() if k[0] == "vllm:blend_auto_ratio"}
-    return counts | {"ratio": ratio, "seconds": series.get(("vllm:blend_live_check_seconds_total", ()), 0.0)}
-
-
-def ran(counts: dict) -> float:
-    """The checks that ended: ran, failed or were given up."""
-    return sum(counts.get(k, 0) for k in ("agreed", "disagreed", "failed", "given_up", "dropped"))
-
-
 def settled(server, before: float, timeout: float = 120) -> dict:
     """The server's live checks once they ended one more check than ``before``."""
     deadline = time.monotonic() + timeout
     while True:
-        now = live_checks(server)
-        if ran(now) > before or time.monotonic() > deadline:
+        now = server.live_checks()
+        if checks_ended(now) > before or time.monotonic() > deadline:
             return now
         time.sleep(0.2)
 
@@ -271,13 +259,13 @@ def assert_checked_as_full_prefill_says(server, key: str, path: str, body: dict)
     blend = {"kv_transfer_params": {"blend": {"mode": "blend", "separator": "\n\n"}}}
     post(server, key, path, body | blend)  # its chunks are new: not blended from the store, not checked
     deadline = time.monotonic() + 120
-    while server.blend_series()[("vllm:blend_live_checks_waiting", ())] and time.monotonic() < deadline:
+    while server.live_checks()["waiting"] and time.monotonic() < deadline:
         time.sleep(0.2)  # no check of an earlier answer is left to count
-    before = live_checks(server)
+    before = server.live_checks()
     text, params = post(server, key, path, body | blend)
     assert blended_by_auto(params), params
-    now = settled(server, ran(before))
-    assert ran(now) == ran(before) + 1 and now.get("failed", 0) == before.get("failed", 0), now
+    now = settled(server, checks_ended(before))
+    assert checks_ended(now) == checks_ended(before) + 1 and now.get("failed", 0) == before.get("failed", 0), now
     full, _ = post(server, key, path, body)
     assert now.get("agreed", 0) - before.get("agreed", 0) == text.startswith(full), (path, text, full, now)
 
@@ -314,12 +302,12 @@ def test_the_server_checks_its_answers_raises_auto_and_says_so_on_metrics(tmp_pa
             if gen.usage.ratio_source == "checked":
                 break
             now = settled(server, ended)
-            assert ran(now) == ended + 1, now
+            assert checks_ended(now) == ended + 1, now
             assert len(served) > 1 or now["ratio"] == {"fallback": 0.15}  # the series come with the first request
             # the check's verdict is the one vLLM's own full prefill gives (asked once the check ended)
             full = engine.generate(prompt, max_tokens=4, mode="full")
             assert now.get("agreed", 0) - agreed == gen.text.startswith(full.text), (gen.text, full.text, now)
-            ended, agreed = ran(now), now.get("agreed", 0)
+            ended, agreed = checks_ended(now), now.get("agreed", 0)
         now = settled(server, ended)  # the last answer's check too
         assert served[0] == (0.15, "fallback") and served[-1][1] == "checked" and served[-1][0] > 0.15, served
         assert now["disagreed"] == 4 and now.get("failed", 0) == 0 and now["seconds"] > 0, now
@@ -347,12 +335,12 @@ def test_the_server_checks_its_answers_raises_auto_and_says_so_on_metrics(tmp_pa
         long = engine.tokenize(BlendPrompt("Documents:", docs, "Question: which city is named? Answer:"))
         engine.warm(docs)
         for _ in range(5):
-            before = live_checks(server)
+            before = server.live_checks()
             engine.generate(long, max_tokens=4)
             time.sleep(0.3)  # the check's full prefill of some 1,500 tokens has started
             engine.generate("Hello", max_tokens=1)  # a plain prompt: a user all the same
-            if settled(server, ran(before)).get("preempted", 0):
+            if settled(server, checks_ended(before)).get("preempted", 0):
                 break
-        after = live_checks(server)
+        after = server.live_checks()
         assert after.get("preempted", 0) >= 1 and after.get("failed", 0) == 0, after
         assert server.healthy()

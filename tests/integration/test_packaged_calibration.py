@@ -178,7 +178,7 @@ def test_a_calibration_serves_its_model_in_another_dtype_unless_one_measured_in_
 def test_the_fallback_names_why_no_packaged_calibration_applies(tmp_path, caplog):
     fingerprint = model_fingerprint(reader_model_dir())
     blending = next(
-        p.record.fingerprint for p in packaged_calibrations().values() if p.path.name == "qwen2.5-coder-1.5b-vllm.json"
+        p.record.fingerprint for p in packaged_calibrations().values() if p.path.name == "smollm2-vllm.json"
     )
     cases = {
         "an unknown checkpoint": (
@@ -189,9 +189,9 @@ def test_the_fallback_names_why_no_packaged_calibration_applies(tmp_path, caplog
             Calibrations(ChunkStore(tmp_path / "b", remote=""), fingerprint, "float32", engine="server"),
             "the package ships one for this checkpoint on the transformers and vllm engine, not on server",
         ),
-        "another codec": (  # a blending calibration (one that chose full prefill holds under any codec)
+        "another codec": (  # a blending calibration, a guard from 0.9 (one of full prefill holds under any codec)
             Calibrations(ChunkStore(tmp_path / "c", remote="", kv_codec="fp8"), blending, "float32", engine="vllm"),
-            "the packaged qwen2.5-coder-1.5b-vllm.json was not shown to hold on this store's fp8 chunks",
+            "the packaged smollm2-vllm.json was not shown to hold on this store's fp8 chunks",
         ),
         "a dtype no calibration serves": (
             Calibrations(ChunkStore(tmp_path / "d", remote=""), fingerprint, "int8", engine="transformers"),

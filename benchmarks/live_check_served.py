@@ -1,0 +1,168 @@
+"""The live check on the blend server (``python -m blend_integrations.serve --quality-check``):
+do its checks, walked on the workers in slices between engine steps, slow the users who arrive
+while one is in flight?
+
+    python -m benchmarks live-check --server [--arrivals 80] [--arrivals-share 1.0] [--risk 1.0]
+
+The bundled reader is served at the policy its vLLM calibration chose (kept in the server's store
+as a user's own calibration), and its requests arrive at random (exponential gaps, about half the
+server busy), each streamed over HTTP as a user's would be: the time to first token is the first
+streamed event's. The server cannot switch its checks off while it runs, so the arms are servers,
+one after another on one store, in turn with checks on (``--quality-check SHARE``) and off
+(``--quality-check 0``), ``--server-rounds`` times (default 2: on, off, on, off); each asks a few requests first, untimed, so that no arm pays for
+vLLM's start. The checks that ended while users came are read from ``/metrics`` around each block.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from blend_integrations import load_engine
+from tests.fixtures.blend_server import BlendServer, checks_ended
+
+from . import machine, scratch_dir
+from .live_check import holding_record, ttft_quantiles
+from .quality import model_and_task
+
+ARMS = ("checks on", "checks off")
+SERVED_SEED = 77_300  # a seed no other run uses
+UNTIMED = 3  # requests asked first on each server, untimed: vLLM's first steps are slower
+BLOCK = 10
+
+
+def drained(server, timeout_s: float = 600) -> dict:
+    """The server's live checks once none waits for a lull or runs (a preempted one runs again first),
+    seen twice a second apart: the server picks an answer for a check just after its last byte."""
+    deadline = time.monotonic() + timeout_s
+    idle_since = None
+    while True:
+        now = server.live_checks()
+        if now["waiting"]:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        if (idle_since is not None and time.monotonic() - idle_since >= 1.0) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.25)
+
+
+def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int = 2) -> dict:
+    """``n`` of the reader's requests on ``rounds`` pairs of servers (``ARMS``: checks on, then off),
+    ``n / (2 rounds)`` on each, in blocks of ``BLOCK``; each user's streamed time to first token,
+    failures, and the server's check counts."""
+    servers = ARMS * rounds
+    reader_dir, task, label = model_and_task("reader")
+    examples = task.examples(n + UNTIMED * len(servers), SERVED_SEED, None)
+    store, logs = scratch_dir("blend-live-check-store-"), Path(scratch_dir("blend-live-check-logs-"))
+    per_server = n // len(servers)
+    ttfts: dict[str, list[float]] = {arm: [] for arm in ARMS}  # per arm, over all of its servers
+    failed = dict.fromkeys(ARMS, 0)
+    checks: dict[str, dict] = {}
+    policy, gap = None, None
+    lock = threading.Lock()
+
+    def user(engine, prompt, arm: str) -> None:
+        try:
+            stream = engine.stream(prompt, max_tokens=tokens)
+            for _ in stream:
+                pass
+            with lock:
+                ttfts[arm].append(stream.result().ttft_s)
+        except Exception:  # counted: a check must never make a user's request fail
+            with lock:
+                failed[arm] += 1
+
+    for i, arm in enumerate(servers):
+        args = ["--quality-check", str(share if arm == "checks on" else 0.0), "--quality-check-risk", str(risk)]
+        with BlendServer(reader_dir, store=store, log=logs / f"server-{i}.log", args=args) as server:
+            engine = load_engine(server.url, backend="server")
+            if policy is None:  # kept in the store: every later server on it reads it
+                info = engine.served_model()
+                record = holding_record(
+                    "vllm", fingerprint=info["fingerprint"], dtype=info["dtype"], num_layers=info["num_layers"]
+                )
+                engine.keep_calibration(record)
+                policy = f"{record.ratio:g} {record.settings}" + (f", guard {record.guard}" if record.guard else "")
+            mine = examples[i * (per_server + UNTIMED) : (i + 1) * (per_server + UNTIMED)]
+            engine.warm(sorted({d for e in mine for d in e.documents}))
+            prompts = [task.prompt(e, engine.tokenizer, engine.config.separator) for e in mine]
+            busy = statistics.fmean(engine.generate(p, max_tokens=tokens).total_s for p in prompts[:UNTIMED])
+            gap = gap or 2 * busy  # about half the server busy; the first server's, kept for all
+            before_all = drained(server)
+            rng = random.Random(SERVED_SEED + i)
+            during = 0.0
+            for block in tqdm(range(UNTIMED, len(prompts), BLOCK), desc=f"server {i + 1}: {arm}", unit="block"):
+                threads = []
+                before = checks_ended(server.live_checks())
+                for p in prompts[block : block + BLOCK]:
+                    t = threading.Thread(target=user, args=(engine, p, arm))
+                    t.start()
+                    threads.append(t)
+                    time.sleep(rng.expovariate(1.0 / gap))
+                for t in threads:
+                    t.join()
+                during += checks_ended(server.live_checks()) - before
+                drained(server)
+            after = drained(server)
+            counts = {
+                k: after.get(k, 0) - before_all.get(k, 0)
+                for k in ("agreed", "disagreed", "failed", "preempted", "given_up", "dropped")
+            }
+            checks[f"{i + 1}: {arm}"] = counts | {"ended_while_users_came": during, "ratio_after": after["ratio"]}
+    return {
+        "cpu": machine(),
+        "model": f"{label}, at the policy its vLLM calibration chose ({policy})",
+        "mean_gap_s": round(gap, 3),
+        "ttft": {arm: ttft_quantiles(xs) for arm, xs in ttfts.items() if xs},
+        "failed": failed,
+        "checks": checks,
+    }
+
+
+def markdown(report: dict) -> str:
+    c, a = report["config"], report["served"]
+    lines = [
+        f"vllm engine served (`python -m blend_integrations.serve`) on {a['cpu']}; {c['date']}; {c['minutes']} min.",
+        "",
+        f"Arrivals: {c['arrivals']} of the reader's requests ({a['model']}) at random (mean gap {a['mean_gap_s']} s), "
+        f"streamed over HTTP, on {len(a['checks'])} servers one after another on one store: checks on (`--quality-check "
+        f"{c['arrivals_share']:g}`; its calibrated policy is checked at an eighth of it; `--quality-check-risk "
+        f"{c['risk']:g}`), then off, in turn:",
+        "",
+        "| | requests | TTFT p50 (s) | TTFT p95 (s) | failed |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for arm, t in a["ttft"].items():
+        lines.append(f"| {arm} | {t['n']} | {t['p50']} | {t['p95']} | {a['failed'][arm]} |")
+    lines += [
+        "",
+        "| server | checks agreed | disagreed | failed | preempted by a user | given up | dropped | ended while users "
+        'came | ratio "auto" gives after |',
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, k in a["checks"].items():
+        ratio = ", ".join(f"{v:g} ({s})" for s, v in k["ratio_after"].items())
+        lines.append(
+            f"| {name} | {k['agreed']:g} | {k['disagreed']:g} | {k['failed']:g} | {k['preempted']:g} | "
+            f"{k['given_up']:g} | {k['dropped']:g} | {k['ended_while_users_came']:g} | {ratio} |"
+        )
+    on, off = a["ttft"].get("checks on"), a["ttft"].get("checks off")
+    if on and off:
+        during = sum(k["ended_while_users_came"] + k["preempted"] for k in a["checks"].values())
+        lines.append(
+            f"\n- No user slower (the goal): time to first token with checks on over off, "
+            f"{on['p50'] / off['p50']:.2f}x at the median, {on['p95'] / off['p95']:.2f}x at p95; "
+            f"{a['failed']['checks on']} failed with checks on"
+            + (
+                "; no check was in flight while users came, so the arms differ by chance and by server."
+                if not during
+                else "."
+            )
+        )
+    return "\n".join(lines) + "\n"
