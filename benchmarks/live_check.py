@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from blend_integrations import BlendConfig, ChunkStore, load_engine
 from blend_integrations.calibration import CalibrationRecord, wilson_lower
+from blend_integrations.calibration.records import settings_label
 from blend_integrations.models.smollm2 import smollm2_dir
 
 from . import machine, scratch_dir, served_as, write_results
@@ -70,6 +71,14 @@ def holding_record(backend: str, *, fingerprint: str, dtype: str, num_layers: in
     out on the generated task (the package ships it only where SQuAD's held-out bound holds too)."""
     path = RESULTS / "records" / f"calibration-reader-{backend}.json"
     return CalibrationRecord.from_bytes(path.read_bytes(), fingerprint=fingerprint, dtype=dtype, num_layers=num_layers)
+
+
+def policy_label(record: CalibrationRecord) -> str:
+    """A record's policy in a few words: its single ratio and settings, and its guard."""
+    guard = record.guard
+    return f"{record.ratio:g} ({settings_label(record.settings)})" + (
+        f", a guard from {guard.base:g} at threshold {guard.threshold:g}" if guard else ""
+    )
 
 
 def ttft_quantiles(xs: list[float]) -> dict:
@@ -229,7 +238,7 @@ def run(args) -> dict:
             engine.backend, fingerprint=engine.fingerprint, dtype=engine.dtype_name, num_layers=engine.num_layers
         )
         engine.keep_calibration(record)
-        policy = f"{record.ratio:g} {record.settings}" + (f", guard {record.guard}" if record.guard else "")
+        policy = policy_label(record)
         report["holds"] = {
             "model": f"{label}, at the policy its calibration chose ({policy})",
             **stream_summary(ask_stream(engine, reader_task, args.requests, HOLDS_SEED, "holds"), engine),

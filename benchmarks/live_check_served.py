@@ -27,7 +27,7 @@ from blend_integrations import load_engine
 from tests.fixtures.blend_server import BlendServer, checks_ended
 
 from . import machine, scratch_dir
-from .live_check import holding_record, ttft_quantiles
+from .live_check import holding_record, policy_label, ttft_quantiles
 from .quality import model_and_task
 
 ARMS = ("checks on", "checks off")
@@ -88,7 +88,7 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
                     "vllm", fingerprint=info["fingerprint"], dtype=info["dtype"], num_layers=info["num_layers"]
                 )
                 engine.keep_calibration(record)
-                policy = f"{record.ratio:g} {record.settings}" + (f", guard {record.guard}" if record.guard else "")
+                policy = policy_label(record)
             mine = examples[i * (per_server + UNTIMED) : (i + 1) * (per_server + UNTIMED)]
             engine.warm(sorted({d for e in mine for d in e.documents}))
             prompts = [task.prompt(e, engine.tokenizer, engine.config.separator) for e in mine]
