@@ -7,17 +7,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
-def test_a_small_run_writes_its_page(tmp_path):
+def bench(tmp_path, *args: str) -> Path:
+    """Run ``python -m benchmarks ARGS`` from the checkout; the folder it wrote its results to."""
     from tests.fixtures.commands import ROOT
 
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "benchmarks", "live-check", "--backend", "transformers", "--requests", "3"]
-    done = subprocess.run(
-        cmd + ["--arrivals", "20", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT
-    )
+    cmd = [sys.executable, "-m", "benchmarks", *args, "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_a_small_run_writes_its_page(tmp_path):
+    out = bench(tmp_path, "live-check", "--backend", "transformers", "--requests", "3", "--arrivals", "20")
     report = json.loads((out / "live-check-transformers.json").read_text())
     loses, holds = report["loses"], report["holds"]
     # every request of the stream that loses answers is checked (share 1) and starts at the fallback
@@ -51,14 +56,7 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
     """``--server``: a server with checks on, then one with checks off, on one store; users stream
     their requests over HTTP. The reader's calibrated policy is checked at an eighth of the share,
     so the 8 answers the server with checks on blends (3 untimed, 5 timed) bring exactly one check."""
-    from tests.fixtures.commands import ROOT
-
-    out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "benchmarks", "live-check", "--server", "--server-rounds", "1", "--arrivals", "10"]
-    done = subprocess.run(
-        cmd + ["--risk", "1", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    out = bench(tmp_path, "live-check", "--server", "--server-rounds", "1", "--arrivals", "10", "--risk", "1")
     served = json.loads((out / "live-check-served-vllm.json").read_text())["served"]
     assert served["failed"] == {"checks on": 0, "checks off": 0}
     assert served["ttft"]["checks on"]["n"] == served["ttft"]["checks off"]["n"] == 5
@@ -75,14 +73,7 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
 
 def test_the_walk_benchmark_compares_the_checks_walk_with_vllms_full_prefill(tmp_path):
     """``check-walk``: in float32 the live check's walk gives vLLM's own full prefill's first tokens."""
-    from tests.fixtures.commands import ROOT
-
-    out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "benchmarks", "check-walk", "--models", "smollm2", "--dtypes", "float32"]
-    done = subprocess.run(
-        cmd + ["--prompts", "2", "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    out = bench(tmp_path, "check-walk", "--models", "smollm2", "--dtypes", "float32", "--prompts", "2")
     (run,) = json.loads((out / "check-walk.json").read_text())["runs"]
     assert (run["dtype"], run["prompts"], run["same"], run["differs_at"]) == ("float32", 2, 2, [])
     assert run["mean_prompt_tokens"] > 100
