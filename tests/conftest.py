@@ -31,7 +31,8 @@ def model_dirs(tmp_path_factory):
     specs = {
         "llama": dict(arch="llama"),
         "llama_seed1": dict(arch="llama", seed=1),
-        "mistral": dict(arch="mistral"),
+        # one KV head (multi-query attention): on two ranks vLLM copies it to both
+        "mistral": dict(arch="mistral", num_kv_heads=1),
         "qwen2": dict(arch="qwen2"),
         "qwen3": dict(arch="qwen3"),
         "gemma2": dict(arch="gemma2"),

@@ -4,6 +4,7 @@ arrivals' times with checks on."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -57,18 +58,35 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
     their requests over HTTP. The reader's calibrated policy is checked at an eighth of the share,
     so the 8 answers the server with checks on blends (3 untimed, 5 timed) bring exactly one check."""
     out = bench(tmp_path, "live-check", "--server", "--server-rounds", "1", "--arrivals", "10", "--risk", "1")
-    served = json.loads((out / "live-check-served-vllm.json").read_text())["served"]
+    report = json.loads((out / "live-check-served-vllm-risk-1.json").read_text())  # a risk of its own: its own page
+    served = report["served"]
     assert served["failed"] == {"checks on": 0, "checks off": 0}
     assert served["ttft"]["checks on"]["n"] == served["ttft"]["checks off"]["n"] == 5
     on, off = served["checks"]["1: checks on"], served["checks"]["2: checks off"]
     assert on["agreed"] + on["disagreed"] == 1 and on["failed"] == on["dropped"] == 0, on
     assert not any(off[k] for k in ("agreed", "disagreed", "failed", "preempted", "dropped")), off
-    page = (out / "live-check-served-vllm.md").read_text()
+    assert on["ttft_p50"] > 0 and off["ttft_p50"] > 0
+    page = (out / "live-check-served-vllm-risk-1.md").read_text()
     assert "streamed over HTTP, on 2 servers one after another on one store" in page
     assert (
-        "| 1: checks on | " in page
+        f"| 1: checks on | {on['ttft_p50']} | " in page
         and "- No user slower (the goal): time to first token with checks on over off" in page
     )
+    # a control run (no checks on any server) says so, and has a page of its own
+    from benchmarks import live_check, live_check_served
+
+    control = live_check_served.markdown({**report, "config": {**report["config"], "arrivals_share": 0.0}})
+    assert "a control, every server with `--quality-check 0`" in control and "No user slower" not in control
+    assert "- A control (no checks on any server): time to first token with checks on over off" in control
+    for argv, part in (
+        ([], "live-check-served-vllm"),
+        (["--arrivals-share", "0"], "live-check-served-vllm-share-0"),
+        (["--arrivals-share", "0.5", "--risk", "1"], "live-check-served-vllm-share-0.5-risk-1"),
+    ):
+        args = argparse.Namespace(arrivals_share=1.0, risk=live_check.BlendConfig().quality_check_risk)
+        for name, value in zip(argv[::2], argv[1::2], strict=True):
+            setattr(args, name.removeprefix("--").replace("-", "_"), float(value))
+        assert live_check.served_part(args) == part
 
 
 def test_the_walk_benchmark_compares_the_checks_walk_with_vllms_full_prefill(tmp_path):

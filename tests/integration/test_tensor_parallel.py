@@ -19,7 +19,6 @@ from blend_integrations.engines.vllm_contract import check_tensor_parallel
 from blend_integrations.engines.vllm_host import CPU_BINDING_ENV, cpu_thread_binding
 from blend_integrations.models.hf import SUPPORTED_MODEL_TYPES
 from tests.fixtures.exactness import chosen, exact_at_ratio_one
-from tests.fixtures.local_models import build_model
 
 QUESTION = "Question: which city is named in the documents? Answer:"
 
@@ -48,32 +47,6 @@ def vllm_tp2(model_dirs, store):
     engine = tp2_engine(model_dirs("llama"), store.path)
     yield engine
     engine.close()
-
-
-def test_fewer_kv_heads_than_ranks(mqa_engines):
-    """One KV head on two ranks: vLLM copies it to both, and a stored chunk
-    still holds it once, readable by the transformers engine."""
-    tp2, transformers, docs = mqa_engines
-    transformers.warm(docs)
-    prompt = BlendPrompt("Read.", docs[::-1], QUESTION)
-    full = tp2.generate(prompt, max_tokens=10, mode="full")
-    blend = tp2.generate(prompt, max_tokens=10, recompute_ratio=1.0)
-    assert (blend.usage.chunks_hit, blend.fallback) == (len(docs), None)
-    assert blend.token_ids == full.token_ids == transformers.generate(prompt, max_tokens=10, mode="full").token_ids
-    # and back: chunks the two ranks computed are hits for one process
-    more = [d + " The end." for d in docs]
-    assert tp2.warm(more) == len(more)
-    assert transformers.generate(BlendPrompt("Read.", more, QUESTION), max_tokens=1).usage.chunks_hit == len(more)
-
-
-@pytest.fixture
-def mqa_engines(tmp_path_factory, docs):
-    model_dir = str(build_model(tmp_path_factory.mktemp("mqa"), num_kv_heads=1))
-    store_path = tmp_path_factory.mktemp("mqa-store")
-    tp2 = tp2_engine(model_dir, store_path)
-    transformers = load_engine(model_dir, store=ChunkStore(store_path))
-    yield tp2, transformers, docs
-    tp2.close()
 
 
 def test_ratio_one_equals_full_prefill_and_one_rank(vllm_tp2, vllm_engine, docs):
@@ -231,7 +204,9 @@ def test_two_ranks_attending_with_vllms_kernel_keep_what_sdpa_keeps(vllm_tp2, do
 def test_family_on_vllm(name, model_dirs, tmp_path, docs):
     """Every family but llama (which every other vLLM test runs, on one rank and on two) on the
     embedded vLLM engine split over two ranks, beside the transformers engine. One engine per
-    family, on two ranks because that is where families differ most (about 80 s each): OLMo 2's
+    family, on two ranks because that is where families differ most (about 80 s each): Mistral's
+    one KV head (fewer than ranks: vLLM copies it to both, and a stored chunk holds it once, read
+    and written by the transformers engine); OLMo 2's
     q/k norms span every head, so both ranks' statistics (through vLLM's Transformers backend);
     Gemma's windows shorter than the chunks, rope per layer type and soft-caps; Phi-3's fused
     qkv and gate_up split per rank, and its partial rotary; Granite's four multipliers; Qwen's
