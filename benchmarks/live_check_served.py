@@ -163,7 +163,7 @@ def markdown(report: dict) -> str:
     for name, k in a["checks"].items():
         ratio = ", ".join(f"{v:g} ({s})" for s, v in k["ratio_after"].items())
         lines.append(
-            f"| {name} | {k.get('ttft_p50', '')} | {k['agreed']:g} | {k['disagreed']:g} | {k['failed']:g} | {k['preempted']:g} | "
+            f"| {name} | {k.get('ttft_p50') or ''} | {k['agreed']:g} | {k['disagreed']:g} | {k['failed']:g} | {k['preempted']:g} | "
             f"{k['given_up']:g} | {k['dropped']:g} | {k['ended_while_users_came']:g} | {ratio} |"
         )
     on, off = a["ttft"].get("checks on"), a["ttft"].get("checks off")
