@@ -47,7 +47,7 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> Non
                     return
         except OSError:
             pass
-        time.sleep(2)
+        time.sleep(0.5)
     raise TimeoutError(f"nothing answered on port {port} within {timeout:.0f} s")
 
 

@@ -1,6 +1,6 @@
 """Soak: several engine processes share one disk store and one Redis database.
 
-4 processes x 80 requests over a 50-document corpus, with tier limits small
+4 processes x 40 requests over a 50-document corpus, with tier limits small
 enough that chunks are evicted from disk and Redis all the time while others
 read them. Half the processes run the loading controller with pipelined
 loading, half read whole entries; half have no memory tier, so every hit is
@@ -15,7 +15,7 @@ import traceback
 
 from tests.fixtures.local_models import sample_text
 
-PROCESSES, REQUESTS, DOCUMENTS = 4, 80, 50
+PROCESSES, REQUESTS, DOCUMENTS = 4, 40, 50
 # a chunk of this corpus is about 160 KB on the test model: the disk tier holds
 # about a dozen of the 50, Redis about twice that
 DISK_LIMIT, REDIS_LIMIT = 2 * 2**20, 4 * 2**20
