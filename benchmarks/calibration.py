@@ -15,12 +15,14 @@ token against full prefill's, measured side by side. A request not blended
 
     python -m benchmarks calibration [--model reader|smollm2|gemma3-270m|DIR] [--backend transformers|vllm]
                                      [--prompts 48] [--questions 60] [--tasks generated squad] [--package]
-                                     [--record docs/results/records/calibration-TAG.json]
+                                     [--record docs/results/records/calibration-TAG.json] [--rejudge]
 
 ``--prompts`` and ``--questions`` are per task. ``--package`` also writes the
 record, with its held-out numbers, as the calibration the package ships for
 that model and engine, only where the held-out agreement's lower bound meets
 the target on every task: otherwise the file ships full prefill, and says why.
+``--rejudge`` measures nothing: it applies that rule to the shipped file's own
+held-out numbers (a file from before the rule) and rewrites it where it fails.
 Each record measured is kept in ``--out``'s ``records/``; ``--record FILE`` judges one
 on the held-out questions without calibrating again (the two parts in two sessions).
 A run stopped midway resumes where it stopped when run again with the same
@@ -306,38 +308,11 @@ def held_out_table(rows: dict[str, list[dict]], confidence: float) -> dict[str, 
     return table
 
 
-def held_out_shortfalls(by_task: dict[str, dict], target: float) -> dict[str, dict]:
-    """The held-out kinds of question on which the chosen policy's agreement falls short of ``target``
-    at its lower bound (each one's row): where there is any, the policy does not ship."""
-    return {
-        name: rows["default (calibrated)"]
-        for name, rows in by_task.items()
-        if rows["default (calibrated)"].get("agreement_lower", 1.0) < target
-    }
-
-
 def write_packaged(record, table: dict, by_task: dict[str, dict], args, folder: Path = PACKAGED_DIR) -> Path:
     """The calibration this package ships for a model it ships (``calibration.PACKAGED_DIR``): the record,
     named for the model, with the held-out measurements that say what it means, pooled and by task. A
-    policy ships only where its held-out agreement's lower bound meets the target on every task:
-    otherwise the file ships full prefill, and says why."""
-    short = held_out_shortfalls(by_task, record.target)
-    blends = record.ratio < 1.0 or record.guard is not None
-    if blends and short:
-        why = "; ".join(
-            f"{name}: {row['agreement']:.3f} agree (at least {row['agreement_lower']:.3f})"
-            for name, row in short.items()
-        )
-        record = dataclasses.replace(
-            record,
-            ratio=1.0,
-            guard=None,
-            guard_settings=None,
-            meets_target=False,
-            why=f"held out, the chosen policy falls short of the target {record.target} at its lower bound ({why}): "
-            "not shipped; full prefill",
-        )
-        print(f"not shipped: {record.why}")
+    policy ships only where its held-out agreement's lower bound meets the target on every task
+    (``PackagedCalibration.under_shipping_rule``): otherwise the file ships full prefill, and says why."""
 
     def summary(rows: dict, questions: int) -> dict:
         fallback = next(v for k, v in rows.items() if k.startswith("fallback"))
@@ -354,11 +329,27 @@ def write_packaged(record, table: dict, by_task: dict[str, dict], args, folder: 
     held["tasks"] = {name: summary(rows, rows["full"]["blended"]) for name, rows in by_task.items()}
     name = results_name(args.model)
     packaged = PackagedCalibration(dataclasses.replace(record, model=SHIPPED[name]), held, machine(), Path())
+    if packaged.shortfalls():
+        packaged = packaged.under_shipping_rule()
+        print(f"not shipped: {packaged.record.why}")
     path = folder / packaged_name(name, args.backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(packaged.to_bytes())
     print(f"packaged calibration written: {path}")
     return path
+
+
+def rejudge(path: Path) -> bool:
+    """Apply the shipping rule to a packaged calibration as it is; rewrite it if its policy breaks the
+    rule (for files written before the rule, or under a looser one). Returns whether it was rewritten."""
+    packaged = PackagedCalibration.from_bytes(path.read_bytes(), path)
+    judged = packaged.under_shipping_rule()
+    if judged is packaged:
+        print(f"{path.name} meets the shipping rule: unchanged")
+        return False
+    path.write_bytes(judged.to_bytes())
+    print(f"{path.name} rewritten: {judged.record.why}")
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -408,6 +399,12 @@ def main(argv: list[str] | None = None) -> None:
         "(blend_integrations/data/calibrations/; a shipped model, the default target and probes only)",
     )
     parser.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="measure nothing: apply the shipping rule to the calibration the package ships for this model and "
+        "engine, from its own held-out numbers, and rewrite it as full prefill where its policy breaks the rule",
+    )
+    parser.add_argument(
         "--checkpoint",
         action="store_true",
         help="only keep the journal of a run stopped midway in --out's records/ (compressed), so that a commit "
@@ -423,6 +420,11 @@ def main(argv: list[str] | None = None) -> None:
         + ("" if args.target == 0.95 else f"-target-{args.target}")
     )
     args.work = args.out / f".calibration-{args.tag}.partial"
+    if args.rejudge:
+        if name not in SHIPPED:
+            parser.error(f"--rejudge is for the shipped models ({', '.join(SHIPPED)})")
+        rejudge(PACKAGED_DIR / packaged_name(name, args.backend))
+        return
     if args.checkpoint:
         print(f"kept: {write_checkpoint(args)}")
         return

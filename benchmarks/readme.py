@@ -18,9 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from blend_integrations.calibration import wilson_lower
-
-from .calibration import held_out_shortfalls
+from blend_integrations.calibration import held_out_bounds, held_out_shortfalls
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -102,24 +100,23 @@ def calibration_row(results: Path, label: str, engine: str) -> tuple[list[str], 
     sizes = cfg.get("held_out_tasks") or {"generated": cfg["held_out_questions"]}
     (fallback_key,) = [key for key in held if key.startswith("fallback")]
     full, default, fallback = held["full"], held["default (calibrated)"], held[fallback_key]
-    short = held_out_shortfalls(report.get("held_out_tasks") or {}, cfg.get("target", 0.95))
+    # the chosen policy on each kind of question, with its lower bound (the shipping rule's)
+    rows = {name: {**table["default (calibrated)"], "n": sizes[name]} for name, table in tasks.items()}
     if report["calibration"]["ratio"] >= 1.0 and report["calibration"]["guard"] is None:
         matched = f"{default['ttft_speedup']:.2f}x: needs full prefill"
-    elif short:  # the package ships full prefill (write_packaged)
+    elif short := held_out_shortfalls(rows, cfg.get("target", 0.95), cfg["confidence"]):
+        # the package ships full prefill (PackagedCalibration.under_shipping_rule)
         fell = ", ".join(
             f"{percent(r['agreement'])} agree (at least {percent(r['agreement_lower'])}) on {TASK_NAMES[name]}"
             for name, r in short.items()
         )
         matched = f"1.00x: needs full prefill (the policy chosen on the probes, {default['ttft_speedup']:.2f}x, fell short held out: {fell})"
     else:
-        agree = []
-        for name, table in tasks.items():
-            row, n = table["default (calibrated)"], sizes[name]
-            bound = row.get("agreement_lower", wilson_lower(round(row["agreement"] * n), n, cfg["confidence"]))
-            agree.append(
-                f"{percent(row['agreement'])} agree (at least {percent(bound)})"
-                + (f" on {TASK_NAMES[name]}" if len(tasks) > 1 else "")
-            )
+        agree = [
+            f"{percent(r['agreement'])} agree (at least {percent(r['agreement_lower'])})"
+            + (f" on {TASK_NAMES[name]}" if len(tasks) > 1 else "")
+            for name, r in held_out_bounds(rows, cfg["confidence"]).items()
+        ]
         matched = f"{default['ttft_speedup']:.2f}x, " + ", ".join(agree)
     row = [
         CALIBRATED[label],

@@ -60,7 +60,14 @@ None of them imports an engine: the engines import ``measure`` for
 
 from .choice import default_variants, policy_cost
 from .measure import KL_TOP, Calibratable, calibrate, check_target, exclusive
-from .packaged import PACKAGED_DIR, PackagedCalibration, packaged_calibrations, packaged_name
+from .packaged import (
+    PACKAGED_DIR,
+    PackagedCalibration,
+    held_out_bounds,
+    held_out_shortfalls,
+    packaged_calibrations,
+    packaged_name,
+)
 from .policy import RELOAD_S, SERVES_DTYPES, Calibrations, choose_ratio
 from .probes import MIN_PROBE_TOKENS, QUESTIONS, probe_prompts
 from .records import (
@@ -100,6 +107,8 @@ __all__ = [
     "curve_table",
     "default_variants",
     "exclusive",
+    "held_out_bounds",
+    "held_out_shortfalls",
     "packaged_calibrations",
     "packaged_name",
     "policy_cost",
