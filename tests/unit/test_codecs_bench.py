@@ -36,8 +36,5 @@ def test_nothing_is_written_when_the_raw_store_chose_another_policy_here(tmp_pat
     path, shipped = _copy(tmp_path)
     original = path.read_bytes()
     other = {**shipped, "settings": {**shipped["settings"], "sink_tokens": 7}}
-    assert (
-        write_checked({"raw": {"choice": other}, "int8": {"choice": other}}, SHIPPED_MODEL, ENGINE, tmp_path)
-        == []
-    )
+    assert write_checked({"raw": {"choice": other}, "int8": {"choice": other}}, SHIPPED_MODEL, ENGINE, tmp_path) == []
     assert path.read_bytes() == original
