@@ -134,15 +134,17 @@ def test_calibrations_are_kept_per_codec(tmp_path, monkeypatch):
     (fingerprint, dtype, engine), packaged = next(
         (k, p) for k, p in shipped.items() if not p.record.holds_under("int8")
     )
-    assert packaged.record.ratio < 1.0
+    assert packaged.record.ratio < 1.0 or packaged.record.guard is not None  # it blends
     raw = Calibrations(ChunkStore(tmp_path), fingerprint, dtype, engine=engine)
     coded = Calibrations(ChunkStore(tmp_path, kv_codec="int8"), fingerprint, dtype, engine=engine)
     assert raw.source() == "packaged"
     assert coded.name == record_name(fingerprint, dtype, "int8") != raw.name
     assert packaged.record.kv_codec is None and coded.source() == "fallback"
     # one that chose full prefill is used under every codec
-    (fingerprint2, dtype2, engine2), full = next((k, p) for k, p in shipped.items() if p.record.ratio >= 1.0)
-    assert full.record.guard is None and not full.record.codecs_checked
+    (fingerprint2, dtype2, engine2), full = next(
+        (k, p) for k, p in shipped.items() if p.record.ratio >= 1.0 and p.record.guard is None
+    )
+    assert not full.record.codecs_checked
     in_full = Calibrations(ChunkStore(tmp_path / "full", kv_codec="fp8"), fingerprint2, dtype2, engine=engine2)
     assert in_full.source() == "packaged"
     # a blending one whose int8 store was shown to choose the same is used there, and under no other codec
