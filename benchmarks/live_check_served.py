@@ -12,13 +12,19 @@ The bundled reader is served at the policy its vLLM calibration chose (kept in t
 as a user's own calibration), and its requests arrive at random (exponential gaps, about half the
 server busy), each streamed over HTTP as a user's would be: the time to first token is the first
 streamed event's. The server cannot switch its checks off while it runs, so the arms are servers,
-one after another on one store, in turn with checks on (``--quality-check SHARE``) and off
-(``--quality-check 0``), ``--server-rounds`` times (default 2: on, off, on, off); each asks a few requests first, untimed, so that no arm pays for
-vLLM's start. The checks that ended while users came are read from ``/metrics`` around each block.
+one after another on one store, with checks on (``--quality-check SHARE``) and off
+(``--quality-check 0``). They come in pairs, ``--server-rounds`` of them, in the order on-off,
+off-on, on-off, ... (so neither arm is always the later one), and both servers of a pair are asked
+the same requests with the same gaps between them: each request's time to first token with checks
+on over off is a paired ratio, and their median, with its distribution-free confidence interval,
+is what the arms differ by (a control run, no checks on either server, gives the noise's own
+width). Each server asks a few requests first, untimed, so that no arm pays for vLLM's start. The
+checks that ended while users came are read from ``/metrics`` around each block.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import threading
@@ -38,6 +44,33 @@ ARMS = ("checks on", "checks off")
 SERVED_SEED = 77_300  # a seed no other run uses
 UNTIMED = 3  # requests asked first on each server, untimed: vLLM's first steps are slower
 BLOCK = 10
+CONFIDENCE = 0.9  # of the paired ratios' median's interval
+
+
+def median_interval(xs: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of ``xs``: the order statistics
+    ``k`` in from each end, ``k`` the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2.
+    None where ``xs`` are too few for any (5 at 90%)."""
+    xs, n = sorted(xs), len(xs)
+    tail, k = 0.0, 0
+    while k < n and tail + math.comb(n, k) / 2**n <= (1 - confidence) / 2:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None
+
+
+def paired(on: dict[int, float], off: dict[int, float]) -> dict:
+    """Each request asked of both arms: the median of its TTFT with checks on over off, and the interval."""
+    ratios = [on[i] / off[i] for i in sorted(on.keys() & off.keys()) if off[i] > 0]
+    if not ratios:
+        return {"n": 0}
+    interval = median_interval(ratios)
+    return {
+        "n": len(ratios),
+        "median": round(statistics.median(ratios), 4),
+        "interval": [round(x, 4) for x in interval] if interval else None,
+        "confidence": CONFIDENCE,
+    }
 
 
 def drained(server, timeout_s: float = 600) -> dict:
@@ -57,33 +90,36 @@ def drained(server, timeout_s: float = 600) -> dict:
 
 
 def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int = 2) -> dict:
-    """``n`` of the reader's requests on ``rounds`` pairs of servers (``ARMS``: checks on, then off),
-    ``n / (2 rounds)`` on each, in blocks of ``BLOCK``; each user's streamed time to first token,
-    failures, and the server's check counts."""
-    servers = ARMS * rounds
+    """``n / 2`` of the reader's requests, each asked of both servers of one of ``rounds`` pairs
+    (``ARMS``, on-off then off-on, in turn), in blocks of ``BLOCK`` with the same random gaps on
+    both; each user's streamed time to first token, failures, the server's check counts, and the
+    paired ratios' median."""
+    servers = [(r, arm) for r in range(rounds) for arm in (ARMS if r % 2 == 0 else ARMS[::-1])]
     reader_dir, task, label = model_and_task("reader")
-    examples = task.examples(n + UNTIMED * len(servers), SERVED_SEED, None)
-    store, logs = scratch_dir("blend-live-check-store-"), Path(scratch_dir("blend-live-check-logs-"))
     per_server = n // len(servers)
+    examples = task.examples((per_server + UNTIMED) * rounds, SERVED_SEED, None)
+    store, logs = scratch_dir("blend-live-check-store-"), Path(scratch_dir("blend-live-check-logs-"))
     ttfts: dict[str, list[float]] = {arm: [] for arm in ARMS}  # per arm, over all of its servers
+    by_request: dict[str, dict[int, float]] = {arm: {} for arm in ARMS}  # (round, index) -> TTFT, per arm
     failed = dict.fromkeys(ARMS, 0)
     checks: dict[str, dict] = {}
     policy, gap = None, None
     lock = threading.Lock()
 
-    def user(engine, prompt, arm: str, mine: list[float]) -> None:
+    def user(engine, prompt, arm: str, key: int, mine: list[float]) -> None:
         try:
             stream = engine.stream(prompt, max_tokens=tokens)
             for _ in stream:
                 pass
             with lock:
                 ttfts[arm].append(stream.result().ttft_s)
+                by_request[arm][key] = stream.result().ttft_s
                 mine.append(stream.result().ttft_s)
         except Exception:  # counted: a check must never make a user's request fail
             with lock:
                 failed[arm] += 1
 
-    for i, arm in enumerate(servers):
+    for i, (pair, arm) in enumerate(servers):
         args = ["--quality-check", str(share if arm == "checks on" else 0.0), "--quality-check-risk", str(risk)]
         with BlendServer(reader_dir, store=store, log=logs / f"server-{i}.log", args=args) as server:
             engine = load_engine(server.url, backend="server")
@@ -94,19 +130,20 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
                 )
                 engine.keep_calibration(record)
                 policy = policy_label(record)
-            mine = examples[i * (per_server + UNTIMED) : (i + 1) * (per_server + UNTIMED)]
+            mine = examples[pair * (per_server + UNTIMED) : (pair + 1) * (per_server + UNTIMED)]
             engine.warm(sorted({d for e in mine for d in e.documents}))
             prompts = [task.prompt(e, engine.tokenizer, engine.config.separator) for e in mine]
             busy = statistics.fmean(engine.generate(p, max_tokens=tokens).total_s for p in prompts[:UNTIMED])
             gap = gap or 2 * busy  # about half the server busy; the first server's, kept for all
             before_all = drained(server)
-            rng = random.Random(SERVED_SEED + i)
+            rng = random.Random(SERVED_SEED + pair)  # the pair's other server waits the same gaps
             during, this_server = 0.0, []
             for block in tqdm(range(UNTIMED, len(prompts), BLOCK), desc=f"server {i + 1}: {arm}", unit="block"):
                 threads = []
                 before = checks_ended(server.live_checks())
-                for p in prompts[block : block + BLOCK]:
-                    t = threading.Thread(target=user, args=(engine, p, arm, this_server))
+                for j, p in enumerate(prompts[block : block + BLOCK], start=block):
+                    key = pair * len(prompts) + j
+                    t = threading.Thread(target=user, args=(engine, p, arm, key, this_server))
                     t.start()
                     threads.append(t)
                     time.sleep(rng.expovariate(1.0 / gap))
@@ -129,9 +166,20 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
         "model": f"{label}, at the policy its vLLM calibration chose ({policy})",
         "mean_gap_s": round(gap, 3),
         "ttft": {arm: ttft_quantiles(xs) for arm, xs in ttfts.items() if xs},
+        "paired": paired(*(by_request[arm] for arm in ARMS)),
         "failed": failed,
         "checks": checks,
     }
+
+
+def paired_text(p: dict | None) -> str:
+    """The paired ratios' median and interval, as the page's verdict line gives them (old pages: none)."""
+    if not p or not p["n"]:
+        return ""
+    interval = (
+        f" ({p['confidence']:.0%} interval {p['interval'][0]:.3f}-{p['interval'][1]:.3f})" if p["interval"] else ""
+    )
+    return f"paired by request {p['median']:.3f}x at the median{interval} over {p['n']} requests; "
 
 
 def markdown(report: dict) -> str:
@@ -140,13 +188,14 @@ def markdown(report: dict) -> str:
         f"vllm engine served (`python -m blend_integrations.serve`) on {a['cpu']}; {c['date']}; {c['minutes']} min.",
         "",
         f"Arrivals: {c['arrivals']} of the reader's requests ({a['model']}) at random (mean gap {a['mean_gap_s']} s), "
-        f"streamed over HTTP, on {len(a['checks'])} servers one after another on one store: "
+        f"streamed over HTTP, on {len(a['checks'])} servers one after another on one store, in pairs (on-off, "
+        "off-on, ...) whose two servers are asked the same requests with the same gaps: "
         + (
             "a control, every server with `--quality-check 0` (the arms are named as in a run with checks, in the "
             "same turns: they differ by chance and by server alone):"
             if c["arrivals_share"] == 0
             else f"checks on (`--quality-check {c['arrivals_share']:g}`; its calibrated policy is checked at an "
-            f"eighth of it; `--quality-check-risk {c['risk']:g}`), then off, in turn:"
+            f"eighth of it; `--quality-check-risk {c['risk']:g}`) and off:"
         ),
         "",
         "| | requests | TTFT p50 (s) | TTFT p95 (s) | failed |",
@@ -176,7 +225,8 @@ def markdown(report: dict) -> str:
                 else "\n- No user slower (the goal): "
             )
             + "time to first token with checks on over off, "
-            f"{on['p50'] / off['p50']:.2f}x at the median, {on['p95'] / off['p95']:.2f}x at p95; "
+            + paired_text(a.get("paired"))
+            + f"{on['p50'] / off['p50']:.2f}x at the arms' median, {on['p95'] / off['p95']:.2f}x at p95; "
             f"{a['failed']['checks on']} failed with checks on"
             + (
                 "; no check was in flight while users came, so the arms differ by chance and by server."

@@ -80,20 +80,23 @@ def run(args) -> dict:
 def markdown(report: dict) -> str:
     c, rows = report["config"], report["per_prompt"]
     modes = list(rows[0]["agrees"]) if rows else []
+    old = sorted({m.split("@")[0] for m in modes} & RENAMED.keys())
+    shown = {m: RENAMED.get(m.split("@")[0], m.split("@")[0]) + "@" + m.split("@")[1] for m in modes}
     lines = [
         f"Model {c['model']} ({c['dtype']}) on the {c['backend']} engine; {c['machine']}; "
         f"{c['prompts']} probe prompts (the calibration set's questions), {c['seconds']} s.",
         "",
-        f"Agrees: the first {AGREE_TOKENS} tokens equal full prefill's.",
+        f"Agrees: the first {AGREE_TOKENS} tokens equal full prefill's."
+        + "".join(f" Run under a setting's old name, `{n}`, now `{RENAMED[n]}`." for n in old),
         "",
         "| setting@ratio | agrees |",
         "|---|---:|",
-        *(f"| {m} | {sum(r['agrees'][m] for r in rows)} of {len(rows)} |" for m in modes),
+        *(f"| {shown[m]} | {sum(r['agrees'][m] for r in rows)} of {len(rows)} |" for m in modes),
         "",
         "Prompts any setting missed (x: missed), with full prefill's margin between its top two "
         "log-probabilities at each token:",
         "",
-        "| prompt | margins | " + " | ".join(modes) + " |",
+        "| prompt | margins | " + " | ".join(shown[m] for m in modes) + " |",
         "|---:|---|" + "---|" * len(modes),
     ]
     for r in rows:

@@ -62,6 +62,8 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
     served = report["served"]
     assert served["failed"] == {"checks on": 0, "checks off": 0}
     assert served["ttft"]["checks on"]["n"] == served["ttft"]["checks off"]["n"] == 5
+    # both servers of the pair were asked the same 5 requests: each is a paired ratio
+    assert served["paired"]["n"] == 5 and served["paired"]["median"] > 0, served["paired"]
     on, off = served["checks"]["1: checks on"], served["checks"]["2: checks off"]
     assert on["agreed"] + on["disagreed"] == 1 and on["failed"] == on["dropped"] == 0, on
     assert not any(off[k] for k in ("agreed", "disagreed", "failed", "preempted", "dropped")), off
@@ -70,7 +72,7 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
     assert "streamed over HTTP, on 2 servers one after another on one store" in page
     assert (
         f"| 1: checks on | {on['ttft_p50']} | " in page
-        and "- No user slower (the goal): time to first token with checks on over off" in page
+        and "- No user slower (the goal): time to first token with checks on over off, paired by request" in page
     )
     # a control run (no checks on any server) says so, and has a page of its own
     from benchmarks import live_check, live_check_served
@@ -87,6 +89,25 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
         for name, value in zip(argv[::2], argv[1::2], strict=True):
             setattr(args, name.removeprefix("--").replace("-", "_"), float(value))
         assert live_check.served_part(args) == part
+
+
+def test_the_paired_ratios_median_has_a_distribution_free_interval():
+    """The order statistics of the sign test's table: ranks 42 and 59 of 100 at 90%, 40 and 61 at 95%;
+    with 5 ratios the extremes at 90% (coverage 1 - 2/32), with 4 none."""
+    from benchmarks.live_check_served import median_interval, paired
+
+    ranks = [float(r) for r in range(1, 101)]
+    assert median_interval(ranks[::-1]) == (42.0, 59.0)
+    assert median_interval(ranks, confidence=0.95) == (40.0, 61.0)
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None
+    # only the requests both arms answered are paired
+    assert paired({1: 2.0, 2: 1.0, 3: 9.0}, {1: 1.0, 2: 1.0}) == {
+        "n": 2,
+        "median": 1.5,
+        "interval": None,
+        "confidence": 0.9,
+    }
 
 
 def test_the_walk_benchmark_compares_the_checks_walk_with_vllms_full_prefill(tmp_path):

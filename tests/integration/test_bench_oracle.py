@@ -102,6 +102,11 @@ def test_the_probes_benchmark_lists_every_prompt_a_setting_missed(tmp_path):
     missed = [r["prompt"] for r in rows if not all(r["agrees"].values())]
     listed = [line.split("|")[1].strip() for line in page.splitlines() if line.count("|") == 7]
     assert listed[0] == "prompt" and [int(p) for p in listed[2:]] == missed  # after the header and its rule
+    # a run under a setting's old name renders with its new one, and says so
+    old = {**report, "per_prompt": [{**r, "agrees": {"prophet@0.3": False}} for r in rows]}
+    text = probes.markdown(old)
+    assert "| query-layer0@0.3 | 0 of 3 |" in text and "old name, `prophet`, now `query-layer0`" in text
+    assert "prophet@" not in text
 
 
 def test_the_predicted_time_counts_every_token_layer_and_the_reuse_pass():
