@@ -99,8 +99,7 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
     per_server = n // len(servers)
     examples = task.examples((per_server + UNTIMED) * rounds, SERVED_SEED, None)
     store, logs = scratch_dir("blend-live-check-store-"), Path(scratch_dir("blend-live-check-logs-"))
-    ttfts: dict[str, list[float]] = {arm: [] for arm in ARMS}  # per arm, over all of its servers
-    by_request: dict[str, dict[int, float]] = {arm: {} for arm in ARMS}  # (round, index) -> TTFT, per arm
+    by_request: dict[str, dict[int, float]] = {arm: {} for arm in ARMS}  # per arm: request key -> TTFT
     failed = dict.fromkeys(ARMS, 0)
     checks: dict[str, dict] = {}
     policy, gap = None, None
@@ -111,10 +110,10 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
             stream = engine.stream(prompt, max_tokens=tokens)
             for _ in stream:
                 pass
+            ttft = stream.result().ttft_s
             with lock:
-                ttfts[arm].append(stream.result().ttft_s)
-                by_request[arm][key] = stream.result().ttft_s
-                mine.append(stream.result().ttft_s)
+                by_request[arm][key] = ttft
+                mine.append(ttft)
         except Exception:  # counted: a check must never make a user's request fail
             with lock:
                 failed[arm] += 1
@@ -165,7 +164,7 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
         "cpu": machine(),
         "model": f"{label}, at the policy its vLLM calibration chose ({policy})",
         "mean_gap_s": round(gap, 3),
-        "ttft": {arm: ttft_quantiles(xs) for arm, xs in ttfts.items() if xs},
+        "ttft": {arm: ttft_quantiles(list(xs.values())) for arm, xs in by_request.items() if xs},
         "paired": paired(*(by_request[arm] for arm in ARMS)),
         "failed": failed,
         "checks": checks,
