@@ -19,8 +19,10 @@ Streams, each request asked with ``"auto"`` and answered before the next, its ch
 After each answer (and its check) the benchmark asks full prefill itself, so each request's
 agreement with full prefill's first tokens is known apart from the check's own verdict. Then
 **arrivals**: the reader's requests arriving at random (exponential gaps, about half the engine
-busy) with checks at ``--arrivals-share`` and with checks off, in alternating blocks, at the
-default ``quality_check_risk`` (``--risk``): the users' time to first token side by side, any
+busy), at the default ``quality_check_risk`` (``--risk``), in blocks each asked twice, with checks
+at ``--arrivals-share`` and with checks off (on-off, then off-on, in turn), with the same gaps: each
+request's time to first token with checks on over off is a paired ratio, whose median and
+distribution-free interval say what the arms differ by; beside them the arms' quantiles, any
 request that failed, and where the checks ran (while users came, or in the pause after a block). The page ends each stream with its
 goal: later answers that agree on at least 95% within 200 requests where the policy loses them;
 checks that cost at most 5% of compute and never raise the ratio where it holds. ``--server`` runs
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import random
 import statistics
 import threading
@@ -52,6 +55,9 @@ RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 LOSES_SEED, HOLDS_SEED, ARRIVALS_SEED = 76_000, 76_500, 76_900  # seeds no other run uses
 TOKENS = 4  # the first tokens compared, as calibration compares them
 CONFIDENCE = 0.8
+ARMS = ("checks on", "checks off")
+BLOCK = 10  # the arrivals' block: asked with checks on and off one after the other
+PAIRED_CONFIDENCE = 0.9  # of the paired ratios' median's interval
 
 
 def uncalibrated_copy(model_dir: Path) -> Path:
@@ -150,17 +156,53 @@ def stream_summary(rows: list[dict], engine) -> dict:
     }
 
 
+def median_interval(xs: list[float], confidence: float = PAIRED_CONFIDENCE) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of ``xs``: the order statistics
+    ``k`` in from each end, ``k`` the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2.
+    None where ``xs`` are too few for any (5 at 90%)."""
+    xs, n = sorted(xs), len(xs)
+    tail, k = 0.0, 0
+    while k < n and tail + math.comb(n, k) / 2**n <= (1 - confidence) / 2:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None
+
+
+def paired(on: dict[int, float], off: dict[int, float]) -> dict:
+    """Each request asked of both arms: the median of its TTFT with checks on over off, and the interval."""
+    ratios = [on[i] / off[i] for i in sorted(on.keys() & off.keys()) if off[i] > 0]
+    if not ratios:
+        return {"n": 0}
+    interval = median_interval(ratios)
+    return {
+        "n": len(ratios),
+        "median": round(statistics.median(ratios), 4),
+        "interval": [round(x, 4) for x in interval] if interval else None,
+        "confidence": PAIRED_CONFIDENCE,
+    }
+
+
+def paired_text(p: dict | None) -> str:
+    """The paired ratios' median and interval, as a page's verdict line gives them (old pages: none)."""
+    if not p or not p["n"]:
+        return ""
+    interval = (
+        f" ({p['confidence']:.0%} interval {p['interval'][0]:.3f}-{p['interval'][1]:.3f})" if p["interval"] else ""
+    )
+    return f"paired by request {p['median']:.3f}x at the median{interval} over {p['n']} requests; "
+
+
 def arrivals(engine, task, n: int, share: float, risk: float) -> dict:
-    """The reader's requests arriving at random with checks at ``share`` and off, in alternating
-    blocks of 10; each user's time to first token, failures, and the checks that ran while users
-    came and in the pauses after a block."""
-    examples = task.examples(n, ARRIVALS_SEED, None)
+    """``n / 2`` of the reader's requests arriving at random, each asked twice: in blocks of
+    ``BLOCK``, asked with checks at ``share`` and then off (off then on in every other block) with
+    the same random gaps; each user's time to first token, failures, the paired ratios' median,
+    and the checks that ran while users came and in the pauses after a block."""
+    examples = task.examples(n // 2, ARRIVALS_SEED, None)
     engine.warm(sorted({d for e in examples for d in e.documents}), progress=True)
     prompts = [task.prompt(e, engine.tokenizer, engine.config.separator) for e in examples]
     busy = statistics.fmean(engine.generate(p, max_tokens=TOKENS).total_s for p in prompts[:5])
-    rng = random.Random(ARRIVALS_SEED)
-    results: dict[str, list] = {"checks on": [], "checks off": []}
-    failures: dict[str, int] = {"checks on": 0, "checks off": 0}
+    by_request: dict[str, dict[int, float]] = {arm: {} for arm in ARMS}  # per arm: request -> TTFT
+    failures = dict.fromkeys(ARMS, 0)
     lock = threading.Lock()
     checker = engine.quality_checker
     checker.risk = risk
@@ -170,34 +212,36 @@ def arrivals(engine, task, n: int, share: float, risk: float) -> dict:
         """Checks that ended: run, preempted or failed."""
         return checker.counts["checked"] + checker.counts["preempted"] + checker.counts["failed"]
 
-    def user(prompt, arm: str) -> None:
+    def user(prompt, arm: str, key: int) -> None:
         try:
             gen = engine.generate(prompt, max_tokens=TOKENS)
             with lock:
-                results[arm].append(gen.ttft_s)
+                by_request[arm][key] = gen.ttft_s
         except Exception:  # counted: a check must never make a user's request fail
             with lock:
                 failures[arm] += 1
 
-    for block in tqdm(range(0, n, 10), desc="arrivals", unit="block"):
-        arm = "checks on" if (block // 10) % 2 == 0 else "checks off"
-        checker.share = share if arm == "checks on" else 0.0
-        threads = []
-        for p in prompts[block : block + 10]:
-            t = threading.Thread(target=user, args=(p, arm))
-            t.start()
-            threads.append(t)
-            time.sleep(rng.expovariate(1.0 / (2 * busy)))  # about half the engine busy
-        before = ended()
-        for t in threads:
-            t.join()
-        ran_while_users_came += ended() - before
-        checker.wait(600)
+    for b, block in enumerate(tqdm(range(0, len(prompts), BLOCK), desc="arrivals", unit="block")):
+        for arm in ARMS if b % 2 == 0 else ARMS[::-1]:
+            checker.share = share if arm == "checks on" else 0.0
+            rng = random.Random(ARRIVALS_SEED + b)  # the block's other arm waits the same gaps
+            threads = []
+            for key, p in enumerate(prompts[block : block + BLOCK], start=block):
+                t = threading.Thread(target=user, args=(p, arm, key))
+                t.start()
+                threads.append(t)
+                time.sleep(rng.expovariate(1.0 / (2 * busy)))  # about half the engine busy
+            before = ended()
+            for t in threads:
+                t.join()
+            ran_while_users_came += ended() - before
+            checker.wait(600)
     checker.share = share
 
     return {
         "mean_gap_s": round(2 * busy, 3),
-        "ttft": {arm: ttft_quantiles(xs) for arm, xs in results.items() if xs},
+        "ttft": {arm: ttft_quantiles(list(xs.values())) for arm, xs in by_request.items() if xs},
+        "paired": paired(*(by_request[arm] for arm in ARMS)),
         "failed": failures,
         "checks": {k: v for k, v in checker.stats().items() if k != "state"},
         "checks_while_users_came": ran_while_users_came,  # ended (run, preempted or failed) during a block
@@ -294,9 +338,14 @@ def markdown(report: dict) -> str:
         a = report["arrivals"]
         lines += [
             "",
-            f"Arrivals: {c['arrivals']} of the reader's requests at random (mean gap {a['mean_gap_s']} s), in "
-            f"alternating blocks of 10 with checks on (share {c['arrivals_share']}; its "
-            "calibrated policy is checked at an eighth of it) and off:",
+            f"Arrivals: {c['arrivals']} of the reader's requests at random (mean gap {a['mean_gap_s']} s), "
+            + (
+                f"in blocks of {BLOCK}, each block asked with checks on and off one after the other (on-off, then "
+                "off-on, in turn) with the same gaps, so each request is asked in both arms: checks on"
+                if "paired" in a
+                else f"in alternating blocks of {BLOCK} with checks on"
+            )
+            + f" (share {c['arrivals_share']}; its calibrated policy is checked at an eighth of it) and off:",
             "",
             "| | requests | TTFT p50 (s) | TTFT p95 (s) | failed |",
             "|---|---:|---:|---:|---:|",
@@ -318,8 +367,9 @@ def markdown(report: dict) -> str:
         on, off = a["ttft"].get("checks on"), a["ttft"].get("checks off")
         if on and off:
             lines.append(
-                f"\n- No user slower (the goal): time to first token with checks on over off, "
-                f"{on['p50'] / off['p50']:.2f}x at the median, {on['p95'] / off['p95']:.2f}x at p95; "
+                "\n- No user slower (the goal): time to first token with checks on over off, "
+                + paired_text(a.get("paired"))
+                + f"{on['p50'] / off['p50']:.2f}x at the arms' median, {on['p95'] / off['p95']:.2f}x at p95; "
                 f"{a['failed']['checks on']} failed with checks on"
                 + (
                     "; no check was in flight while users came, so the two arms differ by chance alone."
@@ -360,7 +410,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=200, help="requests per stream")
     parser.add_argument("--share", type=float, default=1.0, help="the check share on the stream that loses answers")
     parser.add_argument("--holds-share", type=float, default=0.05, help="the check share where the policy holds")
-    parser.add_argument("--arrivals", type=int, default=120, help="requests arriving at random (0: none)")
+    parser.add_argument(
+        "--arrivals",
+        type=int,
+        default=240,
+        help="requests arriving at random, half of them asked again in the other arm (0: none)",
+    )
     parser.add_argument(
         "--arrivals-share",
         type=float,

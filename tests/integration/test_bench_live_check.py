@@ -37,9 +37,13 @@ def test_a_small_run_writes_its_page(tmp_path):
     # arrivals at the default risk: where the checks ran is said, and the users' times compared
     assert report["config"]["risk"] == 0.05
     assert report["arrivals"]["failed"] == {"checks on": 0, "checks off": 0}
-    assert report["arrivals"]["ttft"]["checks on"]["n"] == 10
+    # 10 requests, each asked with checks on and off: each is a paired ratio
+    arrivals = report["arrivals"]
+    assert arrivals["ttft"]["checks on"]["n"] == arrivals["ttft"]["checks off"]["n"] == 10
+    assert arrivals["paired"]["n"] == 10 and arrivals["paired"]["median"] > 0, arrivals["paired"]
     assert " of them ended while users were arriving, the rest in the pause after a block." in page
-    assert "- No user slower (the goal): time to first token with checks on over off, " in page
+    assert "- No user slower (the goal): time to first token with checks on over off, paired by request " in page
+    assert "each block asked with checks on and off one after the other" in page
     assert "| loses | SmolLM2-135M-Instruct, uncalibrated copy | 1 | 3 | 0.15 → " in page
     assert "- Where the policy loses answers: after request " in page and "- Where it holds: the checks cost" in page
     # what users got after the last step: every answer, blended or run in full
@@ -94,7 +98,7 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
 def test_the_paired_ratios_median_has_a_distribution_free_interval():
     """The order statistics of the sign test's table: ranks 42 and 59 of 100 at 90%, 40 and 61 at 95%;
     with 5 ratios the extremes at 90% (coverage 1 - 2/32), with 4 none."""
-    from benchmarks.live_check_served import median_interval, paired
+    from benchmarks.live_check import median_interval, paired
 
     ranks = [float(r) for r in range(1, 101)]
     assert median_interval(ranks[::-1]) == (42.0, 59.0)
