@@ -256,9 +256,14 @@ def plan(out: Path) -> list[tuple[str, list[str], int]]:
     ]
 
 
-def run_step(argv: list[str], seconds: float, log: Path, env: dict) -> dict:
+def run_step(name: str, argv: list[str], seconds: float, log: Path, env: dict) -> dict:
+    """Run one step, its output appended to ``log`` after a header line: one log for every step, so
+    that a device call's files (8 at most) hold the summary, the log and the TTFT results."""
     t0 = time.monotonic()
-    with open(log, "wb") as f:
+    with open(log, "ab") as f:
+        f.write(f"== step {name}: {' '.join(argv)}\n".encode())
+        f.flush()
+        start = f.tell()
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc, timed_out = proc.wait(timeout=seconds), False
@@ -271,9 +276,11 @@ def run_step(argv: list[str], seconds: float, log: Path, env: dict) -> dict:
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     rc = proc.returncode
             timed_out = True
-    text = log.read_bytes()[-8000:].decode(errors="replace")
-    tail = text.splitlines()[-25:]
-    return {"rc": rc, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 1), "log": log.name, "tail": tail}
+    with open(log, "rb") as f:
+        f.seek(max(start, log.stat().st_size - 8000))
+        tail = f.read().decode(errors="replace").splitlines()[-25:]
+    seconds = round(time.monotonic() - t0, 1)
+    return {"rc": rc, "timed_out": timed_out, "seconds": seconds, "log": log.name, "log_from_byte": start, "tail": tail}
 
 
 def render(summary: dict) -> str:
@@ -332,16 +339,19 @@ def run(args, machine: Machine) -> None:
             step["skipped"] = f"{left:.0f} s of the budget left"
         else:
             print(f"step {name} (at most {min(cap, left):.0f} s): {step['command']}", flush=True)
-            step |= run_step(argv, min(cap, left), out / f"{name}.log", env)
+            step |= run_step(name, argv, min(cap, left), out / "steps.log", env)
             if name == "imports":
-                marked = [t for t in (out / "imports.log").read_text().splitlines() if t.startswith(IMPORTS_MARK)]
+                with open(out / "steps.log", "rb") as f:
+                    f.seek(step["log_from_byte"])
+                    text = f.read().decode(errors="replace")
+                marked = [t for t in text.splitlines() if t.startswith(IMPORTS_MARK)]
                 summary["imports"] = json.loads(marked[-1].removeprefix(IMPORTS_MARK)) if marked else None
         summary["steps"].append(step)
         save()
-    for log in out.glob("*.log"):  # what comes back from a device call: 16 MiB a file
-        if log.stat().st_size > 15 * MIB:
-            data = log.read_bytes()
-            log.write_bytes(data[:MIB] + b"\n[... cut ...]\n" + data[-14 * MIB :])
+    log = out / "steps.log"  # what comes back from a device call: 16 MiB a file
+    if log.exists() and log.stat().st_size > 15 * MIB:
+        data = log.read_bytes()
+        log.write_bytes(data[:MIB] + b"\n[... cut ...]\n" + data[-14 * MIB :])
     print(render(summary))
 
 
