@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         served(args, argv)
         return
     report = run(args)
-    part = f"live-check-{args.backend}"
+    part = page_name(args)
     write_results(
         args.out,
         part,
@@ -464,10 +464,11 @@ def main(argv: list[str] | None = None) -> None:
     plot(report, args.out / f"{part}.png")
 
 
-def served_part(args) -> str:
-    """The ``--server`` page's name: a share or risk other than the defaults is named in it, so that a
-    control run (``--arrivals-share 0``: both arms without checks) keeps the main page."""
-    part = "live-check-served-vllm"
+def page_name(args) -> str:
+    """The page's name (``--server``'s its own): an arrivals' share or risk other than the defaults is
+    named in it, so that a control (``--arrivals-share 0``: both arms without checks) or a worst case
+    (``--risk 1``) keeps the main page."""
+    part = "live-check-served-vllm" if args.server else f"live-check-{args.backend}"
     if args.arrivals_share != 1.0:
         part += f"-share-{args.arrivals_share:g}"
     if args.risk != BlendConfig().quality_check_risk:
@@ -498,7 +499,7 @@ def served(args, argv: list[str] | None) -> None:
     report["config"]["minutes"] = round((time.perf_counter() - started) / 60, 1)
     write_results(
         args.out,
-        served_part(args),
+        page_name(args),
         "The live check on the blend server",
         live_check_served.markdown(report),
         report,

@@ -85,14 +85,22 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
     assert "a control, every server with `--quality-check 0`" in control and "No user slower" not in control
     assert "- A control (no checks on any server): time to first token with checks on over off" in control
     for argv, part in (
-        ([], "live-check-served-vllm"),
-        (["--arrivals-share", "0"], "live-check-served-vllm-share-0"),
-        (["--arrivals-share", "0.5", "--risk", "1"], "live-check-served-vllm-share-0.5-risk-1"),
+        (["--server"], "live-check-served-vllm"),
+        (["--server", "--arrivals-share", "0"], "live-check-served-vllm-share-0"),
+        (["--server", "--arrivals-share", "0.5", "--risk", "1"], "live-check-served-vllm-share-0.5-risk-1"),
+        ([], "live-check-vllm"),
+        (["--risk", "1"], "live-check-vllm-risk-1"),
     ):
-        args = argparse.Namespace(arrivals_share=1.0, risk=live_check.BlendConfig().quality_check_risk)
-        for name, value in zip(argv[::2], argv[1::2], strict=True):
+        args = argparse.Namespace(
+            server="--server" in argv,
+            backend="vllm",
+            arrivals_share=1.0,
+            risk=live_check.BlendConfig().quality_check_risk,
+        )
+        options = [a for a in argv if a != "--server"]
+        for name, value in zip(options[::2], options[1::2], strict=True):
             setattr(args, name.removeprefix("--").replace("-", "_"), float(value))
-        assert live_check.served_part(args) == part
+        assert live_check.page_name(args) == part
 
 
 def test_the_paired_ratios_median_has_a_distribution_free_interval():
