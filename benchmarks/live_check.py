@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import random
 import statistics
 import threading
@@ -49,6 +48,7 @@ from blend_integrations.calibration.records import settings_label
 from blend_integrations.models.smollm2 import smollm2_dir
 
 from . import machine, scratch_dir, served_as, write_results
+from .paired import paired, paired_text
 from .quality import model_and_task
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -57,7 +57,6 @@ TOKENS = 4  # the first tokens compared, as calibration compares them
 CONFIDENCE = 0.8
 ARMS = ("checks on", "checks off")
 BLOCK = 10  # the arrivals' block: asked with checks on and off one after the other
-PAIRED_CONFIDENCE = 0.9  # of the paired ratios' median's interval
 
 
 def uncalibrated_copy(model_dir: Path) -> Path:
@@ -154,42 +153,6 @@ def stream_summary(rows: list[dict], engine) -> dict:
         "ratios": [r["ratio"] for r in rows],
         "agrees": [r["agree"] for r in rows],
     }
-
-
-def median_interval(xs: list[float], confidence: float = PAIRED_CONFIDENCE) -> tuple[float, float] | None:
-    """A distribution-free confidence interval for the median of ``xs``: the order statistics
-    ``k`` in from each end, ``k`` the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2.
-    None where ``xs`` are too few for any (5 at 90%)."""
-    xs, n = sorted(xs), len(xs)
-    tail, k = 0.0, 0
-    while k < n and tail + math.comb(n, k) / 2**n <= (1 - confidence) / 2:
-        tail += math.comb(n, k) / 2**n
-        k += 1
-    return (xs[k - 1], xs[n - k]) if k else None
-
-
-def paired(on: dict[int, float], off: dict[int, float]) -> dict:
-    """Each request asked of both arms: the median of its TTFT with checks on over off, and the interval."""
-    ratios = [on[i] / off[i] for i in sorted(on.keys() & off.keys()) if off[i] > 0]
-    if not ratios:
-        return {"n": 0}
-    interval = median_interval(ratios)
-    return {
-        "n": len(ratios),
-        "median": round(statistics.median(ratios), 4),
-        "interval": [round(x, 4) for x in interval] if interval else None,
-        "confidence": PAIRED_CONFIDENCE,
-    }
-
-
-def paired_text(p: dict | None) -> str:
-    """The paired ratios' median and interval, as a page's verdict line gives them (old pages: none)."""
-    if not p or not p["n"]:
-        return ""
-    interval = (
-        f" ({p['confidence']:.0%} interval {p['interval'][0]:.3f}-{p['interval'][1]:.3f})" if p["interval"] else ""
-    )
-    return f"paired by request {p['median']:.3f}x at the median{interval} over {p['n']} requests; "
 
 
 def arrivals(engine, task, n: int, share: float, risk: float) -> dict:

@@ -36,7 +36,8 @@ from blend_integrations import load_engine
 from tests.fixtures.blend_server import BlendServer, checks_ended
 
 from . import machine, scratch_dir
-from .live_check import ARMS, BLOCK, holding_record, paired, paired_text, policy_label, ttft_quantiles
+from .live_check import ARMS, BLOCK, holding_record, policy_label, ttft_quantiles
+from .paired import paired, paired_text
 from .quality import model_and_task
 
 SERVED_SEED = 77_300  # a seed no other run uses

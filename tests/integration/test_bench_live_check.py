@@ -106,7 +106,7 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
 def test_the_paired_ratios_median_has_a_distribution_free_interval():
     """The order statistics of the sign test's table: ranks 42 and 59 of 100 at 90%, 40 and 61 at 95%;
     with 5 ratios the extremes at 90% (coverage 1 - 2/32), with 4 none."""
-    from benchmarks.live_check import median_interval, paired
+    from benchmarks.paired import median_interval, paired
 
     ranks = [float(r) for r in range(1, 101)]
     assert median_interval(ranks[::-1]) == (42.0, 59.0)
