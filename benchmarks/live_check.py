@@ -302,13 +302,9 @@ def markdown(report: dict) -> str:
         lines += [
             "",
             f"Arrivals: {c['arrivals']} of the reader's requests at random (mean gap {a['mean_gap_s']} s), "
-            + (
-                f"in blocks of {BLOCK}, each block asked with checks on and off one after the other (on-off, then "
-                "off-on, in turn) with the same gaps, so each request is asked in both arms: checks on"
-                if "paired" in a
-                else f"in alternating blocks of {BLOCK} with checks on"
-            )
-            + f" (share {c['arrivals_share']}; its calibrated policy is checked at an eighth of it) and off:",
+            f"in blocks of {BLOCK}, each block asked with checks on and off one after the other (on-off, then "
+            "off-on, in turn) with the same gaps, so each request is asked in both arms: checks on "
+            f"(share {c['arrivals_share']}; its calibrated policy is checked at an eighth of it) and off:",
             "",
             "| | requests | TTFT p50 (s) | TTFT p95 (s) | failed |",
             "|---|---:|---:|---:|---:|",
