@@ -114,6 +114,8 @@ def build_page(session: DemoSession, documents: dict[str, str]) -> gr.Blocks:
         )
 
         picked.change(lambda p, o: gr.update(value=_reordered(o, p)), [picked, order], order)
+        # a document taken out of the order box is unticked too: the ticks say which documents are asked with
+        order.input(lambda o, p: gr.update(value=[n for n in p if n in o]), [order, picked], picked)
         reverse.click(lambda o: o[::-1], order, order)
         rotate.click(lambda o: o[-1:] + o[:-1], order, order)
 
@@ -135,8 +137,10 @@ def build_page(session: DemoSession, documents: dict[str, str]) -> gr.Blocks:
 
         add.click(add_pasted, [pasted, known, picked, order], [known, picked, order, pasted, message])
 
-        def answer(names: list[str], known: dict[str, str], question: str, mode: str, value: float):
-            chosen = [known[n] for n in names if n in known]
+        def answer(p: list[str], o: list[str], known: dict[str, str], question: str, mode: str, value: float):
+            # the ticks themselves, not only the order box: a click right after a tick may come before
+            # the tick's update of the order box has returned
+            chosen = [known[n] for n in _reordered(o, p) if n in known]
             blank = {blend_stats: "", full_stats: "", marks: None}
             try:
                 answered = None
@@ -161,7 +165,7 @@ def build_page(session: DemoSession, documents: dict[str, str]) -> gr.Blocks:
         # one question at a time on the one engine: a second tab's waits in Gradio's queue
         ask.click(
             answer,
-            [order, known, question, ratio_mode, ratio],
+            [picked, order, known, question, ratio_mode, ratio],
             [blend_text, full_text, blend_stats, full_stats, marks, plot, message],
             concurrency_limit=1,
             concurrency_id="engine",

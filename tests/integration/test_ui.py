@@ -279,6 +279,21 @@ def test_bad_input_keeps_the_page_up_with_a_clear_message(browser, page_url):
     page.close()
 
 
+def test_the_ticks_and_the_order_box_agree(browser, page_url):
+    page = browser.new_page()
+    page.goto(page_url)
+    ready(page)
+    for name in PICKED[:2]:
+        page.get_by_label(name).check()
+    order = page.locator("#order")
+    sync_api.expect(order).to_contain_text(PICKED[1])
+    # taking a document out of the order box unticks it: the ticks are what Ask reads
+    order.locator(".token", has_text=PICKED[1]).locator(".token-remove").click()
+    sync_api.expect(page.get_by_label(PICKED[1])).not_to_be_checked()
+    sync_api.expect(page.get_by_label(PICKED[0])).to_be_checked()
+    page.close()
+
+
 def test_two_tabs_asking_at_once_both_get_answers(browser, page_url):
     tabs = [browser.new_page() for _ in range(2)]
     for tab in tabs:
