@@ -397,12 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--render", type=Path, metavar="JSON", help="rewrite this result's page from its JSON")
     args = parser.parse_args(argv)
     if args.render:
-        page = args.render.with_suffix(".md")
-        title, command = page.read_text().split("\n\n", 2)[:2]
-        page.write_text(
-            f"{title}\n\n{command}\n\n{markdown(json.loads(args.render.read_text()))}"
-            f"\n\n![ratio and agreement over requests]({page.stem}.png)\n"
-        )
+        render(args.render)
         return
     if args.requests < 2:
         parser.error("--requests must be at least 2")
@@ -421,6 +416,20 @@ def main(argv: list[str] | None = None) -> None:
         extra=f"\n![ratio and agreement over requests]({part}.png)\n",
     )
     plot(report, args.out / f"{part}.png")
+
+
+def render(path: Path) -> None:
+    """Rewrite the page of the result in ``path`` (JSON) from it, keeping its title and command: a
+    ``--server`` result with the served page's markdown, which has no plot."""
+    from . import live_check_served
+
+    report, page = json.loads(path.read_text()), path.with_suffix(".md")
+    title, command = page.read_text().split("\n\n", 2)[:2]
+    if "served" in report:
+        body = live_check_served.markdown(report)
+    else:
+        body = f"{markdown(report)}\n\n![ratio and agreement over requests]({page.stem}.png)"
+    page.write_text(f"{title}\n\n{command}\n\n{body}\n")
 
 
 def page_name(args) -> str:

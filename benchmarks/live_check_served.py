@@ -144,18 +144,24 @@ def served_arrivals(n: int, share: float, risk: float, tokens: int, rounds: int 
 
 def markdown(report: dict) -> str:
     c, a = report["config"], report["served"]
+    # pages from before the arrivals were paired (no "paired" in them) keep their own wording
+    paired = "paired" in a
     lines = [
         f"vllm engine served (`python -m blend_integrations.serve`) on {a['cpu']}; {c['date']}; {c['minutes']} min.",
         "",
         f"Arrivals: {c['arrivals']} of the reader's requests ({a['model']}) at random (mean gap {a['mean_gap_s']} s), "
-        f"streamed over HTTP, on {len(a['checks'])} servers one after another on one store, in pairs (on-off, "
-        "off-on, ...) whose two servers are asked the same requests with the same gaps: "
+        f"streamed over HTTP, on {len(a['checks'])} servers one after another on one store"
+        + (
+            ", in pairs (on-off, off-on, ...) whose two servers are asked the same requests with the same gaps: "
+            if paired
+            else " (each asked its own requests): "
+        )
         + (
             "a control, every server with `--quality-check 0` (the arms are named as in a run with checks, in the "
             "same turns: they differ by chance and by server alone):"
             if c["arrivals_share"] == 0
             else f"checks on (`--quality-check {c['arrivals_share']:g}`; its calibrated policy is checked at an "
-            f"eighth of it; `--quality-check-risk {c['risk']:g}`) and off:"
+            f"eighth of it; `--quality-check-risk {c['risk']:g}`) and off" + (":" if paired else ", in turn:")
         ),
         "",
         "| | requests | TTFT p50 (s) | TTFT p95 (s) | failed |",
@@ -163,20 +169,25 @@ def markdown(report: dict) -> str:
     ]
     for arm, t in a["ttft"].items():
         lines.append(f"| {arm} | {t['n']} | {t['p50']} | {t['p95']} | {a['failed'][arm]} |")
+    # older pages kept no server's own TTFT
+    per_server = any("ttft_p50" in k for k in a["checks"].values())
     lines += [
         "",
-        "| server | users' TTFT p50 (s) | checks agreed | disagreed | failed | preempted by a user | given up | "
-        'dropped | ended while users came | ratio "auto" gives after |',
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| server | " + ("users' TTFT p50 (s) | " if per_server else "") + "checks agreed | disagreed | failed | "
+        'preempted by a user | given up | dropped | ended while users came | ratio "auto" gives after |',
+        "|---|" + ("---:|" if per_server else "") + "---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, k in a["checks"].items():
         ratio = ", ".join(f"{v:g} ({s})" for s, v in k["ratio_after"].items())
         lines.append(
-            f"| {name} | {k.get('ttft_p50') or ''} | {k['agreed']:g} | {k['disagreed']:g} | {k['failed']:g} | {k['preempted']:g} | "
+            f"| {name} | "
+            + (f"{k.get('ttft_p50') or ''} | " if per_server else "")
+            + f"{k['agreed']:g} | {k['disagreed']:g} | {k['failed']:g} | {k['preempted']:g} | "
             f"{k['given_up']:g} | {k['dropped']:g} | {k['ended_while_users_came']:g} | {ratio} |"
         )
     on, off = a["ttft"].get("checks on"), a["ttft"].get("checks off")
     if on and off:
+        median = "the arms' median" if paired else "the median"
         during = sum(k["ended_while_users_came"] + k["preempted"] for k in a["checks"].values())
         lines.append(
             (
@@ -186,7 +197,7 @@ def markdown(report: dict) -> str:
             )
             + "time to first token with checks on over off, "
             + paired_text(a.get("paired"))
-            + f"{on['p50'] / off['p50']:.2f}x at the arms' median, {on['p95'] / off['p95']:.2f}x at p95; "
+            + f"{on['p50'] / off['p50']:.2f}x at {median}, {on['p95'] / off['p95']:.2f}x at p95; "
             f"{a['failed']['checks on']} failed with checks on"
             + (
                 "; no check was in flight while users came, so the arms differ by chance and by server."

@@ -84,6 +84,16 @@ def test_a_small_run_on_the_server_writes_its_page(tmp_path):
     control = live_check_served.markdown({**report, "config": {**report["config"], "arrivals_share": 0.0}})
     assert "a control, every server with `--quality-check 0`" in control and "No user slower" not in control
     assert "- A control (no checks on any server): time to first token with checks on over off" in control
+    # the page is rendered again from its JSON, unchanged; a page from before the arrivals were paired
+    # (no "paired", no server's own TTFT) keeps its own wording
+    live_check.main(["--render", str(out / "live-check-served-vllm-risk-1.json")])
+    assert (out / "live-check-served-vllm-risk-1.md").read_text() == page
+    checks = {name: {k: v for k, v in c.items() if k != "ttft_p50"} for name, c in served["checks"].items()}
+    older = {k: v for k, v in served.items() if k != "paired"} | {"checks": checks}
+    unpaired = live_check_served.markdown({**report, "served": older})
+    assert "one after another on one store (each asked its own requests): checks on" in unpaired
+    assert "| server | checks agreed |" in unpaired and "paired by request" not in unpaired
+    assert "at the median, " in unpaired and "the arms' median" in page
     for argv, part in (
         (["--server"], "live-check-served-vllm"),
         (["--server", "--arrivals-share", "0"], "live-check-served-vllm-share-0"),
