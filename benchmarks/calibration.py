@@ -28,9 +28,9 @@ on the held-out questions without calibrating again (the two parts in two sessio
 A run stopped midway resumes where it stopped when run again with the same
 arguments: its store, calibration journal and held-out answers are kept in
 ``--out``'s ``.calibration-TAG.partial/`` until it ends. That folder is not
-committed; ``--checkpoint`` keeps the journal in ``records/`` (compressed),
-where a commit carries it to another checkout, and a run there starts from it
-(its replies are used only on a machine with the same CPU).
+committed; ``--checkpoint`` keeps the journal and the held-out answers so far in
+``records/`` (compressed), where a commit carries them to another checkout, and a
+run there starts from them (they are used only on a machine with the same CPU).
 """
 
 from __future__ import annotations
@@ -147,22 +147,32 @@ def resumed(path: Path, key: str, modes) -> dict[str, dict[str, list[dict]]]:
     return {}
 
 
-def checkpoint_path(args) -> Path:
-    """Where ``--checkpoint`` keeps a run's journal for another checkout (committed, unlike the work folder)."""
-    return args.out / RECORDS / f"calibration-{args.tag}.journal.jsonl.gz"
+# what --checkpoint keeps of a run stopped midway (the work folder's file: the name it is kept under)
+KEPT = {"journal.jsonl": "journal.jsonl.gz", "held-out.partial.json": "held-out.json.gz"}
 
 
-def write_checkpoint(args) -> Path:
-    """The journal of a run stopped midway, compressed where a commit carries it to another checkout."""
-    journal = args.work / "journal.jsonl"
-    if not journal.is_file():
-        raise SystemExit(f"no journal to keep: {journal} does not exist (run the calibration first)")
-    path = checkpoint_path(args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with journal.open("rb") as f, gzip.open(path.with_suffix(".tmp"), "wb", compresslevel=9) as out:
-        shutil.copyfileobj(f, out)
-    path.with_suffix(".tmp").replace(path)
-    return path
+def checkpoint_paths(args) -> dict[Path, Path]:
+    """Where ``--checkpoint`` keeps each of a run's files for another checkout (committed, unlike the work folder)."""
+    return {args.work / name: args.out / RECORDS / f"calibration-{args.tag}.{kept}" for name, kept in KEPT.items()}
+
+
+def write_checkpoint(args) -> list[Path]:
+    """The journal of a run stopped midway, and its held-out answers so far where it has some, compressed
+    where a commit carries them to another checkout."""
+    if not (args.work / "journal.jsonl").is_file():
+        raise SystemExit(
+            f"no journal to keep: {args.work / 'journal.jsonl'} does not exist (run the calibration first)"
+        )
+    written = []
+    for work, path in checkpoint_paths(args).items():
+        if not work.is_file():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with work.open("rb") as f, gzip.open(path.with_suffix(".tmp"), "wb", compresslevel=9) as out:
+            shutil.copyfileobj(f, out)
+        path.with_suffix(".tmp").replace(path)
+        written.append(path)
+    return written
 
 
 def run(args) -> dict:
@@ -170,10 +180,12 @@ def run(args) -> dict:
     # what a run stopped midway resumes from (kept until it ends): its store of warmed chunks, the
     # calibration's journal of replies, and the held-out answers so far
     args.work.mkdir(parents=True, exist_ok=True)
-    journal, kept = args.work / "journal.jsonl", checkpoint_path(args)
-    if not journal.exists() and kept.is_file():  # another checkout's: the journal checks it is this machine's
-        with gzip.open(kept, "rb") as f, journal.open("wb") as out:
-            shutil.copyfileobj(f, out)
+    journal, kept = args.work / "journal.jsonl", checkpoint_paths(args)
+    for work, path in kept.items():
+        # another checkout's: the journal, and the held-out answers' key, check that it is this machine's
+        if not work.exists() and path.is_file():
+            with gzip.open(path, "rb") as f, work.open("wb") as out:
+                shutil.copyfileobj(f, out)
     store = ChunkStore(str(args.work / "store"), remote="")
     started = time.perf_counter()
     engine = load_engine(str(model_dir), store=store, backend=args.backend, config=UNCHECKED)
@@ -247,7 +259,8 @@ def run(args) -> dict:
     if args.package:
         write_packaged(record, pooled, by_task, args)
     shutil.rmtree(args.work, ignore_errors=True)
-    kept.unlink(missing_ok=True)  # the record holds what it was kept for
+    for path in kept.values():  # the record holds what they were kept for
+        path.unlink(missing_ok=True)
     return {
         "config": {
             "model": label,
@@ -407,8 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--checkpoint",
         action="store_true",
-        help="only keep the journal of a run stopped midway in --out's records/ (compressed), so that a commit "
-        "carries it to another checkout, where the same command resumes from it on a machine with the same CPU",
+        help="only keep the journal and held-out answers of a run stopped midway in --out's records/ (compressed), "
+        "so that a commit carries them to another checkout, where the same command resumes from them on a machine "
+        "with the same CPU",
     )
     args = parser.parse_args(argv)
     name = results_name(args.model)
@@ -426,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         rejudge(PACKAGED_DIR / packaged_name(name, args.backend))
         return
     if args.checkpoint:
-        print(f"kept: {write_checkpoint(args)}")
+        print("kept:", *write_checkpoint(args))
         return
     report = run(args)
     write_results(

@@ -609,7 +609,8 @@ def test_the_vllm_engine_runs_the_guard_as_the_transformers_engine_does(vllm_eng
 
 
 def test_a_stopped_calibration_benchmark_keeps_its_journal_for_a_commit(tmp_path):
-    """``--checkpoint``: the journal of a run stopped midway, compressed under records/, whole."""
+    """``--checkpoint``: the journal of a run stopped midway, and its held-out answers once it has
+    some, compressed under records/, whole."""
     from benchmarks.calibration import main
 
     work = tmp_path / ".calibration-reader-vllm.partial"
@@ -617,7 +618,11 @@ def test_a_stopped_calibration_benchmark_keeps_its_journal_for_a_commit(tmp_path
     (work / "journal.jsonl").write_text('{"journal": "blend-calibration"}\n{"key": "a"}\n')
     main(["--model", "reader", "--backend", "vllm", "--out", str(tmp_path), "--checkpoint"])
     kept = tmp_path / "records" / "calibration-reader-vllm.journal.jsonl.gz"
-    assert gzip.decompress(kept.read_bytes()) == (work / "journal.jsonl").read_bytes()
+    answers = tmp_path / "records" / "calibration-reader-vllm.held-out.json.gz"
+    assert gzip.decompress(kept.read_bytes()) == (work / "journal.jsonl").read_bytes() and not answers.exists()
+    (work / "held-out.partial.json").write_text('{"key": "b", "rows": {}}')
+    main(["--model", "reader", "--backend", "vllm", "--out", str(tmp_path), "--checkpoint"])
+    assert gzip.decompress(answers.read_bytes()) == (work / "held-out.partial.json").read_bytes()
     (work / "journal.jsonl").unlink()
     with pytest.raises(SystemExit, match="no journal to keep"):
         main(["--model", "reader", "--backend", "vllm", "--out", str(tmp_path), "--checkpoint"])
@@ -634,6 +639,10 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
     foreign.parent.mkdir(parents=True)
     header = {"journal": "blend-calibration", "version": 1, "identity": {"cpu": "another CPU"}}
     foreign.write_bytes(gzip.compress((json.dumps(header) + "\n").encode()))
+    # and its held-out answers, under another key (another record, machine or questions): not used
+    answers = foreign.with_name(foreign.name.replace("journal.jsonl.gz", "held-out.json.gz"))
+    rows = {mode: [{"agree": True}] for mode in ("full", "default (calibrated)")}
+    answers.write_bytes(gzip.compress(json.dumps({"key": "another", "rows": {"generated": rows}}).encode()))
     done = subprocess.run(
         cmd + ["--prompts", "4", "--questions", "3", "--doc-tokens", "20", "40", "--squad-docs", "2", "3"],
         capture_output=True,
@@ -643,7 +652,7 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert not list(out.glob(".calibration-*")) and list(out.glob("records/*"))  # what it resumes from: removed
-    assert not foreign.exists() and "calibrating (" in done.stderr
+    assert not foreign.exists() and not answers.exists() and "calibrating (" in done.stderr
     (report_path,) = out.glob("calibration-*.json")
     report = json.loads(report_path.read_text())
     held = report["held_out"]
