@@ -87,11 +87,6 @@ class Speed:
 
 TOKEN_LAYERS = Speed(1.0)  # a walk's token-layers alone, no fixed costs
 
-# How far a measured time may stand from the model's prediction, either way: every setting and ratio
-# on the oracle pages fits within it (docs/results/oracle-*.md). Calibration leaves unrun a policy
-# predicted too slow to be worth running even were it measured this much sooner.
-PREDICTION_TOLERANCE = 1.15
-
 
 def full_token_layers(shape: Shape, num_layers: int) -> float:
     """Full prefill's token-layers: every token through every layer, in one pass."""

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from ..config import BlendConfig, check_ratio
-from ..cost import PREDICTION_TOLERANCE
 from ..prompt import PromptInput, TokenizedPrompt
 from ..store import ChunkStore
 from ..version import __version__
@@ -403,11 +402,9 @@ def _measure(
     first-token KL), and each setting's gives its guard the shares. A policy
     stops at the disagreement that rules the target out, and is not run at
     all once a cheaper one met the target (a single ratio only for a cheaper
-    single ratio: a record keeps the cheapest one besides its guard), one
-    as costly was measured too slow to be worth it, or the cost model
-    predicts it too slow by more than its tolerance. The choice is the one
-    measuring everything would make, where the cost model holds; ``exhaustive``
-    measures everything, for the whole curve."""
+    single ratio: a record keeps the cheapest one besides its guard) or one
+    as costly was measured too slow to be worth it. The choice is the one
+    measuring everything would make; ``exhaustive`` does, for the whole curve."""
     n, base = len(replies.fulls), tried[0]
     first = [replies.blended(0, ladder[0], j) for j in range(n)]
     hardness = [(_agree(f, g, tokens), -(_first_token_kl(f, g) or 0.0)) for f, g in zip(replies.fulls, first)]
@@ -416,9 +413,6 @@ def _measure(
     allowed = {t: max_misses(tasks.count(t), target, confidence) for t in dict.fromkeys(tasks)}
     showable = min(allowed.values()) >= 0  # else no policy can meet the target on every task
     best_single = best_any = too_slow = math.inf
-    # a policy predicted to cost this much of full prefill cannot be measured min_speedup times sooner
-    # within the cost model's tolerance: it is not run (its row is given where its replies are all there)
-    hopeless = PREDICTION_TOLERANCE / min_speedup
     rows = []
     # each setting's guard shares, in the probes' new order (from its cheapest runs: the first
     # setting's made above); none where the engine reports none, or where no policy can meet the target
@@ -443,7 +437,7 @@ def _measure(
         settings = tried[policy.settings]
         cheaper_met = best_single if policy.kind == "ratio" else best_any
         measured = all(replies.has(policy.settings, r, j) for j, r in enumerate(policy.rungs))
-        if not (exhaustive or measured) and (not showable or policy.cost >= min(cheaper_met, too_slow, hopeless)):
+        if not (exhaustive or measured) and (not showable or policy.cost >= min(cheaper_met, too_slow)):
             continue  # its row costs nothing to give when its replies are all there
         per_probe: list[tuple[float, Reply | None]] = []
         misses = dict.fromkeys(allowed, 0)
