@@ -114,8 +114,8 @@ def build_page(session: DemoSession, documents: dict[str, str]) -> gr.Blocks:
         )
 
         picked.change(lambda p, o: gr.update(value=_reordered(o, p)), [picked, order], order)
-        # a document taken out of the order box is unticked too: the ticks say which documents are asked with
-        order.input(lambda o, p: gr.update(value=[n for n in p if n in o]), [order, picked], picked)
+        # the ticks follow what the user puts in or takes out of the order box: Ask reads the ticks
+        order.input(lambda o: gr.update(value=o), order, picked)
         reverse.click(lambda o: o[::-1], order, order)
         rotate.click(lambda o: o[-1:] + o[:-1], order, order)
 
