@@ -136,6 +136,13 @@ def right(kind: str, text: str, answers: tuple[str, ...]) -> float:
     return contains(text, answers[0]) if kind == "generated" else squad_f1(text, answers)
 
 
+def held_out_key(record: CalibrationRecord, asked: list, modes: list[str]) -> str:
+    """What held-out answers are valid for: the record's policy, the questions, the modes and this
+    machine; not when the record was made (a run resumed on another day replays the same record)."""
+    policy = dataclasses.replace(record, date="", seconds=0.0).to_bytes()
+    return hashlib.sha256(policy + json.dumps([asked, modes, machine()]).encode()).hexdigest()
+
+
 def resumed(path: Path, key: str, modes) -> dict[str, dict[str, list[dict]]]:
     """The held-out answers an earlier run of the same record and questions wrote before it stopped."""
     try:
@@ -194,11 +201,9 @@ def run(args) -> dict:
     calibrated_on = {d for qs in probes.values() for q in qs for d in q.documents}
     seen = calibrated_on & {d for qs in held.values() for q in qs for d in q.documents}
     assert not seen, f"{len(seen)} held-out documents were calibrated on"
-    t0 = time.perf_counter()
     if args.record is not None:  # measured before on these probes (under RECORDS): only the held-out part runs
         record = read_record(args.record, engine, args)
         engine.keep_calibration(record)
-        calibrate_s = record.seconds
     else:
         # "questions": the application's own prompts (each kind's questions, asked as the held-out ones are);
         # "documents": probes calibrate() builds from the documents alone
@@ -214,7 +219,6 @@ def run(args) -> dict:
             plot=args.out / f"calibration-{args.tag}.png",
             journal=journal,
         )
-        calibrate_s = time.perf_counter() - t0
         (args.out / RECORDS).mkdir(parents=True, exist_ok=True)
         (args.out / RECORDS / f"calibration-{args.tag}.json").write_bytes(record.to_bytes())
 
@@ -227,13 +231,19 @@ def run(args) -> dict:
         f"fallback ({FALLBACK_RATIO})": {"recompute_ratio": FALLBACK_RATIO},
     }
     asked = [[list(q.prompt.token_ids) for q in qs] for qs in held.values()]
-    key = hashlib.sha256(record.to_bytes() + json.dumps([asked, list(modes), machine()]).encode()).hexdigest()
+    key = held_out_key(record, asked, list(modes))
     answers = args.work / "held-out.partial.json"
     rows = {name: {mode: [] for mode in modes} for name in held} | resumed(answers, key, modes)
     for name, questions in held.items():
         kind = next(k for k, names in TASKS.items() if names[1] == name)
         done = len(rows[name]["full"])
-        for q in tqdm(questions[done:], desc=f"held out, {name}: {len(modes)} modes", unit="question", initial=done):
+        for q in tqdm(
+            questions[done:],
+            desc=f"held out, {name}: {len(modes)} modes",
+            unit="question",
+            initial=done,
+            total=len(questions),
+        ):
             full = None
             for mode, options in modes.items():
                 gen = engine.generate(q.prompt, max_tokens=task.max_tokens, **options)
@@ -272,7 +282,8 @@ def run(args) -> dict:
             "probes": args.probes,
             "calibration_prompts": record.n,
             "calibration_tasks": record.tasks,
-            "calibration_seconds": round(calibrate_s, 1),
+            # the record's: a resumed run's includes what its journal's replies took to measure
+            "calibration_seconds": round(record.seconds, 1),
             "held_out_questions": sum(len(qs) for qs in held.values()),
             "held_out_tasks": {name: len(qs) for name, qs in held.items()},
             "mean_prompt_tokens": round(statistics.fmean(len(q.prompt) for qs in held.values() for q in qs)),

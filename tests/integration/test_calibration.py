@@ -678,6 +678,8 @@ def test_the_calibration_benchmark_judges_on_held_out_questions(model_dirs, tmp_
     )
     # the record is kept, and --record judges it on the held-out questions again without calibrating
     (kept,) = (out / "records").glob("calibration-*.json")
+    # the record's time: a resumed run's counts what its journal's replies took, not their replay
+    assert config["calibration_seconds"] == round(json.loads(kept.read_text())["seconds"], 1) > 0
     again = subprocess.run(
         cmd
         + ["--prompts", "4", "--questions", "3", "--doc-tokens", "20", "40", "--squad-docs", "2", "3"]
