@@ -71,6 +71,38 @@ def test_the_block_reading_is_the_engines_reuse(engine, docs):
         assert max(abs(got[t].item() - lp) for t, lp in expected.items()) < 1e-4, mode
 
 
+def test_a_steps_gradient_taken_a_reading_at_a_time_is_the_batchs(engine, docs, model_dirs):
+    """``backward_batch`` runs one reading of one prompt at a time (one reading's activations in
+    memory): its gradient is that of the batch's loss taken at once, the block reading's mean KL over
+    every reply row plus the full reading's, weighted, with replies of different lengths."""
+    from transformers import AutoModelForCausalLM
+
+    from blend_integrations.tune.distill import backward_batch
+    from blend_integrations.tune.readings import kl, reply_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs("llama"), dtype=torch.float32)
+    bos = bos_id_added(engine.tokenizer)
+    prompts = [engine.tokenize(BlendPrompt("Read.", docs[i : i + 2], QUESTION)) for i in (0, 2)]
+    replies = [[5, 9, 11], [7]]
+    with torch.no_grad():  # any log-probabilities serve as the teacher's: the model's own, shifted
+        targets = [
+            reply_logprobs(model, [full_reading(tp, r)], torch.float32).roll(1, -1) for tp, r in zip(prompts, replies)
+        ]
+    taught = list(zip(prompts, replies, targets))
+    loss = backward_batch(model, taught, bos, torch.float32, full_weight=0.5)
+    one_at_a_time = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    target = torch.cat(targets)
+    block = kl(
+        target, reply_logprobs(model, [block_reading(tp, r, bos) for tp, r in zip(prompts, replies)], torch.float32)
+    )
+    full = kl(target, reply_logprobs(model, [full_reading(tp, r) for tp, r in zip(prompts, replies)], torch.float32))
+    (block + 0.5 * full).backward()
+    assert loss == pytest.approx((block + 0.5 * full).item(), rel=1e-5) and loss > 0
+    for got, want in zip(one_at_a_time, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_tuning_lowers_the_block_readings_kl_on_held_out_text(tuned, model_dirs):
     out, printed = tuned
     record = json.loads((out / "tuning.json").read_text())
