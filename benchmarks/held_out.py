@@ -14,8 +14,10 @@ What design decisions may use: SQuAD train, ``quality.DEVELOPMENT_SEED`` (the or
 quality and codecs benchmarks) and ``calibration.CALIBRATION_SEED`` (calibration's own probes).
 """
 
+from blend_integrations.quality import squad
+
 SQUAD_SPLIT = "dev"
 SQUAD_SEED = 75
 GENERATED_SEED = 50_000
-# the seed SQuAD train's calibration probes and the prompt design draw from
-SQUAD_TRAIN_SEED = 1
+# the seed SQuAD train's calibration probes and the prompt design draw from (tuning reads none of its text)
+SQUAD_TRAIN_SEED = squad.DESIGN_SEED

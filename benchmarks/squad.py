@@ -40,7 +40,15 @@ from tqdm.auto import tqdm
 from blend_integrations.calibration import wilson_lower
 from blend_integrations.config import SELECTIONS
 from blend_integrations.engines import load_engine
-from blend_integrations.quality.squad import load_squad, retrieval_examples, squad_exact_match, squad_f1
+from blend_integrations.quality.squad import (
+    CHAT_SYSTEM,
+    COMPLETION_QUESTION,
+    COMPLETION_SYSTEM,
+    load_squad,
+    retrieval_examples,
+    squad_exact_match,
+    squad_f1,
+)
 from blend_integrations.store import ChunkStore
 
 from . import UNCHECKED, held_out, machine, scratch_dir, served_as, write_results
@@ -51,20 +59,8 @@ RATIOS = (0.05, 0.1, 0.15, 0.2, 0.3)
 # Where each selection measures: a query-aware one ranks by a reuse pass (check layer 0, as calibration
 # runs it); a deviation one needs a layer past 0 (``calibration.default_variants``).
 CHECK_LAYERS = {"deviation": [1], "query": [0], "query-tail": [0], "mixed": [1]}
-# Written before any dev question was asked, and checked with full prefill on train questions
-# (``--split train``): asked for the shortest phrase, a chat model answers with a span, as
-# SQuAD's gold answers are, not a sentence.
-SYSTEM = "Answer with the shortest phrase from the documents that answers the question: no sentence, no explanation."
-CHAT = Task("", (0, 0), SYSTEM, "f1", 16)
-# a base model without a chat template completes the answer line
-COMPLETION = Task(
-    "",
-    (0, 0),
-    "Read the documents and answer the question with a short phrase.",
-    "f1",
-    16,
-    "Question: {question}\nAnswer:",
-)
+CHAT = Task("", (0, 0), CHAT_SYSTEM, "f1", 16)
+COMPLETION = Task("", (0, 0), COMPLETION_SYSTEM, "f1", 16, COMPLETION_QUESTION)
 
 
 def squad_task(engine) -> Task:

@@ -44,6 +44,21 @@ SQUAD_FILES = {
 
 Split = Literal["train", "dev"]
 
+# How a model is asked SQuAD's questions (``benchmarks squad`` and the tuner's ``squad`` recipe): a chat
+# model with this system prompt, written before any dev question was asked and checked with full prefill
+# on train questions (asked for the shortest phrase, a chat model answers with a span, as SQuAD's gold
+# answers are, not a sentence); a base model without a chat template completes the answer line.
+CHAT_SYSTEM = (
+    "Answer with the shortest phrase from the documents that answers the question: no sentence, no explanation."
+)
+COMPLETION_SYSTEM = "Read the documents and answer the question with a short phrase."
+COMPLETION_QUESTION = "Question: {question}\nAnswer:"
+# SQuAD train's design sample: calibration's probes and ``benchmarks squad --split train`` ask the first
+# questions ``retrieval_examples`` draws with this seed. Tuning reads none of the paragraphs in the first
+# DESIGN_QUESTIONS of them (more than any of those asks), so a tuned model is judged on text it never read.
+DESIGN_SEED = 1
+DESIGN_QUESTIONS = 400
+
 
 class SquadError(ValueError):
     """A SQuAD file that is damaged or not in SQuAD v1.1's shape."""
@@ -204,3 +219,10 @@ def retrieval_examples(
         "paragraphs": len(corpus),
     }
     return examples, stats
+
+
+def design_contexts(questions: Sequence[Question]) -> set[str]:
+    """The paragraphs (their text) in the prompts of the first ``DESIGN_QUESTIONS`` questions that
+    ``retrieval_examples`` draws from ``questions`` with ``DESIGN_SEED``: the design sample's text."""
+    examples, _ = retrieval_examples(questions, DESIGN_QUESTIONS, seed=DESIGN_SEED)
+    return {document for example in examples for document in example.documents}

@@ -1,4 +1,6 @@
-"""``python -m blend_integrations.tune MODEL --documents PATH... --out DIR``: tune a model to read chunks alone."""
+"""``python -m blend_integrations.tune MODEL --documents PATH... --out DIR``: tune a model to read chunks alone.
+
+``--recipe squad`` takes no documents: it asks SQuAD train's questions about its own paragraphs."""
 
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ HELP = {
     "chunks_per_prompt": "chunks in each prompt",
     "chunk_tokens": "about how many tokens a chunk has",
     "reply_tokens": "tokens of the untuned model's reply the KL is taken on",
-    "recipe": "how questions are made from the documents: sentence (how a sentence goes on) or cloze (a missing word)",
+    "recipe": "how questions are made: from the documents, sentence (how a sentence goes on) or cloze (a missing "
+    "word); or squad: SQuAD train's questions about its own paragraphs (no --documents)",
     "full_weight": "weight of the full reading's KL beside the block reading's",
-    "prompts": "training prompts made from the documents",
+    "prompts": "training prompts",
     "held_out": "held-out prompts for the KL shown while training",
     "eval_every": "steps between held-out KL measurements",
     "checkpoint_every": "steps between checkpoints",
@@ -39,7 +42,9 @@ HELP = {
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m blend_integrations.tune", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="checkpoint directory, .gguf file or hub id of the model to tune")
-    parser.add_argument("--documents", nargs="+", required=True, metavar="PATH", help="text files or folders")
+    parser.add_argument(
+        "--documents", nargs="+", default=[], metavar="PATH", help="text files or folders (not with --recipe squad)"
+    )
     parser.add_argument("--out", required=True, help="directory of the tuned model (must not exist)")
     parser.add_argument("--questions", metavar="FILE", help="questions, one per line (default: the recipe's)")
     parser.add_argument(

@@ -28,7 +28,9 @@ import logging
 import math
 import os
 import random
+import resource
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +46,7 @@ from ..models.adapters import RECORD, merge_adapter
 from ..models.loading import cpu_has_bfloat16, dtype_name, resolve_device, resolve_model_dir
 from ..prompt import TokenizedPrompt, bos_id_added
 from ..store import model_fingerprint
-from .prompts import RECIPES, make_prompts, read_documents
+from .prompts import RECIPES, make_prompts, read_documents, squad_prompts
 from .readings import block_reading, full_reading, kl, reply_logprobs
 
 logger = logging.getLogger(__name__)
@@ -69,9 +71,11 @@ class TuneOptions:
     chunks_per_prompt: int = 4
     chunk_tokens: int = 128
     reply_tokens: int = 8  # the teacher's greedy reply, on which the KL is taken
-    recipe: str = "sentence"  # how questions are made from the chunks: "sentence" or "cloze" (prompts.py)
+    recipe: str = (
+        "sentence"  # how questions are made: "sentence" or "cloze" from the documents, or "squad" (prompts.py)
+    )
     full_weight: float = 1.0  # the full reading's share of the loss, beside the block reading's 1
-    prompts: int = 400  # training prompts made from the documents
+    prompts: int = 400  # training prompts
     held_out: int = 24  # held-out prompts for the KL reported while training
     eval_every: int = 25
     checkpoint_every: int = 25
@@ -123,6 +127,17 @@ class TuneResult:
     held_out_kl: list[tuple[int, float, float]] = field(default_factory=list)  # (step, block KL, full KL)
     seconds: float = 0.0
     learning_rates: list[float] = field(default_factory=list)  # the rate each step took, resumed ones included
+    step_seconds: list[float] = field(default_factory=list)  # each step's time, held-out measurements left out
+    peak_memory_gb: float = 0.0  # the most the process held (CPU: resident; CUDA: torch's allocations)
+
+    def summary(self) -> dict[str, Any]:
+        """What the run cost, for its record: each step's time (median and slowest) and the peak memory."""
+        times = sorted(self.step_seconds)
+        return {
+            "step_seconds_median": round(times[len(times) // 2], 2) if times else None,
+            "step_seconds_max": round(times[-1], 2) if times else None,
+            "peak_memory_gb": round(self.peak_memory_gb, 2),
+        }
 
 
 class TuneError(ValueError):
@@ -159,6 +174,14 @@ def _shown(value: object) -> str:
     return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """The most memory this process has held so far: torch's allocations on CUDA, the resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
+    return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
+
+
 def tune(
     model: str | os.PathLike,
     documents: Sequence[str | os.PathLike],
@@ -171,7 +194,7 @@ def tune(
     progress: bool = True,
     on_eval: Callable[[int, float, float], None] | None = None,
 ) -> TuneResult:
-    """Tune ``model`` on prompts made from ``documents`` and write the tuned
+    """Tune ``model`` on prompts made from ``documents`` (none for the ``squad`` recipe) and write the tuned
     model directory to ``out`` (see the module's docstring). ``resume``:
     continue from the checkpoint in ``out + ".partial"``, with its options;
     ``options`` given with it must equal them, but for ``steps``
@@ -208,24 +231,35 @@ def tune(
         options = TuneOptions()
     if steps is not None:
         options = dataclasses.replace(options, steps=steps)
-    texts = read_documents(documents)
+    if options.recipe == "squad" and (documents or questions):
+        raise TuneError(
+            "the squad recipe asks SQuAD train's own questions about its own paragraphs: leave out "
+            "--documents and --questions"
+        )
+    texts = read_documents(documents) if options.recipe != "squad" else []
     device = resolve_device(options.device)
     dtype = resolve_tune_dtype(options.dtype, device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     bos = bos_id_added(tokenizer)
-    prompts = make_prompts(
-        texts,
-        tokenizer,
-        BlendConfig().separator,
-        chunk_tokens=options.chunk_tokens,
-        chunks_per_prompt=options.chunks_per_prompt,
-        max_prompt_tokens=options.seq_len - options.reply_tokens,
-        count=options.prompts,
-        held_out=options.held_out,
-        seed=options.seed,
-        questions=questions,
-        recipe=options.recipe,
-    )
+    shape: dict[str, Any] = {
+        "chunks_per_prompt": options.chunks_per_prompt,
+        "max_prompt_tokens": options.seq_len - options.reply_tokens,
+        "count": options.prompts,
+        "held_out": options.held_out,
+        "seed": options.seed,
+    }
+    if options.recipe == "squad":
+        prompts = squad_prompts(tokenizer, BlendConfig().separator, **shape)
+    else:
+        prompts = make_prompts(
+            texts,
+            tokenizer,
+            BlendConfig().separator,
+            chunk_tokens=options.chunk_tokens,
+            questions=questions,
+            recipe=options.recipe,
+            **shape,
+        )
     torch.manual_seed(options.seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device)
     base.config.use_cache = False
@@ -281,12 +315,15 @@ def tune(
         # the same batches after a resume: the order is drawn from the seed and the step
         order.seed(options.seed * 1_000_003 + result.steps)
         batch = [prompts.train[order.randrange(len(prompts.train))] for _ in range(options.batch_size)]
+        step_started = time.perf_counter()
         taught = [(tp, *teacher(tp)) for tp in batch]
         optimizer.zero_grad(set_to_none=True)
         loss = backward_batch(model_, taught, bos, dtype, options.full_weight)
         result.learning_rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
+        result.step_seconds.append(time.perf_counter() - step_started)
+        result.peak_memory_gb = max(result.peak_memory_gb, peak_memory_gb(device))
         result.steps += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", held_out_kl=f"{result.held_out_kl[-1][1]:.4f}")
@@ -320,9 +357,10 @@ def backward_batch(model, taught, bos: int | None, dtype: torch.dtype, full_weig
     rows = sum(len(target) for *_, target in taught)
     loss = 0.0
     for tp, reply, target in taught:
+        target = target.to(device)
         for reading, weight in ((block_reading(tp, reply, bos), 1.0), (full_reading(tp, reply), full_weight)):
             if weight:
-                part = kl(target.to(device), reply_logprobs(model, [reading], dtype)) * (weight * len(target) / rows)
+                part = kl(target, reply_logprobs(model, [reading], dtype)) * (weight * len(target) / rows)
                 part.backward()
                 loss += part.item()
     return loss
@@ -374,6 +412,8 @@ def _save_checkpoint(model, optimizer, result: TuneResult, checkpoint: Path, bas
                 "held_out_kl": result.held_out_kl,
                 "seconds": result.seconds,
                 "learning_rates": result.learning_rates,
+                "step_seconds": result.step_seconds,
+                "peak_memory_gb": result.peak_memory_gb,
             },
             "python_rng": random.getstate(),
             "torch_rng": torch.get_rng_state(),
@@ -381,6 +421,8 @@ def _save_checkpoint(model, optimizer, result: TuneResult, checkpoint: Path, bas
         new / "state.pt",
     )
     meta = {"base_model": str(base_model), "base_fingerprint": fingerprint, "options": dataclasses.asdict(options)}
+    # how far the run is, readable while it runs: the steps, the held-out KL so far and what it costs
+    meta["progress"] = {"steps": result.steps, "held_out_kl": result.held_out_kl, **result.summary()}
     (new / "meta.json").write_text(json.dumps(meta, indent=1))
     old = checkpoint.with_name(CHECKPOINT + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -414,6 +456,7 @@ def _write_model(model, path: Path, base_dir, base_model, fingerprint, options, 
         "train_prompts": train_prompts,
         "held_out_kl": [{"step": s, "block": b, "full": f} for s, b, f in result.held_out_kl],
         "seconds": round(result.seconds, 1),
+        **result.summary(),
     }
     adapter = path / ADAPTER
     model.save_pretrained(str(adapter))

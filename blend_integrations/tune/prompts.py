@@ -17,6 +17,13 @@ words in it:
   more, not its first) and ask which word is missing, so that the reply is a
   short answer found in one chunk, as a question about a fact is.
 
+The ``squad`` recipe reads no documents of the user's: its prompts are SQuAD
+v1.1 train's human-written questions, each with the paragraphs BM25 finds for
+it, asked as ``benchmarks squad`` asks them (``quality.squad``). It reads none
+of the paragraphs of the design sample that calibration's probes and the
+benchmarks' train questions are drawn from, and its held-out prompts come from
+articles its training prompts never read.
+
 Tuning needs no right answers: the untuned model's own reply, read with full
 attention, is what the tuned model learns to give when it reads the chunks alone.
 
@@ -33,13 +40,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..chat import rag_prompt
+from ..chat import RAG_QUESTION, rag_prompt
 from ..prompt import TokenizedPrompt
+from ..quality.squad import (
+    CHAT_SYSTEM,
+    COMPLETION_QUESTION,
+    COMPLETION_SYSTEM,
+    Question,
+    design_contexts,
+    load_squad,
+    retrieval_examples,
+)
 
 SUFFIXES = (".txt", ".md", ".rst")
 MIN_CHUNK_TOKENS = 16  # shorter pieces are dropped: a chunk this short has nothing to read alone
 QUESTION_WORDS = 6
-RECIPES = ("sentence", "cloze")  # how questions are made from the chunks (module docstring)
+RECIPES = ("sentence", "cloze", "squad")  # how questions are made (module docstring)
+DOCUMENT_RECIPES = ("sentence", "cloze")  # the recipes that make questions from the user's documents
 CLOZE_WORDS = 16  # the most words of the sentence a cloze question quotes
 PUNCTUATION = ".,;:!?\"'()[]`"  # stripped from a word before it is measured or blanked
 
@@ -114,7 +131,7 @@ def recipe_question(chunk: str, rng: random.Random, recipe: str = "sentence") ->
         words = rng.choice(long)[:QUESTION_WORDS]
         return f'How does the sentence that begins "{" ".join(words)}" go on?'
     if recipe != "cloze":
-        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+        raise ValueError(f"a question about a chunk is made by {' or '.join(DOCUMENT_RECIPES)}, not {recipe!r}")
     blanks = []  # (sentence, its words without punctuation, index of its longest word)
     for words in long:
         words = words[:CLOZE_WORDS]
@@ -191,3 +208,59 @@ def _prompts(
         if len(tp) <= max_tokens:
             out.append(tp)
     return out
+
+
+def squad_prompts(
+    tokenizer,
+    separator: str,
+    *,
+    chunks_per_prompt: int,
+    max_prompt_tokens: int,
+    count: int,
+    held_out: int,
+    seed: int,
+    questions: Sequence[Question] | None = None,
+) -> PromptSet:
+    """``count`` training and ``held_out`` held-out prompts of SQuAD train's questions (``questions``:
+    another list of SQuAD questions), each with the top ``chunks_per_prompt // 2`` to
+    ``chunks_per_prompt`` paragraphs BM25 gives it, in BM25's order, asked as ``benchmarks squad`` asks
+    them. Paragraphs in the design sample's prompts (``design_contexts``) are left out; a fifth of the
+    articles, drawn by ``seed``, give the held-out prompts and no training one."""
+    train, held = squad_split(load_squad("train") if questions is None else questions, seed)
+    args = (tokenizer, separator, chunks_per_prompt, max_prompt_tokens)
+    return PromptSet(_squad(train, count, seed, *args), _squad(held, held_out, seed + 1, *args))
+
+
+def squad_split(questions: Sequence[Question], seed: int) -> tuple[list[Question], list[Question]]:
+    """The questions tuning may ask, as (training, held-out): those whose paragraph is in none of the
+    design sample's prompts (``design_contexts``), a fifth of their articles (drawn by ``seed``) held out."""
+    reserved = design_contexts(questions)
+    usable = [q for q in questions if q.paragraph.context not in reserved]
+    articles = sorted({q.paragraph.article for q in usable})
+    random.Random(seed).shuffle(articles)
+    held_articles = set(articles[: max(1, len(articles) // 5)])
+    return (
+        [q for q in usable if q.paragraph.article not in held_articles],
+        [q for q in usable if q.paragraph.article in held_articles],
+    )
+
+
+def _squad(questions, count, seed, tokenizer, separator, per_prompt, max_tokens) -> list[TokenizedPrompt]:
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    system = CHAT_SYSTEM if chat else COMPLETION_SYSTEM
+    template = RAG_QUESTION if chat else COMPLETION_QUESTION
+    # more examples than needed: a prompt over max_tokens is skipped
+    examples, _ = retrieval_examples(questions, 2 * count + 10, seed=seed, n_docs=(max(1, per_prompt // 2), per_prompt))
+    out = []
+    for example in examples:
+        tp = rag_prompt(
+            example.documents, example.question, tokenizer, separator, system=system, question_template=template
+        )
+        if len(tp) <= max_tokens:
+            out.append(tp)
+        if len(out) == count:
+            return out
+    raise DocumentsError(
+        f"could make only {len(out)} of {count} SQuAD prompts of at most {max_tokens} tokens: "
+        "use fewer chunks per prompt or a longer --seq-len"
+    )

@@ -115,6 +115,21 @@ def test_tuning_lowers_the_block_readings_kl_on_held_out_text(tuned, model_dirs)
     assert record["base_fingerprint"] == model_fingerprint(model_dirs("llama"))
     assert not out.with_name(out.name + ".partial").exists()
     assert (out / "adapter" / "adapter_config.json").is_file()  # the adapter alone, beside the merged weights
+    # what the run cost: each step's time and the process's peak memory
+    assert 0 < record["step_seconds_median"] <= record["step_seconds_max"] < record["seconds"]
+    assert record["peak_memory_gb"] > 0.1
+
+
+def test_the_squad_recipe_tunes_on_squad_trains_questions(model_dirs, documents, tmp_path):
+    llama = model_dirs("llama")
+    options = TuneOptions(**{**QUICK, "steps": 1, "prompts": 2, "held_out": 1, "eval_every": 1, "seq_len": 4096})
+    options = dataclasses.replace(options, recipe="squad", chunks_per_prompt=2)
+    with pytest.raises(TuneError, match="squad recipe asks SQuAD train's own questions .* leave out --documents"):
+        tune(llama, [documents], tmp_path / "refused", options=options)
+    result = tune(llama, [], tmp_path / "out", options=options, progress=False)
+    assert result.steps == 1 and len(result.step_seconds) == 1
+    record = json.loads((tmp_path / "out" / "tuning.json").read_text())
+    assert record["options"]["recipe"] == "squad" and record["train_prompts"] == 2
 
 
 @pytest.mark.parametrize("backend", ["transformers", "vllm"])
