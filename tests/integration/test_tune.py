@@ -200,6 +200,18 @@ def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(mod
             tune(model_dirs("llama"), [documents], out, options=options, progress=False, steps=steps)
     with pytest.raises(TuneError, match="--resume: the checkpoint in .* was made from"):
         tune(model_dirs("llama_seed1"), [documents], out, progress=False, resume=True)
+    # the teacher's replies were kept on disk, one file a prompt; damaged ones are made again, never read:
+    # bytes that are no torch file, a reply of the wrong shape, and log-probabilities that are NaN
+    kept = sorted((partial / "teacher").glob("*.pt"))
+    assert len(kept) >= options.held_out + options.batch_size
+    for i, path in enumerate(kept):
+        good = torch.load(path, weights_only=True)
+        if i % 3 == 0:
+            path.write_bytes(b"not a torch file")
+        elif i % 3 == 1:
+            torch.save({"reply": good["reply"], "logprobs": good["logprobs"][:, :-1]}, path)
+        else:
+            torch.save({"reply": good["reply"], "logprobs": torch.full_like(good["logprobs"], float("nan"))}, path)
     # resumed with the checkpoint's options alone: on from step 1, stopped again at step 2's measurement
     with pytest.raises(KeyboardInterrupt):
         tune(model_dirs("llama"), [documents], out, progress=False, resume=True, on_eval=stop)
@@ -220,6 +232,28 @@ def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(mod
     rates = whole.learning_rates
     assert len(rates) == 3 and rates[0] == options.learning_rate > rates[1] > rates[2] > 0, rates
     assert result.learning_rates == rates
+    # the same held-out KL as the run never stopped: no damaged reply of the teacher's was read
+    flat = [[value for row in run.held_out_kl for value in row] for run in (result, whole)]
+    assert flat[0] == pytest.approx(flat[1], rel=1e-4)
+
+
+def test_a_run_starts_where_only_the_teachers_replies_were_kept(model_dirs, documents, tmp_path):
+    """A run stopped before its first checkpoint leaves the teacher's replies alone: not a tuning to resume
+    (a new run starts and reads them back), and a run with another model never reads them."""
+    out = tmp_path / "out"
+    options = TuneOptions(**(QUICK | {"steps": 2, "eval_every": 1, "checkpoint_every": 2}))
+    with pytest.raises(KeyboardInterrupt):  # at step 1's measurement, before the checkpoint at step 2
+        tune(model_dirs("llama"), [documents], out, options=options, progress=False, on_eval=stop)
+    partial = out.with_name("out.partial")
+    assert os.listdir(partial) == ["teacher"]
+    made = {p.name: p.stat().st_mtime_ns for p in (partial / "teacher").glob("*.pt")}
+    other = tune(model_dirs("llama_seed1"), [documents], out, options=options, progress=False)
+    assert other.steps == 2 and not partial.exists()
+    assert other.held_out_kl[0][2] < 1e-4  # untuned, its full reading is its own teacher's, not the other model's
+    with pytest.raises(KeyboardInterrupt):
+        tune(model_dirs("llama"), [documents], tmp_path / "again", options=options, progress=False, on_eval=stop)
+    again = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "again.partial" / "teacher").glob("*.pt")}
+    assert set(again) == set(made)  # the same model's replies, named alike; another model's were others
 
 
 def test_resume_refuses_other_options_than_the_checkpoints_and_says_which_it_keeps(model_dirs, documents, tmp_path):
