@@ -73,9 +73,7 @@ class TuneOptions:
     chunks_per_prompt: int = 4
     chunk_tokens: int = 128
     reply_tokens: int = 8  # the teacher's greedy reply, on which the KL is taken
-    recipe: str = (
-        "sentence"  # how questions are made: "sentence" or "cloze" from the documents, or "squad" (prompts.py)
-    )
+    recipe: str = "sentence"  # "sentence" or "cloze" from the documents, or "squad" (prompts.py)
     full_weight: float = 1.0  # the full reading's share of the loss, beside the block reading's 1
     prompts: int = 400  # training prompts
     held_out: int = 24  # held-out prompts for the KL reported while training
