@@ -1,10 +1,9 @@
 """``python -m benchmarks [ttft|store|vllm|vllm-ttft|quality|codecs|squad|oracle|probes|fuzz|drift|calibration|profile|hma|live-check|check-walk|tuning|readme|newcomer] [options]``;
 no part runs them all but squad, oracle, probes, vllm-ttft, live-check, check-walk, tuning, readme and newcomer, which run only when named."""
 
-import os
 import sys
 
-from blend_integrations.engines.vllm_host import tcmalloc_preload
+from blend_integrations.engines.vllm_host import restart_on_tcmalloc
 
 from . import (
     calibration,
@@ -56,9 +55,7 @@ def main() -> None:  # vLLM starts processes: keep the entry under the __main__ 
     # Every engine is timed on the malloc the vLLM engine gives its own
     # processes (glibc's page faults cost full prefill 6-11%): this process,
     # where the transformers engine runs, starts again with it preloaded.
-    preload = tcmalloc_preload()
-    if preload is not None:
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *args], {**os.environ, "LD_PRELOAD": preload})
+    restart_on_tcmalloc("benchmarks", args)
     if args and args[0] in ("-h", "--help"):
         print(f"usage: python -m benchmarks [{'|'.join(PARTS)}] [options]")
         return

@@ -8,7 +8,7 @@ import ctypes.util
 import glob
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 ALLOCATOR_ENV = "BLEND_CPU_ALLOCATOR"
 ALLOCATORS = ("tcmalloc", "system")
@@ -34,6 +34,16 @@ def tcmalloc_preload(environ: Mapping[str, str] = os.environ) -> str | None:
     if lib is None:
         return None
     return f"{lib}:{current}" if current else lib
+
+
+def restart_on_tcmalloc(module: str, args: Sequence[str]) -> None:
+    """Start ``python -m module args`` again in this process's place with
+    tcmalloc preloaded (``os.execve``), where ``tcmalloc_preload`` gives one;
+    return where it does not, and this process goes on as it is. The
+    restarted process finds tcmalloc in ``LD_PRELOAD`` and goes on."""
+    preload = tcmalloc_preload()
+    if preload is not None:
+        os.execve(sys.executable, [sys.executable, "-m", module, *args], {**os.environ, "LD_PRELOAD": preload})
 
 
 def tcmalloc_library() -> str | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..engines.vllm_host import restart_on_tcmalloc
 from .distill import TuneError, TuneOptions, option_flag, resumed_options, tune
 from .prompts import DocumentsError
 
@@ -101,4 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # On glibc's malloc a tuning's resident memory grows step by step (prompts of every length fragment
+    # its arenas); on tcmalloc it stays near the longest prompt's peak (docs/blend-ready.md).
+    restart_on_tcmalloc("blend_integrations.tune", sys.argv[1:])
     main()

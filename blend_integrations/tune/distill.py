@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ..config import BlendConfig
+from ..engines.vllm_host import process_allocator
 from ..models import check_supported
 from ..models.adapters import RECORD, merge_adapter
 from ..models.loading import cpu_has_bfloat16, dtype_name, resolve_device, resolve_model_dir
@@ -131,12 +132,14 @@ class TuneResult:
     peak_memory_gb: float = 0.0  # the most the process held (CPU: resident; CUDA: torch's allocations)
 
     def summary(self) -> dict[str, Any]:
-        """What the run cost, for its record: each step's time (median and slowest) and the peak memory."""
+        """What the run cost, for its record: each step's time (median and slowest), the peak memory and
+        the malloc it was held on (the resident memory of a long run depends on it: ``__main__``)."""
         times = sorted(self.step_seconds)
         return {
             "step_seconds_median": round(times[len(times) // 2], 2) if times else None,
             "step_seconds_max": round(times[-1], 2) if times else None,
             "peak_memory_gb": round(self.peak_memory_gb, 2),
+            "malloc": process_allocator(),
         }
 
 

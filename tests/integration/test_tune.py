@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from blend_integrations import BlendPrompt, ChunkStore, load_engine
+from blend_integrations.engines.vllm_host import tcmalloc_library
 from blend_integrations.prompt import bos_id_added
 from blend_integrations.store import model_fingerprint
 from blend_integrations.tune import DocumentsError, TuneError, TuneOptions, tune
@@ -118,6 +119,8 @@ def test_tuning_lowers_the_block_readings_kl_on_held_out_text(tuned, model_dirs)
     # what the run cost: each step's time and the process's peak memory
     assert 0 < record["step_seconds_median"] <= record["step_seconds_max"] < record["seconds"]
     assert record["peak_memory_gb"] > 0.1
+    # the command ran on tcmalloc where it is installed (a long run's memory grows on glibc's malloc)
+    assert record["malloc"] == ("tcmalloc" if tcmalloc_library() is not None else "system")
 
 
 def test_the_squad_recipe_tunes_on_squad_trains_questions(model_dirs, documents, tmp_path):
