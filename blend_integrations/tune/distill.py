@@ -23,9 +23,7 @@ exists is always complete.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import logging
 import math
 import os
 import random
@@ -46,12 +44,11 @@ from ..engines.vllm_host import process_allocator
 from ..models import check_supported
 from ..models.adapters import RECORD, merge_adapter
 from ..models.loading import cpu_has_bfloat16, dtype_name, resolve_device, resolve_model_dir
-from ..prompt import TokenizedPrompt, bos_id_added
+from ..prompt import bos_id_added
 from ..store import model_fingerprint
 from .prompts import RECIPES, make_prompts, read_documents, squad_prompts
 from .readings import block_reading, full_reading, kl, reply_logprobs
-
-logger = logging.getLogger(__name__)
+from .teacher import Teacher
 
 ADAPTER = "adapter"
 CHECKPOINT = "checkpoint"
@@ -292,7 +289,7 @@ def tune(
         for _ in range(result.steps):
             schedule.step()
 
-    teacher = _Teacher(model_, tokenizer, options.reply_tokens, work / TEACHER, fingerprint)
+    teacher = Teacher(model_, tokenizer, options.reply_tokens, work / TEACHER, fingerprint)
     held_out = [(tp, *teacher(tp)) for tp in prompts.held_out]
     order = random.Random(options.seed + 1)
     started = time.perf_counter() - result.seconds
@@ -367,69 +364,6 @@ def backward_batch(model, taught, bos: int | None, dtype: torch.dtype, full_weig
                 part.backward()
                 loss += part.item()
     return loss
-
-
-class _Teacher:
-    """The untuned model's greedy reply to each prompt, read with full attention and no adapters, and
-    its log-probabilities at each reply token: made once per prompt and kept on disk in ``folder``
-    (``reply_tokens`` x the vocabulary x 4 bytes a prompt: 4.9 MB for Qwen's vocabulary at 8, which a
-    run of hundreds of prompts could not keep in memory), so a resumed run reads them back. A file is
-    named by the base model's fingerprint, the reply's length and the prompt; one that does not read
-    back whole and in shape is made again."""
-
-    def __init__(self, model, tokenizer, tokens: int, folder: Path, fingerprint: str) -> None:
-        self.model, self.tokens, self.folder, self.fingerprint = model, tokens, folder, fingerprint
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.vocab = model.get_output_embeddings().weight.shape[0]
-
-    def __call__(self, tp: TokenizedPrompt) -> tuple[list[int], torch.Tensor]:
-        key = hashlib.sha256(json.dumps([self.fingerprint, self.tokens, list(tp.token_ids)]).encode()).hexdigest()
-        path = self.folder / f"{key}.pt"
-        if path.is_file():
-            kept = self._read(path)
-            if kept is not None:
-                return kept
-            logger.warning("the teacher's reply in %s does not read back whole: made again", path)
-        reply, logprobs = self._make(tp)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        new = path.with_suffix(".new")
-        torch.save({"reply": torch.tensor(reply), "logprobs": logprobs}, new)
-        new.replace(path)  # whole or absent: a stop mid-write leaves only the .new file
-        return reply, logprobs
-
-    def _read(self, path: Path) -> tuple[list[int], torch.Tensor] | None:
-        try:
-            kept = torch.load(path, weights_only=True)
-            reply, logprobs = kept["reply"], kept["logprobs"]
-        except Exception:  # any damage (truncated, not torch's, other keys) means: make it again
-            return None
-        rows = len(reply) if isinstance(reply, torch.Tensor) and reply.dim() == 1 else -1
-        if not (
-            isinstance(logprobs, torch.Tensor)
-            and 1 <= rows <= self.tokens
-            and logprobs.dtype == torch.float32
-            and logprobs.shape == (rows, self.vocab)
-            and not bool(torch.isnan(logprobs).any())
-        ):
-            return None
-        return reply.tolist(), logprobs
-
-    def _make(self, tp: TokenizedPrompt) -> tuple[list[int], torch.Tensor]:
-        device = next(self.model.parameters()).device
-        ids = torch.tensor([list(tp.token_ids)], device=device)
-        with torch.no_grad(), self.model.disable_adapter():
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=self.tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=self.pad,
-            )
-        reply = out.sequences[0, ids.shape[1] :].tolist()
-        logits = torch.cat(out.logits)[: len(reply)]
-        return reply, torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
 def _save_checkpoint(model, optimizer, result: TuneResult, checkpoint: Path, base_model, fingerprint, options) -> None:
