@@ -1,5 +1,6 @@
 """Engines layer: how vLLM's processes run on a CPU host: the malloc they start
-with (tcmalloc preloaded, ``$BLEND_CPU_ALLOCATOR``) and, with tensor
+with (tcmalloc preloaded, ``$BLEND_CPU_ALLOCATOR``; the benchmarks' and the
+tuner's commands restart themselves on it too) and, with tensor
 parallelism, the CPUs of each rank (``VLLM_CPU_OMP_THREADS_BIND``)."""
 
 from __future__ import annotations
