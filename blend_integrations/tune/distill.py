@@ -126,17 +126,25 @@ class TuneResult:
     seconds: float = 0.0
     learning_rates: list[float] = field(default_factory=list)  # the rate each step took, resumed ones included
     step_seconds: list[float] = field(default_factory=list)  # each step's time, held-out measurements left out
-    peak_memory_gb: float = 0.0  # the most the process held (CPU: resident; CUDA: torch's allocations)
+    # One per process the run took (a resume starts another): the step it began at, the malloc it ran
+    # on and the most memory it held (CPU: resident; CUDA: torch's allocations). Per process, since a
+    # long run's resident memory depends on its malloc (``__main__``) and a resume may change it.
+    processes: list[dict[str, Any]] = field(default_factory=list)
+
+    def start_process(self) -> None:
+        self.processes.append({"from_step": self.steps, "malloc": process_allocator(), "peak_memory_gb": 0.0})
+
+    def note_memory(self, device: torch.device) -> None:
+        self.processes[-1]["peak_memory_gb"] = round(peak_memory_gb(device), 2)
 
     def summary(self) -> dict[str, Any]:
-        """What the run cost, for its record: each step's time (median and slowest), the peak memory and
-        the malloc it was held on (the resident memory of a long run depends on it: ``__main__``)."""
+        """What the run cost, for its record: each step's time (median and slowest), and each process's
+        malloc and peak memory."""
         times = sorted(self.step_seconds)
         return {
             "step_seconds_median": round(times[len(times) // 2], 2) if times else None,
             "step_seconds_max": round(times[-1], 2) if times else None,
-            "peak_memory_gb": round(self.peak_memory_gb, 2),
-            "malloc": process_allocator(),
+            "processes": self.processes,
         }
 
 
@@ -276,7 +284,12 @@ def tune(
     if resume:
         saved = torch.load(checkpoint / "state.pt", weights_only=True)
         optimizer.load_state_dict(saved["optimizer"])
-        result = TuneResult(out, **saved["progress"])
+        done_so_far = dict(saved["progress"])
+        if "peak_memory_gb" in done_so_far:  # a checkpoint of 0.1.0 kept the whole run's peak, malloc unknown
+            done_so_far["processes"] = [
+                {"from_step": 0, "malloc": None, "peak_memory_gb": done_so_far.pop("peak_memory_gb")}
+            ]
+        result = TuneResult(out, **done_so_far)
         if result.steps > options.steps:
             raise TuneError(f"--steps {options.steps}: the checkpoint has done {result.steps} steps already")
         random.setstate(saved["python_rng"])
@@ -288,6 +301,7 @@ def tune(
         warnings.simplefilter("ignore", UserWarning)
         for _ in range(result.steps):
             schedule.step()
+    result.start_process()
 
     teacher = Teacher(model_, tokenizer, options.reply_tokens, work / TEACHER, fingerprint)
     held_out = [(tp, *teacher(tp)) for tp in prompts.held_out]
@@ -323,7 +337,7 @@ def tune(
         optimizer.step()
         schedule.step()
         result.step_seconds.append(time.perf_counter() - step_started)
-        result.peak_memory_gb = max(result.peak_memory_gb, peak_memory_gb(device))
+        result.note_memory(device)
         result.steps += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", held_out_kl=f"{result.held_out_kl[-1][1]:.4f}")
@@ -382,7 +396,7 @@ def _save_checkpoint(model, optimizer, result: TuneResult, checkpoint: Path, bas
                 "seconds": result.seconds,
                 "learning_rates": result.learning_rates,
                 "step_seconds": result.step_seconds,
-                "peak_memory_gb": result.peak_memory_gb,
+                "processes": result.processes,
             },
             "python_rng": random.getstate(),
             "torch_rng": torch.get_rng_state(),

@@ -116,11 +116,12 @@ def test_tuning_lowers_the_block_readings_kl_on_held_out_text(tuned, model_dirs)
     assert record["base_fingerprint"] == model_fingerprint(model_dirs("llama"))
     assert not out.with_name(out.name + ".partial").exists()
     assert (out / "adapter" / "adapter_config.json").is_file()  # the adapter alone, beside the merged weights
-    # what the run cost: each step's time and the process's peak memory
+    # what the run cost: each step's time, and its one process's malloc and peak memory; the command
+    # ran on tcmalloc where it is installed (a long run's memory grows on glibc's malloc)
     assert 0 < record["step_seconds_median"] <= record["step_seconds_max"] < record["seconds"]
-    assert record["peak_memory_gb"] > 0.1
-    # the command ran on tcmalloc where it is installed (a long run's memory grows on glibc's malloc)
-    assert record["malloc"] == ("tcmalloc" if tcmalloc_library() is not None else "system")
+    [process] = record["processes"]
+    assert process["from_step"] == 0 and process["peak_memory_gb"] > 0.1
+    assert process["malloc"] == ("tcmalloc" if tcmalloc_library() is not None else "system")
 
 
 def test_the_squad_recipe_tunes_on_squad_trains_questions(model_dirs, documents, tmp_path):
@@ -218,11 +219,21 @@ def test_an_interrupted_tuning_resumes_and_refuses_another_models_checkpoint(mod
     # resumed with the checkpoint's options alone: on from step 1, stopped again at step 2's measurement
     with pytest.raises(KeyboardInterrupt):
         tune(model_dirs("llama"), [documents], out, progress=False, resume=True, on_eval=stop)
+    # a checkpoint of 0.1.0 kept one peak for the whole run: read as one process whose malloc is unknown
+    state = torch.load(partial / "checkpoint" / "state.pt", weights_only=True)
+    del state["progress"]["processes"]
+    state["progress"]["peak_memory_gb"] = 1.5
+    torch.save(state, partial / "checkpoint" / "state.pt")
     # resumed with its checkpoint's options, but told to stop sooner than its 4 steps
     result = tune(model_dirs("llama"), [documents], out, progress=False, resume=True, steps=3)
     assert result.steps == 3 and (out / "tuning.json").is_file() and not partial.exists()
     record = json.loads((out / "tuning.json").read_text())
     assert [k["step"] for k in record["held_out_kl"]] == [0, 2, 3] and record["options"]["steps"] == 3
+    # each process that made the checkpointed steps, with its own malloc and peak (the resume stopped
+    # at step 2's measurement checkpointed nothing, so it is not among them)
+    first, resumed = record["processes"]
+    assert first == {"from_step": 0, "malloc": None, "peak_memory_gb": 1.5}
+    assert resumed["from_step"] == 1 and resumed["malloc"] in ("tcmalloc", "jemalloc", "system")
     # each step took the rate a run of 3 steps never stopped takes at that step: the schedule went on from
     # the checkpoint's step (a restarted one would give step 2 the first step's rate) and decays over the new total
     whole = tune(
